@@ -1,0 +1,26 @@
+"""disttrain: large-model distributed strategies for PyTorch Lightning (Trainer) and Lightning Fabric.
+
+``import disttrain`` registers every implemented ``disttrain_*`` strategy name in both Lightning registries.
+"""
+
+from disttrain import fabric, parallel, strategies
+from disttrain.names import STRATEGIES
+from disttrain.parallel.checkpoint import CheckpointError
+
+__version__ = "0.1.0"
+
+
+def register_strategies() -> list[str]:
+    """Register every name of the name table in the Trainer's and Fabric's registries (idempotent)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for module, registry in ((strategies, StrategyRegistry), (fabric, STRATEGY_REGISTRY)):
+        for cls in {getattr(module, cls_name) for _, cls_name, _, _ in STRATEGIES}:
+            cls.register_strategies(registry)
+    return [name for name, *_ in STRATEGIES]
+
+
+register_strategies()
+
+__all__ = ["CheckpointError", "STRATEGIES", "fabric", "parallel", "register_strategies", "strategies"]

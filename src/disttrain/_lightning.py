@@ -1,0 +1,104 @@
+"""Lightning-side plumbing shared by the Trainer and Fabric adapters (both subclass a ``ParallelStrategy`` with
+the same attribute names): process-group start, ranks, barrier, broadcast, registration."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+from disttrain.names import names_for
+
+DEFAULT_TIMEOUT: timedelta = default_pg_timeout
+
+
+def register_names(cls: type, registry: Any) -> None:
+    """Register ``cls`` under its rows of the name table (idempotent: importing twice is harmless)."""
+    for name, defaults, description in names_for(cls.__name__):
+        if name not in registry:
+            registry.register(name, cls, description=description, **defaults)
+
+
+class DistributedPlumbing:
+    """Mixin: what every disttrain strategy needs from torch.distributed, written once for both entry points."""
+
+    parallel_devices: Optional[list[torch.device]]
+    _process_group_backend: Optional[str]
+    _timeout: Optional[timedelta]
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None, "the strategy has no devices yet"
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    _set_world_ranks = set_world_ranks  # Fabric's name
+
+    def _init_process_group(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(self.root_device)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    register_strategies = classmethod(register_names)
+
+
+def fsdp2_mixed_precision_class(mixed_cls: type) -> type:
+    """A subclass of Lightning's (Trainer or Fabric) ``MixedPrecision`` that keeps loss scaling but drops autocast:
+    FSDP2's MixedPrecisionPolicy already runs each block in half precision and reduces gradients in fp32."""
+    from contextlib import nullcontext
+
+    class FSDP2MixedPrecision(mixed_cls):  # type: ignore[misc, valid-type]
+        def forward_context(self):  # noqa: ANN202
+            return nullcontext()
+
+    FSDP2MixedPrecision.__qualname__ = f"FSDP2MixedPrecision[{mixed_cls.__module__.split('.')[1]}]"
+    return FSDP2MixedPrecision
+
+
+def to_fsdp2_precision(plugin: Any, mixed_cls: type, fsdp2_cls: type) -> Any:
+    """Swap the AMP plugin Lightning picked for ``*-mixed`` for the FSDP2 one (sharded grad scaler for fp16)."""
+    from disttrain.parallel.precision import sharded_grad_scaler
+
+    if isinstance(plugin, mixed_cls) and not isinstance(plugin, fsdp2_cls):
+        scaler = sharded_grad_scaler(plugin.device) if plugin.precision == "16-mixed" else None
+        return fsdp2_cls(plugin.precision, plugin.device, scaler)
+    return plugin

@@ -1,0 +1,6 @@
+"""Strategies for ``lightning.Fabric``. ``import disttrain`` registers them by name (``disttrain_fsdp``...)."""
+
+from disttrain.fabric.ddp import DDPStrategy
+from disttrain.fabric.fsdp import FSDP2MixedPrecision, FSDPStrategy
+
+__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy"]

@@ -1,0 +1,156 @@
+"""``disttrain_fsdp`` / ``disttrain_fsdp_offload`` for Lightning Fabric: an adapter over FSDPEngine."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from torch import nn
+from torch.optim import Optimizer
+
+from disttrain._lightning import DEFAULT_TIMEOUT, DistributedPlumbing, fsdp2_mixed_precision_class, to_fsdp2_precision
+from disttrain.parallel.checkpoint import split_state
+from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.fsdp import FSDPOptions, set_gradient_sync
+from disttrain.parallel.options import build_options
+
+FSDP2MixedPrecision = fsdp2_mixed_precision_class(MixedPrecision)
+
+
+class _GradientSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: skip FSDP2's reduce-scatter on non-final accumulation steps."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        stack = ExitStack()
+        if enabled:
+            set_gradient_sync(module, False)
+            stack.callback(set_gradient_sync, module, True)
+        return stack
+
+
+class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
+    """FSDP2 for ``lightning.Fabric``; runs on CUDA (nccl) and on CPU (gloo).
+
+    Options as keywords, the same as the Trainer strategy (:class:`disttrain.parallel.fsdp.FSDPOptions`).
+    ``fabric.init_module(empty_init=True)`` builds on the meta device; ``fabric.setup`` shards and initialises.
+    """
+
+    strategy_name = "disttrain_fsdp"
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+        **options: Any,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision=precision)
+        self.engine = FSDPEngine(build_options(FSDPOptions, self.strategy_name, options))
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._backward_sync_control = _GradientSyncControl()
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        self._precision = to_fsdp2_precision(precision, MixedPrecision, FSDP2MixedPrecision)
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.engine.sampler_kwargs()
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._init_process_group()
+        self.engine.setup_mesh(self.world_size, self.root_device)
+
+    @property
+    def device_mesh(self) -> Any:
+        return self.engine.mesh
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self.engine.parallelize(module, self.root_device, self.precision.precision)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # setup_module placed the shards
+
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        stack = ExitStack()
+        stack.enter_context(self.engine.init_context(empty_init))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: Any, state: dict[str, Union[nn.Module, Optimizer, Any]],
+                        storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
+        path = self.broadcast(path)
+        tensors, metadata = split_state(state, _the_model(state), full=not self.engine.sharded)
+        self.engine.save(path, tensors, metadata)
+
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Restore modules, optimizers and stateful objects of ``state`` in place; returns what ``state`` did not
+        ask for."""
+        if isinstance(state, nn.Module):
+            state = {"model": state}
+        if not state:
+            raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
+        path = self.broadcast(path)
+        targets = {k: v for k, v in state.items() if isinstance(v, (nn.Module, Optimizer))}
+        metadata = self.engine.load(path, targets, _the_model(state), strict=strict)
+        for key, value in state.items():
+            if key in targets or key not in metadata:
+                continue
+            if callable(getattr(value, "load_state_dict", None)):
+                value.load_state_dict(metadata.pop(key))
+            else:
+                state[key] = metadata.pop(key)
+        return metadata
+
+    def export_full(self, module: nn.Module, path: Any, prefix: str = "") -> Path:
+        """Write the full model as one safetensors file (rank 0) that loads into the unwrapped model."""
+        return self.engine.export(getattr(module, "module", module), path, prefix=prefix)
+
+
+def _the_model(state: dict[str, Any]) -> nn.Module:
+    models = [v for v in state.values() if isinstance(v, nn.Module)]
+    if len(models) != 1:
+        raise ValueError(f"checkpoint state must hold exactly one model, found {len(models)} in keys {sorted(state)}")
+    return models[0]

@@ -1,0 +1,18 @@
+"""The one name table: every registered ``disttrain_*`` strategy, for the Trainer and for Fabric alike.
+
+A row is (name, adapter class name, default options, description). Names whose strategy is not implemented yet
+are not listed, so they are not registered.
+"""
+
+STRATEGIES: list[tuple[str, str, dict, str]] = [
+    ("disttrain_ddp", "DDPStrategy", {},
+     "DDP with optional gradient compression (fp16, bf16, PowerSGD); CPU (gloo) and GPU (nccl)"),
+    ("disttrain_fsdp", "FSDPStrategy", {},
+     "FSDP2 fully_shard, one unit per block found automatically, full shard; CPU (gloo) and GPU (nccl)"),
+    ("disttrain_fsdp_offload", "FSDPStrategy", {"cpu_offload": True},
+     "FSDP2 with parameters, gradients and optimizer state offloaded to CPU"),
+]
+
+
+def names_for(class_name: str) -> list[tuple[str, dict, str]]:
+    return [(name, defaults, doc) for name, cls, defaults, doc in STRATEGIES if cls == class_name]

@@ -1,0 +1,268 @@
+"""Checkpoints for sharded models: torch.distributed.checkpoint (DCP) folders, written atomically, plus a full
+export to one safetensors file. Used by the Trainer and Fabric adapters alike.
+
+A sharded checkpoint is a folder: DCP's ``.metadata`` and ``__<rank>_0.distcp`` shards hold every tensor
+(model and optimizer states), ``meta.pt`` holds the rest (step, loop state, user metadata).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+META_FILE = "meta.pt"
+FORMAT_KEY = "disttrain_checkpoint"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupt."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _all_ranks_ok(error: Exception | None) -> None:
+    """Raise the same error on every rank if any rank failed, instead of leaving the others in a collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"another rank failed: {first}")
+
+
+def model_state(model: nn.Module, full: bool = False) -> dict[str, Any]:
+    """Sharded (DTensor) state dict, or the full one on rank 0 (CPU) when ``full``."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False) -> dict[str, Any]:
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def split_state(state: Mapping[str, Any], model: nn.Module,
+                full: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fabric-style ``{"model": module, "optimizer": opt, "step": 3}`` -> (tensor state dicts, metadata)."""
+    tensors, metadata = {}, {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            tensors[key] = model_state(value, full)
+        elif isinstance(value, torch.optim.Optimizer):
+            tensors[key] = optimizer_state(model, value, full)
+        else:
+            metadata[key] = value.state_dict() if hasattr(value, "state_dict") and callable(value.state_dict) \
+                else value
+    return tensors, metadata
+
+
+def _replace_atomically(tmp: Path, path: Path) -> None:
+    """Rank 0 swaps a finished temporary file/folder into place; an old checkpoint is removed only afterwards."""
+    old = path.with_name(f".{path.name}.old")
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
+    """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if _rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save(tensors, checkpoint_id=tmp)
+    if _rank() == 0:
+        torch.save({**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}, tmp / META_FILE)
+        _replace_atomically(tmp, path)
+    _barrier()
+    return path
+
+
+def save_full(path: str | os.PathLike, state: dict[str, Any]) -> Path:
+    """One ``torch.save`` file written by rank 0 (state already gathered there), atomically."""
+    path = Path(path)
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save(state, tmp)
+        _replace_atomically(tmp, path)
+    _barrier()
+    return path
+
+
+def check_checkpoint(path: str | os.PathLike) -> Path:
+    """A clear error for a missing, incomplete or unreadable checkpoint path (raised on every rank)."""
+    path = Path(path)
+    error: Exception | None = None
+    if not path.exists():
+        error = FileNotFoundError(
+            f"checkpoint {str(path)!r} does not exist; pass the folder (sharded) or file (full) that"
+            " save_checkpoint wrote, e.g. one listed by `ls` under your checkpoint directory")
+    elif path.is_dir():
+        missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+        if missing:
+            error = CheckpointError(
+                f"checkpoint folder {str(path)!r} is incomplete or not a disttrain checkpoint: missing"
+                f" {', '.join(missing)} (was the save interrupted?); resume from an earlier checkpoint")
+    _all_ranks_ok(error)
+    return path
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling errors come in many types
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: cannot read {META_FILE} ({e});"
+                              " resume from an earlier checkpoint") from e
+
+
+def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
+                 strict: bool = True) -> dict[str, Any]:
+    """Load a sharded checkpoint into ``targets`` (``{key: module | optimizer}``); returns the metadata.
+
+    Works at any world size: DCP reshards on load.
+    """
+    path = check_checkpoint(path)
+    error, metadata = None, {}
+    try:
+        metadata = _read_meta(path)
+    except CheckpointError as e:
+        error = e
+    _all_ranks_ok(error)
+    stored = set(metadata.pop(FORMAT_KEY, {}).get("tensor_keys", []))
+    missing = [key for key in targets if stored and key not in stored]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no {missing} (it holds {sorted(stored)});"
+                              " pass the same state keys that were saved")
+    tensors = {key: (model_state(obj) if isinstance(obj, nn.Module) else optimizer_state(model, obj))
+               for key, obj in targets.items()}
+    try:
+        dcp.load(tensors, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
+    for key, obj in targets.items():
+        if isinstance(obj, nn.Module):
+            set_model_state_dict(obj, tensors[key], options=StateDictOptions(strict=strict))
+        else:
+            set_optimizer_state_dict(model, obj, tensors[key])
+    return metadata
+
+
+def load_full(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
+              strict: bool = True) -> dict[str, Any]:
+    """Load a single-file checkpoint (``save_distributed_checkpoint=False``) on every rank."""
+    path = check_checkpoint(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}; resume from an earlier checkpoint") from e
+    full = StateDictOptions(full_state_dict=True, strict=strict)
+    for key, obj in targets.items():
+        if isinstance(obj, nn.Module):
+            set_model_state_dict(obj, state.pop(key), options=full)
+        else:
+            set_optimizer_state_dict(model, obj, state.pop(key), options=full)
+    return state
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir()
+
+
+def export_safetensors(model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
+    """Gather the full model to rank 0 and write it as one safetensors file that loads into the unwrapped model
+    (``model.load_state_dict(safetensors.torch.load_file(path))``). Collective: call on every rank.
+
+    ``prefix`` (e.g. ``"model."``) keeps only the keys of that submodule, with the prefix removed.
+    """
+    state = model_state(model, full=True)
+    if prefix:
+        kept = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if state and not kept:
+            raise ValueError(f"prefix={prefix!r} matches no parameter; keys start like {next(iter(state))!r}")
+        state = kept
+    path = Path(path)
+    if _rank() == 0:
+        write_safetensors(state, path)
+    _barrier()
+    return path
+
+
+def write_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses tensors that share storage (tied embeddings): store each one on its own.
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        tmp = Path(f.name)
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: str | None = None) -> Path:
+    """Offline, one process: a sharded checkpoint folder -> the model's full weights in one safetensors file.
+
+    ``key`` picks the model's entry ("state_dict" for Trainer checkpoints); by default the one entry that is
+    not an optimizer state.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = check_checkpoint(checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"{str(path)!r} is a single-file checkpoint, not a sharded folder; load it with"
+                              " torch.load(weights_only=True) instead")
+    with tempfile.TemporaryDirectory() as tmpdir:
+        flat = Path(tmpdir) / "full.pt"
+        try:
+            dcp_to_torch_save(path, flat)
+            state = torch.load(flat, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
+    if key is None:
+        models = [k for k, v in state.items() if isinstance(v, Mapping) and "state" not in v]
+        if len(models) != 1:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds {sorted(state)}; pass key= to pick the model")
+        key = models[0]
+    if key not in state:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}; it holds {sorted(state)}")
+    output = Path(output)
+    write_safetensors(state[key], output)
+    return output

@@ -1,0 +1,94 @@
+"""The shared core of the FSDP strategies: everything they do, in torch terms.
+
+``disttrain.strategies.FSDPStrategy`` (Trainer) and ``disttrain.fabric.FSDPStrategy`` (Fabric) only translate
+Lightning's hooks into calls on one :class:`FSDPEngine`.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+from disttrain.parallel import checkpoint as ckpt
+from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp
+from disttrain.parallel.init import materialize
+from disttrain.parallel.mesh import ParallelDims
+
+
+class FSDPEngine:
+    """Holds the options and the data-parallel mesh; shards, checkpoints and exports a model."""
+
+    def __init__(self, options: FSDPOptions) -> None:
+        self.options = options
+        self.dims: ParallelDims | None = None
+        self.mesh: DeviceMesh | None = None
+
+    # -- processes ------------------------------------------------------------------------------------------
+    def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
+        self.dims = ParallelDims(world_size=world_size)
+        self.mesh = self.dims.build_mesh(device.type)
+        return self.mesh
+
+    def sampler_kwargs(self) -> dict[str, int]:
+        assert self.mesh is not None, "setup_mesh() first"
+        dp = self.mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    # -- model ----------------------------------------------------------------------------------------------
+    def init_context(self, empty_init: bool | None) -> AbstractContextManager:
+        """Where modules are created: the meta device (nothing allocated) when empty_init, else as usual."""
+        meta = self.options.empty_init if empty_init is None else empty_init
+        return torch.device("meta") if meta else nullcontext()
+
+    def parallelize(self, module: nn.Module, device: torch.device, precision: str,
+                    forward_methods: tuple[str, ...] = ()) -> nn.Module:
+        """Shard ``module`` in place (per block, then root) and allocate/initialise meta tensors on ``device``.
+
+        ``forward_methods`` are methods called instead of ``forward`` (a LightningModule's ``training_step``):
+        FSDP2 gathers the root's parameters around them as it does around ``forward``.
+        """
+        assert self.mesh is not None, "setup_mesh() first"
+        if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
+            raise TypeError("the model is wrapped in FSDP1 (FullyShardedDataParallel); disttrain_fsdp applies FSDP2"
+                            " itself: pass the plain model")
+        if not isinstance(module, FSDPModule):
+            apply_fsdp(module, self.mesh, self.options, precision, device)
+            for name in forward_methods:
+                if callable(getattr(module, name, None)):
+                    register_fsdp_forward_method(module, name)
+        materialize(module, device)
+        return module
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        return self.options.save_distributed_checkpoint
+
+    def save(self, path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
+        """``tensors`` come from :func:`checkpoint.model_state`/``optimizer_state`` (sharded or full per option)."""
+        if self.sharded:
+            return ckpt.save_sharded(path, tensors, metadata)
+        return ckpt.save_full(path, {**tensors, **metadata})
+
+    def load(self, path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
+             strict: bool = True) -> dict[str, Any]:
+        path = ckpt.check_checkpoint(path)
+        loader = ckpt.load_sharded if ckpt.is_sharded_checkpoint(path) else ckpt.load_full
+        return loader(path, targets, model, strict=strict)
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        return ckpt.model_state(model, full=not self.sharded)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return ckpt.optimizer_state(model, optimizer, full=not self.sharded)
+
+    @staticmethod
+    def export(model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
+        return ckpt.export_safetensors(model, path, prefix=prefix)

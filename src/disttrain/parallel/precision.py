@@ -1,0 +1,44 @@
+"""Map a Lightning-style precision string to what FSDP2 needs: a MixedPrecisionPolicy, a dtype, a grad scaler."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+
+def normalize_precision(precision: str | int | None) -> str:
+    value = _ALIASES.get(str(precision), str(precision)) if precision is not None else "32-true"
+    if value not in SUPPORTED:
+        raise ValueError(f"precision={precision!r} is not supported by disttrain's sharded strategies; choose one of"
+                         f" {', '.join(SUPPORTED)}")
+    return value
+
+
+def mixed_precision_policy(precision: str, root: bool = False) -> MixedPrecisionPolicy | None:
+    """FSDP2 casts parameters for compute and reduces gradients in fp32; the root returns fp32 outputs so that a
+    loss computed outside the model (cross-entropy in ``training_step``) is not computed in half precision."""
+    precision = normalize_precision(precision)
+    if not precision.endswith("-mixed"):
+        return None
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
+
+
+def true_dtype(precision: str) -> torch.dtype | None:
+    """The dtype the module itself is converted to for ``*-true`` precisions (None: keep fp32 weights)."""
+    return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(normalize_precision(precision))
+
+
+def needs_grad_scaler(precision: str) -> bool:
+    return normalize_precision(precision) == "16-mixed"
+
+
+def sharded_grad_scaler(device_type: str) -> torch.amp.GradScaler:
+    """Dynamic loss scaling whose inf/nan check is all-reduced across ranks, so every rank skips the same step."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device_type)

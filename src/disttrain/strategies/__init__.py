@@ -1,0 +1,6 @@
+"""Strategies for ``lightning.Trainer``. ``import disttrain`` registers them by name (``disttrain_fsdp``...)."""
+
+from disttrain.strategies.ddp import DDPStrategy
+from disttrain.strategies.fsdp import FSDP2MixedPrecision, FSDPStrategy
+
+__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy"]
