@@ -100,6 +100,12 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         return self.engine.parallelize(module, self.root_device, self.precision.precision)
 
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        module = self.engine.parallelize_with_optimizers(module, optimizers, self.root_device,
+                                                         self.precision.precision)
+        return module, optimizers, scheduler
+
     def module_to_device(self, module: nn.Module) -> None:
         pass  # setup_module placed the shards
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -171,7 +172,7 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
                for key, obj in targets.items()}
     try:
         dcp.load(tensors, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
     for key, obj in targets.items():
         if isinstance(obj, nn.Module):
@@ -237,11 +238,12 @@ def write_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
             tmp.unlink()
 
 
-def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: str | None = None) -> Path:
+def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: str | None = None,
+                prefix: str = "") -> Path:
     """Offline, one process: a sharded checkpoint folder -> the model's full weights in one safetensors file.
 
     ``key`` picks the model's entry ("state_dict" for Trainer checkpoints); by default the one entry that is
-    not an optimizer state.
+    not an optimizer state. ``prefix`` keeps only the keys under it, stripped (``"model."``).
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -254,7 +256,7 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
         try:
             dcp_to_torch_save(path, flat)
             state = torch.load(flat, map_location="cpu", weights_only=True)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
     if key is None:
         models = [k for k, v in state.items() if isinstance(v, Mapping) and "state" not in v]
@@ -263,6 +265,11 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
         key = models[0]
     if key not in state:
         raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}; it holds {sorted(state)}")
+    weights = state[key]
+    if prefix:
+        weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        if not weights:
+            raise CheckpointError(f"prefix={prefix!r} matches no key of {key!r}")
     output = Path(output)
-    write_safetensors(state[key], output)
+    write_safetensors(weights, output)
     return output

@@ -66,6 +66,24 @@ class FSDPEngine:
         materialize(module, device)
         return module
 
+    def parallelize_with_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
+                                    device: torch.device, precision: str) -> nn.Module:
+        """``parallelize``, then point optimizers created before sharding (even on meta parameters) at the new
+        sharded parameters, so users can create the optimizer before or after setup as with DDP."""
+        before = list(module.parameters())
+        self.parallelize(module, device, precision)
+        after = list(module.parameters())
+        if len(before) != len(after):  # fully_shard keeps the order and number of parameters
+            raise RuntimeError(f"sharding changed the number of parameters ({len(before)} -> {len(after)})")
+        new_param = {id(old): new for old, new in zip(before, after)}
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise RuntimeError("the optimizer already has state (it stepped before setup); create or step it"
+                                   " only after fabric.setup()")
+            for group in optimizer.param_groups:
+                group["params"] = [new_param.get(id(p), p) for p in group["params"]]
+        return module
+
     # -- checkpoints ----------------------------------------------------------------------------------------
     @property
     def sharded(self) -> bool:

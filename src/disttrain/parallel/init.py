@@ -13,36 +13,49 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
+def _own_init(module: nn.Module):
+    """The whole-model init a library gives a module, if any: HF ``initialize_weights``, timm ``init_weights``."""
+    if callable(getattr(module, "initialize_weights", None)) and hasattr(module, "config"):
+        def hf_init() -> None:
+            for sub in module.modules():  # to_empty left garbage behind the flags HF uses to skip modules
+                if hasattr(sub, "_is_hf_initialized"):
+                    del sub._is_hf_initialized
+            module.initialize_weights()
+            if callable(getattr(module, "tie_weights", None)):
+                module.tie_weights()
+        return hf_init
+    if callable(getattr(module, "init_weights", None)) and type(module).__module__.startswith("timm."):
+        return module.init_weights
+    return None
+
+
 @torch.no_grad()
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate a (sharded) meta-device module on ``device`` and initialise it with the model's own init.
 
-    HF models: ``initialize_weights`` (also recomputes rotary ``inv_freq`` buffers). timm models: ``init_weights``.
-    Anything else: ``reset_parameters`` of every module that holds tensors; modules without one are reported.
+    HF models (anywhere in the tree, e.g. inside a LightningModule): ``initialize_weights``, which also
+    recomputes rotary ``inv_freq`` buffers. timm models: ``init_weights``. Every other module that holds tensors:
+    ``reset_parameters``; modules without one are reported.
     """
     if not has_meta_tensors(module):
         return
     module.to_empty(device=device)
-    if callable(getattr(module, "initialize_weights", None)) and hasattr(module, "config"):
-        for sub in module.modules():  # to_empty left garbage behind the flags HF uses to skip modules
-            if hasattr(sub, "_is_hf_initialized"):
-                del sub._is_hf_initialized
-        module.initialize_weights()
-        if callable(getattr(module, "tie_weights", None)):
-            module.tie_weights()
-        return
-    if callable(getattr(module, "init_weights", None)):
-        module.init_weights()
-        return
-    uninitialized = set()
-    for sub in module.modules():
-        holds = any(True for _ in itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False)))
-        if not holds:
-            continue
-        if callable(getattr(sub, "reset_parameters", None)):
-            sub.reset_parameters()
-        else:
-            uninitialized.add(type(sub).__name__)
+    uninitialized: set[str] = set()
+
+    def visit(sub: nn.Module) -> None:
+        init = _own_init(sub)
+        if init is not None:
+            init()
+            return
+        if any(True for _ in itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))):
+            if callable(getattr(sub, "reset_parameters", None)):
+                sub.reset_parameters()
+            else:
+                uninitialized.add(type(sub).__name__)
+        for child in sub.children():
+            visit(child)
+
+    visit(module)
     if uninitialized:
         warnings.warn(
             f"meta-device init: {', '.join(sorted(uninitialized))} define no reset_parameters(); their tensors hold"

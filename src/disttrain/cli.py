@@ -1,0 +1,158 @@
+"""The ``disttrain`` command and the ``lightning run model`` launcher.
+
+Lightning 2.6 ships no ``lightning`` command, and ``fabric run`` freezes its ``--strategy`` choices when it is
+imported (and hides every name containing "offload"), so it rejects ``disttrain_*`` names. This launcher accepts
+every registered name and starts each process through a bootstrap that imports disttrain before the user's
+script runs, so ``Fabric()`` in the script finds the strategy that ``LT_STRATEGY`` names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
+PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "bf16-true", "16-mixed", "16", "16-true", "64-true", "64")
+
+
+def _launcher_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,
+        description="Launch a Lightning Fabric script on several processes (torchrun underneath). Options after"
+                    " SCRIPT that are not listed here are passed to the script; put the script's own options"
+                    " after `--` if their names clash with these.")
+    parser.add_argument("script", help="path to the Python script to run")
+    parser.add_argument("--accelerator", default=None, choices=("cpu", "gpu", "cuda", "mps", "auto"))
+    parser.add_argument("--strategy", default=None, help="a registered strategy name, e.g. disttrain_fsdp")
+    parser.add_argument("--devices", default="1", help="processes per node: a number, 'auto', or a list '0,1'")
+    parser.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int, default=1)
+    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0)
+    parser.add_argument("--main-address", "--main_address", dest="main_address", default="127.0.0.1")
+    parser.add_argument("--main-port", "--main_port", dest="main_port", type=int, default=29400)
+    parser.add_argument("--precision", default=None, choices=PRECISIONS)
+    return parser
+
+
+def _num_processes(accelerator: str | None, devices: str) -> int:
+    import torch
+
+    gpu = accelerator in ("gpu", "cuda") or (accelerator in (None, "auto") and torch.cuda.is_available())
+    if devices in ("auto", "-1"):
+        return torch.cuda.device_count() if gpu else 1
+    if "," in devices or devices.startswith("["):
+        return len([d for d in devices.strip("[]").split(",") if d.strip()])
+    try:
+        count = int(devices)
+    except ValueError:
+        raise SystemExit(f"--devices={devices!r} is not a number, 'auto' or a list like '0,1'") from None
+    if count < 1:
+        raise SystemExit(f"--devices={count} must be at least 1")
+    return count
+
+
+def launch(argv: list[str], prog: str = "disttrain run") -> int:
+    """Parse launcher options, set Fabric's LT_* variables and run torchrun on the bootstrap."""
+    import disttrain  # noqa: F401  (registers the names we validate against)
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    script_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
+    args, unknown = _launcher_parser(prog).parse_known_args(argv)
+    script_args = unknown + script_args
+    if not Path(args.script).is_file():
+        raise SystemExit(f"script {args.script!r} does not exist; pass the path of a Python file")
+    if args.strategy is not None and args.strategy not in STRATEGY_REGISTRY:
+        names = ", ".join(sorted(STRATEGY_REGISTRY.available_strategies()))
+        raise SystemExit(f"--strategy {args.strategy!r} is not a registered strategy; choose one of: {names}")
+    nproc = _num_processes(args.accelerator, args.devices)
+
+    os.environ["LT_CLI_USED"] = "1"
+    os.environ["LT_DEVICES"] = str(args.devices)
+    os.environ["LT_NUM_NODES"] = str(args.num_nodes)
+    for name, value in (("LT_ACCELERATOR", args.accelerator), ("LT_STRATEGY", args.strategy),
+                        ("LT_PRECISION", args.precision)):
+        if value is not None:
+            os.environ[name] = value
+    # One OpenMP thread per process unless the user chose: N processes x all cores oversubscribes the CPU.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+
+    from torch.distributed import run as torchrun
+
+    torchrun.main([
+        f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", f"--node_rank={args.node_rank}",
+        f"--master_addr={args.main_address}", f"--master_port={args.main_port}",
+        str(BOOTSTRAP), args.script, *script_args,
+    ])
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    from disttrain.parallel.checkpoint import consolidate
+
+    parser = argparse.ArgumentParser(prog="disttrain export", description="Consolidate a sharded checkpoint folder"
+                                     " into one safetensors file of the model's full weights (one process).")
+    parser.add_argument("checkpoint", help="checkpoint folder written by a disttrain strategy")
+    parser.add_argument("output", help="the .safetensors file to write")
+    parser.add_argument("--key", default=None, help="the model's entry (Trainer checkpoints: 'state_dict')")
+    parser.add_argument("--prefix", default="", help="keep only keys under this prefix and strip it, e.g. 'model.'")
+    args = parser.parse_args(argv)
+    out = consolidate(args.checkpoint, args.output, key=args.key, prefix=args.prefix)
+    print(f"wrote {out}")
+    return 0
+
+
+def _strategies(argv: list[str]) -> int:
+    from disttrain.names import STRATEGIES
+
+    width = max(len(name) for name, *_ in STRATEGIES)
+    for name, _, _, description in STRATEGIES:
+        print(f"{name:<{width}}  {description}")
+    return 0
+
+
+USAGE = """usage: disttrain COMMAND ...
+
+commands:
+  run SCRIPT [--strategy NAME --devices N --accelerator cpu|gpu --precision P --num-nodes N ...] [script args]
+                 launch a Fabric script on N processes per node (same as `lightning run model`)
+  export CHECKPOINT OUTPUT.safetensors [--key state_dict] [--prefix model.]
+                 consolidate a sharded checkpoint folder into one safetensors file
+  strategies     list the registered disttrain strategy names
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    commands = {"run": launch, "export": _export, "strategies": _strategies}
+    if command not in commands:
+        print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    from disttrain.parallel.checkpoint import CheckpointError
+
+    try:
+        return commands[command](rest)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"disttrain {command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def lightning_main(argv: list[str] | None = None) -> int:
+    """``lightning run model SCRIPT ...``: the command Lightning's docs show, provided by disttrain."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] != ["run", "model"]:
+        print("usage: lightning run model SCRIPT [--strategy NAME --devices N --accelerator cpu|gpu ...]"
+              " [script args]\n(provided by disttrain; see `disttrain --help`)", file=sys.stderr)
+        return 2
+    return launch(argv[2:], prog="lightning run model")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""Checkpoint files: atomic writes, clear errors for missing/incomplete/corrupt checkpoints, consolidation."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common import tiny_llama
+from disttrain.parallel.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    consolidate,
+    load_sharded,
+    model_state,
+    optimizer_state,
+    save_sharded,
+)
+from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.fsdp import FSDPOptions
+
+
+@pytest.fixture
+def trained():
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 96, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return model, opt
+
+
+def save(path, model, opt, step=1):
+    return save_sharded(path, {"model": model_state(model), "optimizer": optimizer_state(model, opt)},
+                        {"step": step})
+
+
+def test_roundtrip_and_atomic_overwrite(tmp_path, trained):
+    model, opt = trained
+    path = tmp_path / "ckpt"
+    save(path, model, opt, step=1)
+    save(path, model, opt, step=2)  # overwrite in place: the old folder is swapped out, never half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    fresh = tiny_llama(seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    meta = load_sharded(path, {"model": fresh, "optimizer": fresh_opt}, fresh)
+    assert meta == {"step": 2}
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint '.*nope' does not exist; pass the folder"):
+        check_checkpoint(tmp_path / "nope")
+
+
+def test_incomplete_folder(tmp_path, trained):
+    path = save(tmp_path / "ckpt", *trained)
+    (path / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete or not a disttrain checkpoint: missing \.metadata"):
+        load_sharded(path, {"model": trained[0]}, trained[0])
+
+
+def test_corrupt_metadata_file(tmp_path, trained):
+    path = save(tmp_path / "ckpt", *trained)
+    (path / "meta.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match=r"is corrupt: cannot read meta.pt"):
+        load_sharded(path, {"model": trained[0]}, trained[0])
+
+
+def test_corrupt_shard(tmp_path, trained):
+    path = save(tmp_path / "ckpt", *trained)
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 10])  # an interrupted copy
+    with pytest.raises(CheckpointError, match=r"is corrupt or does not match the model"):
+        load_sharded(path, {"model": trained[0]}, trained[0])
+
+
+def test_wrong_state_keys(tmp_path, trained):
+    path = save(tmp_path / "ckpt", *trained)
+    with pytest.raises(CheckpointError, match=r"has no \['net'\] \(it holds \['model', 'optimizer'\]\)"):
+        load_sharded(path, {"net": trained[0]}, trained[0])
+
+
+def test_engine_reports_missing_path(tmp_path, trained):
+    engine = FSDPEngine(FSDPOptions())
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        engine.load(tmp_path / "missing", {"model": trained[0]}, trained[0])
+
+
+def test_consolidate_to_safetensors(tmp_path, trained):
+    model, opt = trained
+    path = save(tmp_path / "ckpt", model, opt)
+    out = consolidate(path, tmp_path / "full.safetensors")
+    plain = tiny_llama(seed=3)
+    plain.load_state_dict(load_file(out))
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_export_command(tmp_path, trained):
+    path = save(tmp_path / "ckpt", *trained)
+    out = tmp_path / "cli.safetensors"
+    cmd = [sys.executable, "-m", "disttrain.cli", "export", str(path), str(out), "--key", "model"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    assert set(load_file(out)) == set(trained[0].state_dict())
+
+
+def test_export_command_reports_missing_checkpoint(tmp_path):
+    cmd = [sys.executable, "-m", "disttrain.cli", "export", str(tmp_path / "none"), str(tmp_path / "o.safetensors")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0 and "does not exist" in proc.stderr
+    assert not Path(tmp_path / "o.safetensors").exists()
