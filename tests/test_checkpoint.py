@@ -116,3 +116,11 @@ def test_export_command_reports_missing_checkpoint(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0 and "does not exist" in proc.stderr
     assert not Path(tmp_path / "o.safetensors").exists()
+
+
+def test_unsafe_metadata_is_refused_with_the_fix(tmp_path, trained):
+    model, opt = trained
+    path = save_sharded(tmp_path / "ckpt", {"model": model_state(model)}, {"hyper_parameters": {"root": Path("/x")}})
+    with pytest.raises(CheckpointError, match=r"safe loading refuses.*weights_only=False"):
+        load_sharded(path, {"model": model}, model)
+    assert load_sharded(path, {"model": model}, model, weights_only=False)["hyper_parameters"]["root"] == Path("/x")

@@ -97,6 +97,7 @@ def test_fabric_meta_init_never_materialises_whole_model(fabric_fsdp):
     assert result["meta_before_setup"]
     assert result["local_numel"] * WORLD == result["numel"]
     assert result["meta_init"]["norm_ones"] and result["meta_init"]["inv_freq_ok"]
+    assert result["meta_init"]["shards_distinct"]
     assert 0.015 < result["meta_init"]["q_std"] < 0.025  # HF's normal(0, 0.02) ran on the shards
     assert result["resumed_from"] == 3
     assert result["sampler"] == {"num_replicas": WORLD, "rank": 0}

@@ -140,7 +140,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
             raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
         path = self.broadcast(path)
         targets = {k: v for k, v in state.items() if isinstance(v, (nn.Module, Optimizer))}
-        metadata = self.engine.load(path, targets, _the_model(state), strict=strict)
+        metadata = self.engine.load(path, targets, _the_model(state), strict=strict, weights_only=weights_only)
         for key, value in state.items():
             if key in targets or key not in metadata:
                 continue

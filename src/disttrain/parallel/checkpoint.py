@@ -8,6 +8,7 @@ A sharded checkpoint is a folder: DCP's ``.metadata`` and ``__<rank>_0.distcp`` 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -142,16 +143,25 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
     return path
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _read_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
     try:
-        return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        refused = [line.strip() for line in str(e).splitlines() if "Unsupported global" in line]
+        if not refused:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: cannot read {META_FILE} ({e});"
+                                  " resume from an earlier checkpoint") from e
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {META_FILE} holds objects that safe loading refuses ({refused[0]});"
+            " if you trust this checkpoint, load it with weights_only=False (trainer.fit(..., weights_only=False))"
+            " or store plain types (e.g. str instead of Path) in hyperparameters") from e
     except Exception as e:  # unpickling errors come in many types
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: cannot read {META_FILE} ({e});"
                               " resume from an earlier checkpoint") from e
 
 
 def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
-                 strict: bool = True) -> dict[str, Any]:
+                 strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """Load a sharded checkpoint into ``targets`` (``{key: module | optimizer}``); returns the metadata.
 
     Works at any world size: DCP reshards on load.
@@ -159,7 +169,7 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
     path = check_checkpoint(path)
     error, metadata = None, {}
     try:
-        metadata = _read_meta(path)
+        metadata = _read_meta(path, weights_only)
     except CheckpointError as e:
         error = e
     _all_ranks_ok(error)
@@ -183,11 +193,11 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
 
 
 def load_full(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
-              strict: bool = True) -> dict[str, Any]:
+              strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """Load a single-file checkpoint (``save_distributed_checkpoint=False``) on every rank."""
     path = check_checkpoint(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as e:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}; resume from an earlier checkpoint") from e
     full = StateDictOptions(full_state_dict=True, strict=strict)

@@ -96,10 +96,12 @@ class FSDPEngine:
         return ckpt.save_full(path, {**tensors, **metadata})
 
     def load(self, path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
-             strict: bool = True) -> dict[str, Any]:
+             strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore ``targets`` (``{key: module | optimizer}``) in place; returns the rest. Non-tensor state is
+        unpickled safely (``weights_only``) unless the caller explicitly passes False."""
         path = ckpt.check_checkpoint(path)
         loader = ckpt.load_sharded if ckpt.is_sharded_checkpoint(path) else ckpt.load_full
-        return loader(path, targets, model, strict=strict)
+        return loader(path, targets, model, strict=strict, weights_only=weights_only is not False)
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         return ckpt.model_state(model, full=not self.sharded)

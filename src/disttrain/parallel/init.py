@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -27,6 +30,20 @@ def _own_init(module: nn.Module):
     if callable(getattr(module, "init_weights", None)) and type(module).__module__.startswith("timm."):
         return module.init_weights
     return None
+
+
+@contextmanager
+def _rank_distinct_rng(device: torch.device) -> Iterator[None]:
+    """DTensor random ops keep one mesh-wide RNG stream only on accelerators; on CPU every rank would draw the
+    same numbers and the shards of a weight would be copies of each other. Give each rank its own stream there
+    (restored afterwards) and silence DTensor's warning about it."""
+    if device.type != "cpu" or not dist.is_initialized():
+        yield
+        return
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        torch.manual_seed(torch.initial_seed() + 7919 * dist.get_rank())
+        yield
 
 
 @torch.no_grad()
@@ -55,7 +72,8 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         for child in sub.children():
             visit(child)
 
-    visit(module)
+    with _rank_distinct_rng(device):
+        visit(module)
     if uninitialized:
         warnings.warn(
             f"meta-device init: {', '.join(sorted(uninitialized))} define no reset_parameters(); their tensors hold"

@@ -167,7 +167,8 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         path = self.broadcast(checkpoint_path)
         targets: dict[str, Any] = {"state_dict": self.model}
         targets.update({f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)})
-        return self.engine.load(path, targets, self.model, strict=self.lightning_module.strict_loading)
+        return self.engine.load(path, targets, self.model, strict=self.lightning_module.strict_loading,
+                                weights_only=weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -1,0 +1,207 @@
+"""Step time of disttrain_fsdp against a hand-written FSDP2 loop on the same model and data, in one run.
+
+    python bench/fsdp_overhead.py                       # 2 CPU processes (gloo), fp32
+    python bench/fsdp_overhead.py --device cuda --nproc 1 --precision bf16-mixed --hidden 2048 --layers 8
+
+Prints median ms/step of: the hand-written loop (fully_shard per decoder layer + root, AdamW), disttrain_fsdp
+through Fabric, and disttrain_fsdp through the Trainer; each ratio against the hand-written loop (target
+<= 1.05); and per-rank parameter + gradient + optimizer bytes against the ideal 1/N of the unsharded total.
+The three are interleaved (two rounds) so that machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per round (after 3 warm-up steps)")
+    p.add_argument("--rounds", type=int, default=2)
+    return p.parse_args()
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    heads = max(4, args.hidden // 64)
+    config = LlamaConfig(vocab_size=4096, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
+                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                         max_position_embeddings=args.seq, use_cache=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def batches(args, n: int, device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    return [torch.randint(0, 4096, (args.batch, args.seq), generator=g).to(device) for _ in range(n)]
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def timed_loop(step_fn, data, device) -> list[float]:
+    times = []
+    for i, ids in enumerate(data):
+        _sync(device)
+        t0 = time.perf_counter()
+        step_fn(ids)
+        _sync(device)
+        if i >= 3:  # warm-up
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def hand_written(args, device, data) -> tuple[list[float], int]:
+    """What a user writes without disttrain: fully_shard each decoder layer, then the root; plain loop."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build_model(args).to(device)
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
+        if args.precision == "bf16-mixed" else {}
+    for layer in model.model.layers:
+        fully_shard(layer, **mp)
+    fully_shard(model, **mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(ids):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    times = timed_loop(step, data, device)
+    return times, 0
+
+
+def with_fabric(args, device, data) -> tuple[list[float], int]:
+    import lightning as L
+
+    import disttrain  # noqa: F401
+    from disttrain.parallel import rank_state_bytes
+
+    fabric = L.Fabric(accelerator=device.type, devices=args.nproc, strategy="disttrain_fsdp",
+                      precision=args.precision)
+    fabric.launch()  # processes exist already (torchrun): this only connects Fabric to them
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = fabric.setup(model, opt)
+    measured = {}
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        opt.step()
+        if not measured:
+            measured.update(rank_state_bytes(model, opt))  # grads still held: params + grads + optimizer
+        opt.zero_grad()
+
+    times = timed_loop(step, data, device)
+    return times, measured["total"]
+
+
+def with_trainer(args, device, data) -> tuple[list[float], int]:
+    import lightning as L
+
+    import disttrain  # noqa: F401
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = build_model(args)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Clock(L.Callback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            _sync(device)
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            _sync(device)
+            if batch_idx >= 3:
+                self.times.append(time.perf_counter() - self.t0)
+
+    clock = Clock()
+    trainer = L.Trainer(accelerator=device.type, devices=args.nproc, strategy="disttrain_fsdp",
+                        precision=args.precision, max_steps=len(data), logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+                        use_distributed_sampler=False)
+    trainer.fit(Module(), torch.utils.data.DataLoader([d.cpu() for d in data], batch_size=None))
+    return clock.times, 0
+
+
+def main() -> None:
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes
+        from torch.distributed import run as torchrun
+
+        torchrun.main([f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1", "--master_port=29512",
+                       __file__, *sys.argv[1:]])
+        return
+    device = torch.device(args.device, int(os.environ["LOCAL_RANK"])) if args.device == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    data = batches(args, args.steps + 3, device)
+    runs = {"hand-written FSDP2": hand_written, "disttrain_fsdp (Fabric)": with_fabric,
+            "disttrain_fsdp (Trainer)": with_trainer}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    state_bytes = 0
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            t, total = fn(args, device, data)
+            times[name] += t
+            state_bytes = total or state_bytes
+    from disttrain.parallel import unsharded_param_bytes
+
+    full_state = 4 * unsharded_param_bytes(build_model(args))  # fp32 params + grads + AdamW's two moments
+    per_rank = [0] * dist.get_world_size()
+    dist.all_gather_object(per_rank, state_bytes)
+    if dist.get_rank() == 0:
+        n_params = sum(p.numel() for p in build_model(args).parameters())
+        print(f"\nfsdp_overhead: {args.nproc} x {device.type}, Llama {args.layers}x{args.hidden} "
+              f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
+              f"{args.rounds} rounds x {args.steps} timed steps")
+        base = statistics.median(times["hand-written FSDP2"])
+        for name, t in times.items():
+            med = statistics.median(t)
+            print(f"  {name:<26} {med * 1e3:8.1f} ms/step   ratio {med / base:.3f}"
+                  + ("   (target <= 1.05)" if name != "hand-written FSDP2" else ""))
+        ideal = full_state / args.nproc
+        for rank, b in enumerate(per_rank):
+            print(f"  rank {rank} params+grads+optimizer {b / 2**20:8.2f} MiB   ideal 1/{args.nproc} of "
+                  f"{full_state / 2**20:.2f} MiB = {ideal / 2**20:.2f} MiB   ratio {b / ideal:.3f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

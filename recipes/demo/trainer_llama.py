@@ -1,0 +1,70 @@
+"""The README's Trainer example as a script: a small Llama trained with a disttrain strategy.
+
+    python recipes/demo/trainer_llama.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
+    torchrun --nproc_per_node 8 recipes/demo/trainer_llama.py --accelerator gpu --devices 8
+    srun python recipes/demo/trainer_llama.py --accelerator gpu --devices 8 --num-nodes 4    # SLURM
+
+Saves a sharded checkpoint and a safetensors export of the Llama's full weights under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import lightning as L
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import disttrain
+
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
+
+
+class LM(L.LightningModule):
+    def __init__(self, vocab: int = 1024) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.model = None
+
+    def configure_model(self) -> None:  # with empty_init=True this runs on the meta device
+        if self.model is None:
+            self.model = LlamaForCausalLM(LlamaConfig(
+                num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=self.vocab, use_cache=False))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--strategy", default="disttrain_fsdp", help="a name, e.g. disttrain_fsdp_offload")
+    p.add_argument("--precision", default="bf16-mixed")
+    p.add_argument("--max-steps", type=int, default=10)
+    p.add_argument("--out", default="runs/trainer_llama")
+    args = p.parse_args()
+
+    strategy = disttrain.strategies.FSDPStrategy(activation_checkpointing=True, empty_init=True) \
+        if args.strategy == "disttrain_fsdp" else args.strategy
+    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices,
+                        num_nodes=args.num_nodes, precision=args.precision, max_steps=args.max_steps,
+                        logger=False, enable_checkpointing=False, log_every_n_steps=1)
+    data = torch.utils.data.DataLoader(torch.randint(0, 1024, (256, 128)), batch_size=4)
+    trainer.fit(LM(), data)
+    trainer.save_checkpoint(f"{args.out}/ckpt")  # a sharded folder under disttrain_fsdp, written atomically
+    if hasattr(trainer.strategy, "export_full"):
+        trainer.strategy.export_full(f"{args.out}/model.safetensors", prefix="model.")  # plain HF weights
+    trainer.print(f"saved {args.out}/ckpt and {args.out}/model.safetensors")
+
+
+if __name__ == "__main__":
+    main()
