@@ -180,13 +180,12 @@ def main() -> None:
             t, total = fn(args, device, data)
             times[name] += t
             state_bytes = total or state_bytes
-    from disttrain.parallel import unsharded_param_bytes
-
-    full_state = 4 * unsharded_param_bytes(build_model(args))  # fp32 params + grads + AdamW's two moments
+    with torch.device("meta"):  # sizes only: nothing allocated
+        n_params = sum(p.numel() for p in build_model(args).parameters())
+    full_state = 4 * 4 * n_params  # fp32 params + grads + AdamW's two moments
     per_rank = [0] * dist.get_world_size()
     dist.all_gather_object(per_rank, state_bytes)
     if dist.get_rank() == 0:
-        n_params = sum(p.numel() for p in build_model(args).parameters())
         print(f"\nfsdp_overhead: {args.nproc} x {device.type}, Llama {args.layers}x{args.hidden} "
               f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
               f"{args.rounds} rounds x {args.steps} timed steps")

@@ -71,7 +71,7 @@ def validate(fabric: L.Fabric, state: dict, args: argparse.Namespace) -> float:
     model.eval()
     g = torch.Generator().manual_seed(10_000 + fabric.global_rank)
     with torch.no_grad():
-        ids = counting_batch(32, args.seq_len, args.vocab, g)
+        ids = fabric.to_device(counting_batch(32, args.seq_len, args.vocab, g))
         loss = model(input_ids=ids, labels=ids).loss
     model.train()
     return fabric.all_reduce(loss, reduce_op="mean").item()
@@ -87,7 +87,7 @@ def fit(fabric: L.Fabric, state: dict, args: argparse.Namespace) -> None:
     with progress:
         task = progress.add_task("train", total=args.steps, loss=float("nan"), rate=0.0)
         for step in range(1, args.steps + 1):
-            ids = counting_batch(args.micro_batch, args.seq_len, args.vocab, g)
+            ids = fabric.to_device(counting_batch(args.micro_batch, args.seq_len, args.vocab, g))
             loss = model(input_ids=ids, labels=ids).loss
             fabric.backward(loss)
             optimizer.step()
