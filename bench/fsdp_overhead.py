@@ -1,7 +1,7 @@
 """Step time of disttrain_fsdp against a hand-written FSDP2 loop on the same model and data, in one run.
 
     python bench/fsdp_overhead.py                       # 2 CPU processes (gloo), fp32
-    python bench/fsdp_overhead.py --device cuda --nproc 1 --precision bf16-mixed --hidden 2048 --layers 8
+    python bench/fsdp_overhead.py --device cuda --devices 1 --precision bf16-mixed --hidden 2048 --layers 8
 
 Prints median ms/step of: the hand-written loop (fully_shard per decoder layer + root, AdamW), disttrain_fsdp
 through Fabric, and disttrain_fsdp through the Trainer; each ratio against the hand-written loop (target
@@ -26,7 +26,7 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
     p.add_argument("--hidden", type=int, default=256)
@@ -99,7 +99,7 @@ def with_fabric(args, device, data) -> tuple[list[float], int]:
     import disttrain  # noqa: F401
     from disttrain.parallel import rank_state_bytes
 
-    fabric = L.Fabric(accelerator=device.type, devices=args.nproc, strategy="disttrain_fsdp",
+    fabric = L.Fabric(accelerator=device.type, devices=args.devices, strategy="disttrain_fsdp",
                       precision=args.precision)
     fabric.launch()  # processes exist already (torchrun): this only connects Fabric to them
     model = build_model(args)
@@ -149,7 +149,7 @@ def with_trainer(args, device, data) -> tuple[list[float], int]:
                 self.times.append(time.perf_counter() - self.t0)
 
     clock = Clock()
-    trainer = L.Trainer(accelerator=device.type, devices=args.nproc, strategy="disttrain_fsdp",
+    trainer = L.Trainer(accelerator=device.type, devices=args.devices, strategy="disttrain_fsdp",
                         precision=args.precision, max_steps=len(data), logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
                         use_distributed_sampler=False)
@@ -162,7 +162,7 @@ def main() -> None:
     if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes
         from torch.distributed import run as torchrun
 
-        torchrun.main([f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1", "--master_port=29512",
+        torchrun.main([f"--nproc_per_node={args.devices}", "--master_addr=127.0.0.1", "--master_port=29512",
                        __file__, *sys.argv[1:]])
         return
     device = torch.device(args.device, int(os.environ["LOCAL_RANK"])) if args.device == "cuda" \
@@ -186,7 +186,7 @@ def main() -> None:
     per_rank = [0] * dist.get_world_size()
     dist.all_gather_object(per_rank, state_bytes)
     if dist.get_rank() == 0:
-        print(f"\nfsdp_overhead: {args.nproc} x {device.type}, Llama {args.layers}x{args.hidden} "
+        print(f"\nfsdp_overhead: {args.devices} x {device.type}, Llama {args.layers}x{args.hidden} "
               f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
               f"{args.rounds} rounds x {args.steps} timed steps")
         base = statistics.median(times["hand-written FSDP2"])
@@ -194,9 +194,9 @@ def main() -> None:
             med = statistics.median(t)
             print(f"  {name:<26} {med * 1e3:8.1f} ms/step   ratio {med / base:.3f}"
                   + ("   (target <= 1.05)" if name != "hand-written FSDP2" else ""))
-        ideal = full_state / args.nproc
+        ideal = full_state / args.devices
         for rank, b in enumerate(per_rank):
-            print(f"  rank {rank} params+grads+optimizer {b / 2**20:8.2f} MiB   ideal 1/{args.nproc} of "
+            print(f"  rank {rank} params+grads+optimizer {b / 2**20:8.2f} MiB   ideal 1/{args.devices} of "
                   f"{full_state / 2**20:.2f} MiB = {ideal / 2**20:.2f} MiB   ratio {b / ideal:.3f}")
     dist.barrier()
     dist.destroy_process_group()

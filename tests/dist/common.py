@@ -1,0 +1,145 @@
+"""Shared pieces of the multi-process test scripts: a tiny Llama, its data, a LightningModule, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import lightning as L
+
+import disttrain  # noqa: F401  (registers the disttrain_* names)
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+# 12 samples = 3 global steps per epoch at 2 ranks x micro batch 2: a checkpoint at step 3 ends epoch 0.
+VOCAB, SEQ, N_SAMPLES, MICRO_BATCH = 96, 16, 12, 2
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, attn_implementation="eager", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    return TensorDataset(torch.randint(0, VOCAB, (N_SAMPLES, SEQ), generator=g))
+
+
+def loader() -> DataLoader:
+    return DataLoader(dataset(), batch_size=MICRO_BATCH, shuffle=False)
+
+
+def probe_input() -> torch.Tensor:
+    return torch.arange(SEQ).remainder(VOCAB).unsqueeze(0).repeat(2, 1)
+
+
+class LlamaModule(L.LightningModule):
+    """``step_indexed``: train on ``rank_batch(global_step)`` instead of the loader's batch. Lightning restarts a
+    plain DataLoader's epoch on resume, so only step-indexed data continues exactly after a checkpoint."""
+
+    def __init__(self, build_in_configure: bool = False, step_indexed: bool = False) -> None:
+        super().__init__()
+        self.step_indexed = step_indexed
+        self.build_in_configure = build_in_configure
+        self.model = None if build_in_configure else tiny_llama()
+        self.losses: list[float] = []
+        self.first_tokens: list[list[int]] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = tiny_llama()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        if self.step_indexed:
+            ids = rank_batch(self.global_step, self.global_rank, self.trainer.world_size)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(mean_over_ranks(loss))
+        self.first_tokens.append(ids[:, 0].tolist())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def write_result(result: dict) -> None:
+    """Rank r writes <out>.<r>.json (the test reads rank 0's, and others' where it compares ranks)."""
+    out = sys.argv[1]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+def global_batch(step: int, world_size: int, shuffle_seed: int | None = 0) -> torch.Tensor:
+    """The samples of all ranks at 0-based ``step``: what one process trains on in the reference run.
+
+    The Trainer's DistributedSampler shuffles training data with seed 0 (+ epoch); rank r takes every
+    world_size-th index, so the union of the ranks' step-k batches is order[k*G:(k+1)*G], G the global batch.
+    ``shuffle_seed=None``: sequential order (Fabric's sampler for an unshuffled loader).
+    """
+    ids = dataset().tensors[0]
+    size = MICRO_BATCH * world_size
+    per_epoch = len(ids) // size
+    epoch, k = divmod(step, per_epoch)
+    if shuffle_seed is None:
+        order = torch.arange(len(ids))
+    else:
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(shuffle_seed + epoch))
+    return ids[order[k * size:(k + 1) * size]]
+
+
+def rank_batch(step: int, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's share of ``global_batch(step)``, as the DistributedSampler would hand it out."""
+    return global_batch(step, world_size)[rank::world_size]
+
+
+def reference_losses(steps: int, world_size: int, shuffle_seed: int | None = 0, lr: float = 1e-2) -> list[float]:
+    """One process, the global batch per step: what the sharded run must equal."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        ids = global_batch(step, world_size, shuffle_seed)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def tmpdir() -> str:
+    return os.path.dirname(sys.argv[1])
+
+
+def strategy_from_spec(spec: str, entry: str):
+    """"disttrain_ddp" or "disttrain_ddp:gradient_compression=fp16,powersgd_start_iter=2" -> a strategy (name or
+    instance) for the Trainer (entry="trainer") or Fabric (entry="fabric")."""
+    import yaml
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if ":" not in spec:
+        return spec
+    name, opts = spec.split(":", 1)
+    options = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in opts.split(","))}
+    row = (StrategyRegistry if entry == "trainer" else STRATEGY_REGISTRY)[name]
+    return row["strategy"](**{**row["init_params"], **options})

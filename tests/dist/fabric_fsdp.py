@@ -1,0 +1,89 @@
+"""Fabric + a disttrain strategy on 2 CPU processes: losses, memory, save at step 3, resume into a meta-device
+model in a fresh Fabric, export. Usage: fabric_fsdp.py OUT [STRATEGY]"""
+
+import os
+import sys
+
+import lightning as L
+import torch
+
+import disttrain  # noqa: F401  (registers the strategy names)
+from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import strategy_from_spec, mean_over_ranks, probe_input, rank_batch, tiny_llama, tmpdir, write_result  # noqa: E402
+
+spec = sys.argv[2] if len(sys.argv) > 2 else "disttrain_fsdp"
+
+
+def make_fabric() -> L.Fabric:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"))
+    if not os.environ.get("LT_CLI_USED"):
+        fabric.launch()
+    return fabric
+
+
+def train(fabric, model, optimizer, steps, start=0):
+    losses = []
+    for step in range(start, steps):
+        ids = rank_batch(step, fabric.global_rank, fabric.world_size)
+        loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(mean_over_ranks(loss))
+    return losses
+
+
+fabric = make_fabric()
+model = tiny_llama()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, optimizer = fabric.setup(model, optimizer)
+ckpt = os.path.join(tmpdir(), "fabric-step3")
+
+losses = []
+for step in range(5):
+    ids = rank_batch(step, fabric.global_rank, fabric.world_size)
+    loss = model(input_ids=ids, labels=ids).loss
+    fabric.backward(loss)
+    optimizer.step()
+    if step == 0:
+        memory = rank_state_bytes(model, optimizer)  # grads still held: params + grads + optimizer state
+    optimizer.zero_grad()
+    losses.append(mean_over_ranks(loss))
+    if step == 2:
+        fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": step + 1})
+
+with torch.no_grad():
+    logits = model(input_ids=probe_input()).logits
+export = os.path.join(tmpdir(), "fabric-export.safetensors")
+fabric.strategy.export_full(model, export)
+
+# A fresh Fabric, the model built on the meta device (never materialised whole), restored from step 3.
+fabric2 = make_fabric()
+with fabric2.init_module(empty_init=True):
+    fresh = tiny_llama()
+meta_before_setup = all(p.is_meta for p in fresh.parameters())
+fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+fresh, fresh_opt = fabric2.setup(fresh, fresh_opt)
+inner = fresh.module
+sharded = hasattr(fabric2.strategy, "engine")
+meta_init = {} if not sharded else {  # the model's own init ran on the shards: norms at 1, Linear std 0.02, rotary buffers recomputed
+    "norm_ones": bool((inner.model.layers[0].input_layernorm.weight.full_tensor() == 1).all()),
+    "q_std": inner.model.layers[0].self_attn.q_proj.weight.full_tensor().std().item(),
+    # each rank's shard drawn from its own stream, not a copy of the other's
+    "shards_distinct": not torch.equal(*inner.model.layers[0].self_attn.q_proj.weight.full_tensor().chunk(2)),
+    "inv_freq_ok": bool(torch.allclose(inner.model.rotary_emb.inv_freq, tiny_llama().model.rotary_emb.inv_freq)),
+}
+state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+rest = fabric2.load(ckpt, state)
+resumed = train(fabric2, fresh, fresh_opt, 5, start=state["step"])
+
+write_result({
+    "losses": losses, "resumed_losses": resumed, "resumed_from": state["step"], "rest": sorted(rest),
+    "memory": memory, "unsharded": unsharded_param_bytes(model), "logits": logits.tolist(), "export": export,
+    "meta_before_setup": meta_before_setup, "meta_init": meta_init, "sampler": fabric.strategy.distributed_sampler_kwargs
+    if hasattr(fabric.strategy, "engine") else None,
+    "local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in fresh.parameters()),
+    "numel": sum(p.numel() for p in fresh.parameters()),
+})
