@@ -126,3 +126,9 @@ def test_trainer_empty_init_builds_on_meta(tmp_path_factory):
     assert result["local_numel"] * WORLD == result["numel"]
     assert all(math.isfinite(x) for x in result["losses"])
     assert abs(result["losses"][0] - math.log(96)) < 0.2  # a sane init predicts ~uniformly at first
+
+
+def test_fsdp_bf16_true(tmp_path_factory, reference):
+    result = _launch(tmp_path_factory, "trainer_options.py", "disttrain_fsdp", "bf16-true")[0]
+    assert result["param_dtype"] == "torch.bfloat16"  # the module itself was converted before sharding
+    assert relative_diff(result["losses"], reference) <= 5e-2

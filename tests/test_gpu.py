@@ -12,7 +12,7 @@ import torch
 from conftest import relative_diff
 
 import disttrain
-from common import LlamaModule, global_batch, loader, reference_losses, tiny_llama
+from common import LlamaModule, fabric_train, loader, reference_losses, tiny_llama
 from disttrain.parallel import rank_state_bytes
 
 DEVICE = os.environ.get("DISTTRAIN_TEST_DEVICE", "cuda")
@@ -62,14 +62,7 @@ def test_fabric_fsdp_offload_bf16(reference):
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = fabric.setup(model, optimizer)
-    losses = []
-    for step in range(5):
-        ids = fabric.to_device(global_batch(step, 1))
-        loss = model(input_ids=ids, labels=ids).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = fabric_train(fabric, model, optimizer, 5)
     assert {p.to_local().device.type for p in model.parameters()} == {"cpu"}  # offloaded between uses
     assert relative_diff(losses, reference) <= 2e-2
 

@@ -9,7 +9,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -32,6 +36,7 @@ class DistributedPlumbing:
     parallel_devices: Optional[list[torch.device]]
     _process_group_backend: Optional[str]
     _timeout: Optional[timedelta]
+    _launcher_cls: type  # the Trainer's or Fabric's _SubprocessScriptLauncher
 
     @property
     def root_device(self) -> torch.device:
@@ -62,6 +67,32 @@ class DistributedPlumbing:
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id)
+
+    def _init_common(self, engine: Any, process_group_backend: Optional[str], timeout: Optional[timedelta]) -> None:
+        """The state every engine-backed adapter keeps (called from both adapters' ``__init__``)."""
+        self.engine = engine
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.engine.sampler_kwargs()
+
+    def _configure_launcher(self) -> None:
+        """Start the other local processes ourselves unless torchrun/SLURM/the launcher already did."""
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self._launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _setup_processes_and_mesh(self) -> Any:
+        self._init_process_group()
+        return self.engine.setup_mesh(self.world_size, self.root_device)
+
+    @staticmethod
+    def _reduce_tensor(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not (dist.is_available() and dist.is_initialized()):

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import mean_over_ranks, rank_batch, tiny_llama, write_result  # noqa: E402
+from common import fabric_train, tiny_llama, write_result  # noqa: E402
 
 fabric = L.Fabric()
 if not os.environ.get("LT_CLI_USED"):
@@ -16,14 +16,7 @@ if not os.environ.get("LT_CLI_USED"):
 model = tiny_llama()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 model, optimizer = fabric.setup(model, optimizer)
-losses = []
-for step in range(2):
-    ids = rank_batch(step, fabric.global_rank, fabric.world_size)
-    loss = model(input_ids=ids, labels=ids).loss
-    fabric.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    losses.append(mean_over_ranks(loss))
+losses = fabric_train(fabric, model, optimizer, 2)
 write_result({"strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
               "world_size": fabric.world_size, "losses": losses, "precision": type(fabric.strategy.precision).__name__,
               "script_args": sys.argv[2:]})

@@ -72,6 +72,22 @@ class LlamaModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+def fabric_train(fabric, model, optimizer, steps: int, start: int = 0, on_step=None) -> list[float]:
+    """Steps ``start..steps-1`` on ``rank_batch(step)``; returns the loss averaged over ranks per step.
+    ``on_step(step)`` runs after the optimizer step, before gradients are cleared."""
+    losses = []
+    for step in range(start, steps):
+        ids = fabric.to_device(rank_batch(step, fabric.global_rank, fabric.world_size))
+        loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        optimizer.step()
+        if on_step is not None:
+            on_step(step)
+        optimizer.zero_grad()
+        losses.append(mean_over_ranks(loss))
+    return losses
+
+
 def mean_over_ranks(value: torch.Tensor) -> float:
     value = value.detach().float().clone()
     if dist.is_initialized():

@@ -11,7 +11,14 @@ import disttrain  # noqa: F401  (registers the strategy names)
 from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import strategy_from_spec, mean_over_ranks, probe_input, rank_batch, tiny_llama, tmpdir, write_result  # noqa: E402
+from common import (  # noqa: E402
+    fabric_train,
+    probe_input,
+    strategy_from_spec,
+    tiny_llama,
+    tmpdir,
+    write_result,
+)
 
 spec = sys.argv[2] if len(sys.argv) > 2 else "disttrain_fsdp"
 
@@ -23,36 +30,23 @@ def make_fabric() -> L.Fabric:
     return fabric
 
 
-def train(fabric, model, optimizer, steps, start=0):
-    losses = []
-    for step in range(start, steps):
-        ids = rank_batch(step, fabric.global_rank, fabric.world_size)
-        loss = model(input_ids=ids, labels=ids).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(mean_over_ranks(loss))
-    return losses
-
-
 fabric = make_fabric()
 model = tiny_llama()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 model, optimizer = fabric.setup(model, optimizer)
 ckpt = os.path.join(tmpdir(), "fabric-step3")
 
-losses = []
-for step in range(5):
-    ids = rank_batch(step, fabric.global_rank, fabric.world_size)
-    loss = model(input_ids=ids, labels=ids).loss
-    fabric.backward(loss)
-    optimizer.step()
+memory: dict = {}
+
+
+def after_step(step: int) -> None:
     if step == 0:
-        memory = rank_state_bytes(model, optimizer)  # grads still held: params + grads + optimizer state
-    optimizer.zero_grad()
-    losses.append(mean_over_ranks(loss))
+        memory.update(rank_state_bytes(model, optimizer))  # grads still held: params + grads + optimizer state
     if step == 2:
         fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": step + 1})
+
+
+losses = fabric_train(fabric, model, optimizer, 5, on_step=after_step)
 
 with torch.no_grad():
     logits = model(input_ids=probe_input()).logits
@@ -77,7 +71,7 @@ meta_init = {} if not sharded else {  # the model's own init ran on the shards: 
 }
 state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
 rest = fabric2.load(ckpt, state)
-resumed = train(fabric2, fresh, fresh_opt, 5, start=state["step"])
+resumed = fabric_train(fabric2, fresh, fresh_opt, 5, start=state["step"])
 
 write_result({
     "losses": losses, "resumed_losses": resumed, "resumed_from": state["step"], "rest": sorted(rest),

@@ -12,7 +12,6 @@ from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from torch import nn
 from torch.optim import Optimizer
 
@@ -44,6 +43,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     """
 
     strategy_name = "disttrain_fsdp"
+    _launcher_cls = _SubprocessScriptLauncher
 
     def __init__(
         self,
@@ -57,9 +57,8 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
-        self.engine = FSDPEngine(build_options(FSDPOptions, self.strategy_name, options))
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._init_common(FSDPEngine(build_options(FSDPOptions, self.strategy_name, options)),
+                          process_group_backend, timeout)
         self._num_nodes = 1
         self._backward_sync_control = _GradientSyncControl()
 
@@ -79,19 +78,9 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.engine.sampler_kwargs()
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._init_process_group()
-        self.engine.setup_mesh(self.world_size, self.root_device)
+        self._setup_processes_and_mesh()
 
     @property
     def device_mesh(self) -> Any:
@@ -116,9 +105,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         return stack
 
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce_tensor(tensor, group, reduce_op)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, path: Any, state: dict[str, Union[nn.Module, Optimizer, Any]],

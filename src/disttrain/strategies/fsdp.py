@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -39,6 +38,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     """
 
     strategy_name = "disttrain_fsdp"
+    _launcher_cls = _SubprocessScriptLauncher
 
     def __init__(
         self,
@@ -52,9 +52,8 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        self.engine = FSDPEngine(build_options(FSDPOptions, self.strategy_name, options))
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._init_common(FSDPEngine(build_options(FSDPOptions, self.strategy_name, options)),
+                          process_group_backend, timeout)
         self.num_nodes = 1
 
     # Lightning picks an autocast plugin for "*-mixed"; FSDP2 casts by itself.
@@ -78,19 +77,9 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.engine.sampler_kwargs()
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._init_process_group()
-        mesh = self.engine.setup_mesh(self.world_size, self.root_device)
+        mesh = self._setup_processes_and_mesh()
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = mesh  # available in configure_model as self.device_mesh
 
@@ -126,9 +115,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
             set_gradient_sync(self.model, True)
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce_tensor(tensor, group, reduce_op)
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
