@@ -11,7 +11,7 @@ import torch
 from conftest import relative_diff, run_dist
 from safetensors.torch import load_file
 
-from common import probe_input, reference_losses, tiny_llama
+from common import probe_input, reference_losses, tiny_llama, validation_loss
 
 pytestmark = pytest.mark.timeout(900)
 WORLD = 2
@@ -29,6 +29,11 @@ def _launch(tmp_path_factory, script, *args):
 @pytest.fixture(scope="module")
 def trainer_fsdp(tmp_path_factory):
     return _launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_fsdp")
+
+
+@pytest.fixture(scope="module")
+def trainer_fsdp_full_file(tmp_path_factory):
+    return _launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_fsdp:save_distributed_checkpoint=false")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,7 @@ def test_losses_match_single_process(run, request, reference):
     assert relative_diff(result["losses"], reference) <= 1e-5, (result["losses"], reference)
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", [*RUNS, "trainer_fsdp_full_file"])
 def test_resume_from_step_3_continues_identically(run, request):
     result = request.getfixturevalue(run)[0]
     assert result["resumed_losses"] == pytest.approx(result["losses"][3:], rel=1e-6, abs=0)
@@ -74,6 +79,18 @@ def test_fsdp_rank_memory_is_half_of_unsharded(run, request):
 def test_ddp_rank_memory_is_whole_model(trainer_ddp):
     memory = trainer_ddp[0]["memory"]
     assert memory["total"] == 4 * trainer_ddp[0]["unsharded"]
+
+
+@pytest.mark.parametrize("run", ["trainer_fsdp", "trainer_ddp"])
+def test_trainer_validate_equals_plain_model_on_export(run, request):
+    result = request.getfixturevalue(run)[0]
+    plain = tiny_llama(seed=99)
+    plain.load_state_dict(load_file(result["export"]))
+    assert result["val_loss"] == pytest.approx(validation_loss(plain, WORLD), rel=1e-5)
+
+
+def test_full_file_checkpoint_mode(trainer_fsdp_full_file):
+    assert trainer_fsdp_full_file[0]["checkpoint_files"] == []  # a single file, not a folder
 
 
 def test_sharded_checkpoint_is_a_dcp_folder(trainer_fsdp):

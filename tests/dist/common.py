@@ -36,6 +36,18 @@ def loader() -> DataLoader:
     return DataLoader(dataset(), batch_size=MICRO_BATCH, shuffle=False)
 
 
+def validation_loss(model, world_size: int) -> float:
+    """What ``Trainer.validate`` logs as val_loss on ``world_size`` ranks (unshuffled DistributedSampler, micro
+    batch 2, per-rank mean of batch losses, then the mean over ranks), computed in one process."""
+    ids = dataset().tensors[0]
+    losses = []
+    with torch.no_grad():
+        for rank in range(world_size):
+            mine = ids[rank::world_size]
+            losses += [model(input_ids=b, labels=b).loss.item() for b in mine.split(MICRO_BATCH)]
+    return sum(losses) / len(losses)
+
+
 def probe_input() -> torch.Tensor:
     return torch.arange(SEQ).remainder(VOCAB).unsqueeze(0).repeat(2, 1)
 
@@ -67,6 +79,10 @@ class LlamaModule(L.LightningModule):
         self.losses.append(mean_over_ranks(loss))
         self.first_tokens.append(ids[:, 0].tolist())
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        self.log("val_loss", self.model(input_ids=ids, labels=ids).loss, sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)

@@ -44,9 +44,10 @@ export = os.path.join(tmpdir(), "export.safetensors")
 t.strategy.export_full(export, prefix="model.")
 with torch.no_grad():
     logits = full(probe_input())
+val_loss = t.validate(full, loader(), verbose=False)[0]["val_loss"]
 
 write_result({
     "losses": full.losses, "tokens": full.first_tokens, "resumed_tokens": resumed.first_tokens, "resumed_losses": resumed.losses, "memory": full.memory,
     "unsharded": full.unsharded, "logits": logits.tolist(), "export": export,
-    "global_step": t2.global_step, "checkpoint_files": sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [],
+    "global_step": t2.global_step, "val_loss": val_loss, "checkpoint_files": sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [],
 })
