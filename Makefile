@@ -28,6 +28,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/fsdp_overhead.py
+	$(PY) bench/zero3_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

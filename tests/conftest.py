@@ -41,6 +41,46 @@ def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: in
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(nproc)]
 
 
+# Runs shared by several test modules: each launches 2 processes once per session (reused across modules).
+def launch(tmp_path_factory, script: str, *args: str) -> list[dict]:
+    return run_dist(script, tmp_path_factory.mktemp(script.split(".")[0]), *args, nproc=2)
+
+
+@pytest.fixture(scope="session")
+def trainer_fsdp(tmp_path_factory):
+    return launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_fsdp")
+
+
+@pytest.fixture(scope="session")
+def trainer_fsdp_full_file(tmp_path_factory):
+    return launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_fsdp:save_distributed_checkpoint=false")
+
+
+@pytest.fixture(scope="session")
+def fabric_fsdp(tmp_path_factory):
+    return launch(tmp_path_factory, "fabric_fsdp.py", "disttrain_fsdp")
+
+
+@pytest.fixture(scope="session")
+def trainer_ddp(tmp_path_factory):
+    return launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_ddp")
+
+
+@pytest.fixture(scope="session")
+def fabric_ddp(tmp_path_factory):
+    return launch(tmp_path_factory, "fabric_fsdp.py", "disttrain_ddp")
+
+
+@pytest.fixture(scope="session")
+def trainer_zero3(tmp_path_factory):
+    return launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_zero3")
+
+
+@pytest.fixture(scope="session")
+def fabric_zero3(tmp_path_factory):
+    return launch(tmp_path_factory, "fabric_fsdp.py", "disttrain_zero3")
+
+
 def relative_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

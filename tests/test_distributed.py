@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import relative_diff, run_dist
+from conftest import launch, relative_diff
 from safetensors.torch import load_file
 
 from common import probe_input, reference_losses, tiny_llama, validation_loss
@@ -22,36 +22,7 @@ def reference() -> list[float]:
     return reference_losses(5, WORLD)
 
 
-def _launch(tmp_path_factory, script, *args):
-    return run_dist(script, tmp_path_factory.mktemp(script.split(".")[0]), *args, nproc=WORLD)
-
-
-@pytest.fixture(scope="module")
-def trainer_fsdp(tmp_path_factory):
-    return _launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_fsdp")
-
-
-@pytest.fixture(scope="module")
-def trainer_fsdp_full_file(tmp_path_factory):
-    return _launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_fsdp:save_distributed_checkpoint=false")
-
-
-@pytest.fixture(scope="module")
-def fabric_fsdp(tmp_path_factory):
-    return _launch(tmp_path_factory, "fabric_fsdp.py", "disttrain_fsdp")
-
-
-@pytest.fixture(scope="module")
-def trainer_ddp(tmp_path_factory):
-    return _launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_ddp")
-
-
-@pytest.fixture(scope="module")
-def fabric_ddp(tmp_path_factory):
-    return _launch(tmp_path_factory, "fabric_fsdp.py", "disttrain_ddp")
-
-
-RUNS = ["trainer_fsdp", "fabric_fsdp", "trainer_ddp", "fabric_ddp"]
+RUNS = ["trainer_fsdp", "fabric_fsdp", "trainer_ddp", "fabric_ddp", "trainer_zero3", "fabric_zero3"]
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -81,7 +52,7 @@ def test_ddp_rank_memory_is_whole_model(trainer_ddp):
     assert memory["total"] == 4 * trainer_ddp[0]["unsharded"]
 
 
-@pytest.mark.parametrize("run", ["trainer_fsdp", "trainer_ddp"])
+@pytest.mark.parametrize("run", ["trainer_fsdp", "trainer_ddp", "trainer_zero3"])
 def test_trainer_validate_equals_plain_model_on_export(run, request):
     result = request.getfixturevalue(run)[0]
     plain = tiny_llama(seed=99)
@@ -123,14 +94,14 @@ def test_fabric_meta_init_never_materialises_whole_model(fabric_fsdp):
 @pytest.mark.parametrize("compression,tolerance", [("fp16", 1e-3), ("bf16", 1e-2), ("powersgd", 5e-2)])
 def test_ddp_gradient_compression(tmp_path_factory, reference, compression, tolerance):
     spec = f"disttrain_ddp:gradient_compression={compression},powersgd_start_iter=2"
-    result = _launch(tmp_path_factory, "fabric_fsdp.py", spec)[0]
+    result = launch(tmp_path_factory, "fabric_fsdp.py", spec)[0]
     diff = relative_diff(result["losses"], reference)
     assert 0 < diff <= tolerance, diff  # the hook ran (not bit-identical) and stayed close
 
 
 def test_fsdp_offload_checkpointing_bf16(tmp_path_factory, reference):
     spec = "disttrain_fsdp_offload:activation_checkpointing=true,reshard_after_forward=false"
-    result = _launch(tmp_path_factory, "trainer_options.py", spec, "bf16-mixed")[0]
+    result = launch(tmp_path_factory, "trainer_options.py", spec, "bf16-mixed")[0]
     assert result["wrapped_blocks"] == 2 and result["use_cache"] is False
     assert result["precision_plugin"] == "FSDP2MixedPrecision"
     assert result["param_dtype"] == "torch.float32"  # fp32 master weights; bf16 only for compute
@@ -138,7 +109,7 @@ def test_fsdp_offload_checkpointing_bf16(tmp_path_factory, reference):
 
 
 def test_trainer_empty_init_builds_on_meta(tmp_path_factory):
-    result = _launch(tmp_path_factory, "trainer_options.py", "disttrain_fsdp:empty_init=true", "32-true")[0]
+    result = launch(tmp_path_factory, "trainer_options.py", "disttrain_fsdp:empty_init=true", "32-true")[0]
     assert result["built_on_meta"]
     assert result["local_numel"] * WORLD == result["numel"]
     assert all(math.isfinite(x) for x in result["losses"])
@@ -146,6 +117,6 @@ def test_trainer_empty_init_builds_on_meta(tmp_path_factory):
 
 
 def test_fsdp_bf16_true(tmp_path_factory, reference):
-    result = _launch(tmp_path_factory, "trainer_options.py", "disttrain_fsdp", "bf16-true")[0]
+    result = launch(tmp_path_factory, "trainer_options.py", "disttrain_fsdp", "bf16-true")[0]
     assert result["param_dtype"] == "torch.bfloat16"  # the module itself was converted before sharding
     assert relative_diff(result["losses"], reference) <= 5e-2

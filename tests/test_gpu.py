@@ -83,3 +83,23 @@ def test_fabric_meta_init_on_device():
 def test_trainer_ddp_fp16_compression(reference):
     module, _ = fit(disttrain.strategies.DDPStrategy(gradient_compression="fp16"))
     assert relative_diff(module.losses, reference) <= 1e-2
+
+
+@pytest.fixture
+def zero3():
+    pytest.importorskip("deepspeed")
+
+
+def test_trainer_zero3_bf16(zero3, reference):
+    module, trainer = fit(disttrain.strategies.ZeroStrategy(), "bf16-mixed")
+    assert trainer.strategy.config["bf16"]["enabled"]
+    assert relative_diff(module.losses, reference) <= 2e-2
+
+
+def test_trainer_zero3_offload_uses_cpu_adam_on_gpu(zero3, reference, tmp_path):
+    if DEVICE != "cuda":
+        pytest.skip("DeepSpeedCPUAdam is the default only on GPU")
+    module, trainer = fit(disttrain.strategies.ZeroStrategy(offload_optimizer="cpu", offload_parameters="cpu",
+                                                            extensions_dir=str(tmp_path / "ext")))
+    assert type(trainer.strategy.deepspeed_engine.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert relative_diff(module.losses, reference) <= 1e-3

@@ -133,3 +133,51 @@ def to_fsdp2_precision(plugin: Any, mixed_cls: type, fsdp2_cls: type) -> Any:
         scaler = sharded_grad_scaler(plugin.device) if plugin.precision == "16-mixed" else None
         return fsdp2_cls(plugin.precision, plugin.device, scaler)
     return plugin
+
+
+class ZeroPlumbing:
+    """What the Trainer and Fabric ZeRO-3 adapters (subclasses of Lightning's DeepSpeed strategies) add, written
+    once: CPU support, our config, the CPU-Adam swap, atomic checkpoints, full export."""
+
+    zero_options: Any
+
+    @property
+    def root_device(self) -> torch.device:
+        # DeepSpeed reads the device index as its device rank (None on CPU would crash `device_rank >= 0`);
+        # a CPU device with the local rank as index places tensors on the CPU all the same.
+        device = super().root_device  # type: ignore[misc]
+        return torch.device("cpu", self.local_rank) if device.type == "cpu" else device
+
+    def _build_zero_config(self, precision: str, micro_batch_size: int, accumulation: int,
+                           gradient_clipping: Optional[float]) -> dict:
+        from disttrain.parallel.zero import zero3_config
+
+        self._allow_fp16_on_cpu(precision)
+        return zero3_config(self.zero_options, precision=precision, micro_batch_size=micro_batch_size,
+                            accumulation=accumulation, world_size=self.world_size,
+                            gradient_clipping=gradient_clipping, device_type=self.root_device.type)
+
+    def _allow_fp16_on_cpu(self, precision: str) -> None:
+        """DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has native fp16 kernels (AVX512-FP16/AMX).
+        torch computes fp16 on any CPU, slowly, which is enough for what CPU runs are for: testing a set-up
+        (loss scaling, overflow skips) before paying for GPUs. Only CPU runs in fp16 are affected."""
+        if self.root_device.type == "cpu" and precision.startswith("16"):
+            from deepspeed.accelerator import get_accelerator
+
+            accelerator = get_accelerator()
+            if not accelerator.is_fp16_supported():
+                accelerator.is_fp16_supported = lambda: True
+                accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+
+    def _maybe_cpu_adam(self, optimizer: Any) -> Any:
+        from disttrain.parallel.zero import to_cpu_adam
+
+        if optimizer is not None and self.zero_options.use_cpu_adam(self.root_device.type):
+            return to_cpu_adam(optimizer)
+        return optimizer
+
+    def _validate_devices(self) -> None:
+        if self.root_device.type == "cuda":  # Lightning's index check is for GPUs only
+            from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+
+            _validate_device_index_selection(self.parallel_devices)

@@ -11,6 +11,10 @@ STRATEGIES: list[tuple[str, str, dict, str]] = [
      "FSDP2 fully_shard, one unit per block found automatically, full shard; CPU (gloo) and GPU (nccl)"),
     ("disttrain_fsdp_offload", "FSDPStrategy", {"cpu_offload": True},
      "FSDP2 with parameters, gradients and optimizer state offloaded to CPU"),
+    ("disttrain_zero3", "ZeroStrategy", {},
+     "DeepSpeed ZeRO stage 3; batch settings from the Trainer/Fabric; CPU (gloo) and GPU (nccl)"),
+    ("disttrain_zero3_offload", "ZeroStrategy", {"offload_optimizer": "cpu", "offload_parameters": "cpu"},
+     "DeepSpeed ZeRO-3 with optimizer state and parameters offloaded to CPU (nvme_path= for NVMe)"),
 ]
 
 

@@ -49,5 +49,5 @@ val_loss = t.validate(full, loader(), verbose=False)[0]["val_loss"]
 write_result({
     "losses": full.losses, "tokens": full.first_tokens, "resumed_tokens": resumed.first_tokens, "resumed_losses": resumed.losses, "memory": full.memory,
     "unsharded": full.unsharded, "logits": logits.tolist(), "export": export,
-    "global_step": t2.global_step, "val_loss": val_loss, "checkpoint_files": sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [],
+    "global_step": t2.global_step, "val_loss": val_loss, "ckpt_dir": ckpt_dir, "checkpoint_files": sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [],
 })

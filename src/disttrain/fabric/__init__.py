@@ -2,5 +2,6 @@
 
 from disttrain.fabric.ddp import DDPStrategy
 from disttrain.fabric.fsdp import FSDP2MixedPrecision, FSDPStrategy
+from disttrain.fabric.zero import ZeroStrategy
 
-__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy"]
+__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "ZeroStrategy"]

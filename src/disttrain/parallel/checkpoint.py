@@ -11,7 +11,8 @@ import os
 import pickle
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,10 @@ def _replace_atomically(tmp: Path, path: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
-    """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``."""
+@contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """Collective: every rank writes into the yielded temporary folder; afterwards rank 0 swaps it in for
+    ``path``, so readers never see a half-written checkpoint and an old one is replaced only when complete."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if _rank() == 0:
@@ -105,12 +108,20 @@ def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dic
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(tensors, checkpoint_id=tmp)
+    yield tmp
+    _barrier()
     if _rank() == 0:
-        torch.save({**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}, tmp / META_FILE)
         _replace_atomically(tmp, path)
     _barrier()
-    return path
+
+
+def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
+    """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``."""
+    with atomic_folder(path) as tmp:
+        dcp.save(tensors, checkpoint_id=tmp)
+        if _rank() == 0:
+            torch.save({**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}, tmp / META_FILE)
+    return Path(path)
 
 
 def save_full(path: str | os.PathLike, state: dict[str, Any]) -> Path:
@@ -125,8 +136,19 @@ def save_full(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     return path
 
 
-def check_checkpoint(path: str | os.PathLike) -> Path:
-    """A clear error for a missing, incomplete or unreadable checkpoint path (raised on every rank)."""
+def _missing_parts(path: Path, layout: str) -> list[str]:
+    if layout == "zero":  # DeepSpeed: `latest` names the tag folder that holds every rank's states
+        latest = path / "latest"
+        if not latest.is_file():
+            return ["latest"]
+        tag = path / latest.read_text().strip()
+        return [] if tag.is_dir() and any(tag.glob("*model_states.pt")) else [f"{tag.name}/*model_states.pt"]
+    return [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+
+
+def check_checkpoint(path: str | os.PathLike, layout: str = "dcp") -> Path:
+    """A clear error for a missing, incomplete or unreadable checkpoint path (raised on every rank).
+    ``layout``: "dcp" (our sharded folders) or "zero" (DeepSpeed's)."""
     path = Path(path)
     error: Exception | None = None
     if not path.exists():
@@ -134,7 +156,7 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
             f"checkpoint {str(path)!r} does not exist; pass the folder (sharded) or file (full) that"
             " save_checkpoint wrote, e.g. one listed by `ls` under your checkpoint directory")
     elif path.is_dir():
-        missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+        missing = _missing_parts(path, layout)
         if missing:
             error = CheckpointError(
                 f"checkpoint folder {str(path)!r} is incomplete or not a disttrain checkpoint: missing"
@@ -250,24 +272,35 @@ def write_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
 
 def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: str | None = None,
                 prefix: str = "") -> Path:
-    """Offline, one process: a sharded checkpoint folder -> the model's full weights in one safetensors file.
+    """Offline, one process: a sharded checkpoint folder (DCP, or DeepSpeed ZeRO: its fp32 master weights) ->
+    the model's full weights in one safetensors file.
 
     ``key`` picks the model's entry ("state_dict" for Trainer checkpoints); by default the one entry that is
     not an optimizer state. ``prefix`` keeps only the keys under it, stripped (``"model."``).
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    path = check_checkpoint(checkpoint)
+    from disttrain.parallel.zero import is_zero_checkpoint, zero_fp32_state_dict
+
+    path = Path(checkpoint)
+    path = check_checkpoint(path, layout="zero" if is_zero_checkpoint(path) else "dcp")
     if not path.is_dir():
         raise CheckpointError(f"{str(path)!r} is a single-file checkpoint, not a sharded folder; load it with"
                               " torch.load(weights_only=True) instead")
-    with tempfile.TemporaryDirectory() as tmpdir:
-        flat = Path(tmpdir) / "full.pt"
+    if is_zero_checkpoint(path):  # DeepSpeed ZeRO folder: the weights are the model entry itself
         try:
-            dcp_to_torch_save(path, flat)
-            state = torch.load(flat, map_location="cpu", weights_only=True)
-        except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
+            state = {"model": zero_fp32_state_dict(path)}
+        except Exception as e:
+            raise CheckpointError(f"ZeRO checkpoint {str(path)!r} is corrupt: {e}") from e
+        key = "model"
+    else:
+        with tempfile.TemporaryDirectory() as tmpdir:
+            flat = Path(tmpdir) / "full.pt"
+            try:
+                dcp_to_torch_save(path, flat)
+                state = torch.load(flat, map_location="cpu", weights_only=True)
+            except (Exception, CheckpointException) as e:
+                raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
     if key is None:
         models = [k for k, v in state.items() if isinstance(v, Mapping) and "state" not in v]
         if len(models) != 1:

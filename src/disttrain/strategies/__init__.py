@@ -2,5 +2,6 @@
 
 from disttrain.strategies.ddp import DDPStrategy
 from disttrain.strategies.fsdp import FSDP2MixedPrecision, FSDPStrategy
+from disttrain.strategies.zero import ZeroStrategy
 
-__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy"]
+__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "ZeroStrategy"]

@@ -1,0 +1,188 @@
+"""Step time of disttrain_zero3 against a raw ``deepspeed.initialize`` loop on the same model, data and config,
+in one run; per-rank device and host memory with and without offload.
+
+    python bench/zero3_overhead.py                                # 2 CPU processes (gloo), fp32
+    python bench/zero3_overhead.py --device cuda --devices 1 --precision bf16-mixed --hidden 2048 --layers 8
+
+Rows: raw DeepSpeed loop (engine(ids), engine.backward, engine.step), disttrain_zero3 through Fabric and through
+the Trainer (ratios against the raw loop; target <= 1.05), and disttrain_zero3_offload through Fabric (memory).
+Variants are interleaved over rounds so that machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fsdp_overhead import build_model, timed_loop  # noqa: E402  (same model and timing as the FSDP benchmark)
+
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round (after 3 warm-up steps)")
+    p.add_argument("--rounds", type=int, default=2)
+    return p.parse_args()
+
+
+def memory(device) -> dict[str, float]:
+    out = {"host_rss_mib": psutil.Process().memory_info().rss / 2**20}
+    if device.type == "cuda":
+        out["device_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def raw_deepspeed(args, device, data):
+    import deepspeed
+
+    from disttrain.parallel.zero import ZeroOptions, zero3_config
+
+    config = zero3_config(ZeroOptions(), precision=args.precision, micro_batch_size=args.batch, accumulation=1,
+                          world_size=dist.get_world_size(), gradient_clipping=None, device_type=device.type)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False,
+                                      args=argparse.Namespace(device_rank=device.index or int(os.environ["LOCAL_RANK"])))
+
+    def step(ids):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+
+    return timed_loop(step, data, device), memory(device)
+
+
+def fabric_run(strategy: str):
+    def run(args, device, data):
+        import lightning as L
+
+        import disttrain  # noqa: F401
+
+        fabric = L.Fabric(accelerator=device.type, devices=args.devices, precision=args.precision,
+                          strategy=disttrain.fabric.ZeroStrategy(micro_batch_size=args.batch, **(
+                              {"offload_optimizer": "cpu", "offload_parameters": "cpu"} if "offload" in strategy
+                              else {})))
+        fabric.launch()
+        with fabric.init_module(empty_init=True):  # under zero.Init
+            model = build_model(args)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = fabric.setup(model, opt)
+
+        def step(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+        return timed_loop(step, data, device), memory(device)
+
+    return run
+
+
+def trainer_run(args, device, data):
+    import lightning as L
+
+    import disttrain  # noqa: F401
+
+    class Module(L.LightningModule):
+        def configure_model(self):
+            if not hasattr(self, "model"):
+                self.model = build_model(args)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    from fsdp_overhead import _sync
+
+    class Clock(L.Callback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            _sync(device)
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            _sync(device)
+            if batch_idx >= 3:
+                self.times.append(time.perf_counter() - self.t0)
+
+    clock = Clock()
+    trainer = L.Trainer(accelerator=device.type, devices=args.devices, strategy="disttrain_zero3",
+                        precision=args.precision, max_steps=len(data), logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+                        use_distributed_sampler=False)
+    trainer.fit(Module(), torch.utils.data.DataLoader([d.cpu() for d in data], batch_size=None))
+    return clock.times, memory(device)
+
+
+def main() -> None:
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes
+        from torch.distributed import run as torchrun
+
+        torchrun.main([f"--nproc_per_node={args.devices}", "--master_addr=127.0.0.1", "--master_port=29513",
+                       __file__, *sys.argv[1:]])
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    import deepspeed
+
+    deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    data = [torch.randint(0, 4096, (args.batch, args.seq), generator=g).to(device) for _ in range(args.steps + 3)]
+    runs = {"raw deepspeed.initialize": raw_deepspeed, "disttrain_zero3 (Fabric)": fabric_run("disttrain_zero3"),
+            "disttrain_zero3 (Trainer)": trainer_run,
+            "disttrain_zero3_offload (Fabric)": fabric_run("disttrain_zero3_offload")}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    mem: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            t, m = fn(args, device, data)
+            times[name] += t
+            mem[name] = m
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mem)
+    if dist.get_rank() == 0:
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in build_model(args).parameters())
+        print(f"\nzero3_overhead: {args.devices} x {device.type}, Llama {args.layers}x{args.hidden} "
+              f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
+              f"{args.rounds} rounds x {args.steps} timed steps")
+        base = statistics.median(times["raw deepspeed.initialize"])
+        for name, t in times.items():
+            med = statistics.median(t)
+            mems = "  ".join(f"rank{r} " + ", ".join(f"{k} {v:.0f}" for k, v in g[name].items())
+                             for r, g in enumerate(gathered))
+            print(f"  {name:<34} {med * 1e3:8.1f} ms/step  ratio {med / base:.3f}   {mems}")
+        print("  (target: ratio <= 1.05 for disttrain_zero3; host RSS is the process total after the run)")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""DeepSpeed ZeRO-3: the config built from our options and the Trainer/Fabric settings, the CPU-Adam swap,
+and consolidation of ZeRO checkpoints. Used by both ZeRO adapters (torch and deepspeed only)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+OFFLOAD_DEVICES = (None, "cpu", "nvme")
+
+
+@dataclass
+class ZeroOptions:
+    """What a user can set on ``disttrain_zero3`` / ``disttrain_zero3_offload`` (Trainer and Fabric alike).
+
+    offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live.
+    offload_parameters: None, "cpu" or "nvme": where parameters live between uses.
+    nvme_path: a folder on a fast local disk, for "nvme" offload.
+    config: a DeepSpeed config (dict or JSON file) merged with ours; e.g. bucket sizes. A value that contradicts
+        the Trainer/Fabric settings (batch sizes, accumulation, clipping, precision, stage) is an error.
+    cpu_adam: use DeepSpeedCPUAdam for an offloaded optimizer (the user's Adam/AdamW hyper-parameters are kept).
+        None = on GPU yes (fast), on CPU no (the torch optimizer runs on the CPU anyway, and DeepSpeedCPUAdam
+        costs a ~2.5-minute JIT build the first time).
+    extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build once.
+    micro_batch_size, gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and
+        ``accumulate_grad_batches``).
+    """
+
+    offload_optimizer: Optional[str] = None
+    offload_parameters: Optional[str] = None
+    nvme_path: str = "/local_nvme"
+    config: Union[dict, str, None] = None
+    cpu_adam: Optional[bool] = None
+    extensions_dir: Optional[str] = None
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("offload_optimizer", "offload_parameters"):
+            if getattr(self, name) not in OFFLOAD_DEVICES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a place to offload to; choose None, 'cpu'"
+                                 " or 'nvme'")
+        if "nvme" in (self.offload_optimizer, self.offload_parameters) and not Path(self.nvme_path).is_dir():
+            raise ValueError(f"nvme_path={self.nvme_path!r} is not a folder; pass nvme_path= a folder on a local"
+                             " NVMe disk for nvme offload")
+        for name in ("micro_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+
+    def use_cpu_adam(self, device_type: str) -> bool:
+        if self.offload_optimizer is None:
+            return False
+        return self.cpu_adam if self.cpu_adam is not None else device_type == "cuda"
+
+
+def load_user_config(config: Union[dict, str, os.PathLike, None]) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config {str(path)!r} does not exist; pass a JSON file or a dict")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from e
+
+
+def _offload(device: Optional[str], nvme_path: str, pin: bool) -> dict:
+    entry: dict[str, Any] = {"device": device, "pin_memory": pin}
+    if device == "nvme":
+        entry["nvme_path"] = nvme_path
+    return entry
+
+
+def zero3_config(
+    options: ZeroOptions,
+    *,
+    precision: str,
+    micro_batch_size: int,
+    accumulation: int,
+    world_size: int,
+    gradient_clipping: Optional[float],
+    device_type: str,
+) -> dict:
+    """The full DeepSpeed config. Batch settings always agree: train_batch_size = micro x accumulation x world
+    (the assertion Lightning users hit when a config sets only some of them)."""
+    owned: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro_batch_size * accumulation * world_size,
+    }
+    if gradient_clipping:
+        owned["gradient_clipping"] = float(gradient_clipping)
+    zero: dict[str, Any] = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    pin = device_type == "cuda"  # pinned host memory needs the CUDA driver
+    if options.offload_optimizer:
+        zero["offload_optimizer"] = _offload(options.offload_optimizer, options.nvme_path, pin)
+    if options.offload_parameters:
+        zero["offload_param"] = _offload(options.offload_parameters, options.nvme_path, pin)
+    # DeepSpeed clips gradients at norm 1.0 when the key is absent: say 0.0 (no clipping) unless asked for.
+    ours: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True,
+                            "gradient_clipping": 0.0, **owned}
+    if options.offload_optimizer and not options.use_cpu_adam(device_type):
+        ours["zero_force_ds_cpu_optimizer"] = False  # ZeRO-Offload refuses a client torch optimizer otherwise
+    if precision in ("16-mixed", "16-true"):
+        ours["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                        "hysteresis": 2, "min_loss_scale": 1}  # loss_scale 0 = dynamic
+    elif precision in ("bf16-mixed", "bf16-true"):
+        ours["bf16"] = {"enabled": True}
+
+    user = load_user_config(options.config)
+    _check_conflicts(user, owned, precision)
+    return _merge(ours, user)
+
+
+def _check_conflicts(user: dict, owned: dict, precision: str) -> None:
+    for key, value in owned.items():
+        if key in user and user[key] != value:
+            source = {"train_micro_batch_size_per_gpu": "the DataLoader's batch_size (Fabric: micro_batch_size=)",
+                      "gradient_accumulation_steps": "accumulate_grad_batches (Fabric: gradient_accumulation_steps=)",
+                      "train_batch_size": "micro batch x accumulation x world size",
+                      "gradient_clipping": "gradient_clip_val"}[key]
+            raise ValueError(f"ds_config sets {key}={user[key]!r} but {source} gives {value!r}; remove {key} from"
+                             " the ds_config (disttrain sets it) or change the Trainer/Fabric setting")
+    stage = user.get("zero_optimization", {}).get("stage", 3)
+    if stage != 3:
+        raise ValueError(f"ds_config sets zero_optimization.stage={stage} but disttrain_zero3 is ZeRO stage 3;"
+                         " remove the stage from the ds_config")
+    half = "fp16" if precision.startswith("16") else "bf16" if precision.startswith("bf16") else None
+    for key in ("fp16", "bf16"):
+        if user.get(key, {}).get("enabled") and key != half:
+            raise ValueError(f"ds_config enables {key} but the precision is {precision!r}; set"
+                             f" precision={'16-mixed' if key == 'fp16' else 'bf16-mixed'!r} instead of {key} in"
+                             " the ds_config")
+
+
+def _merge(ours: dict, user: dict) -> dict:
+    """The user's keys refine ours (nested dicts merged); conflicts on owned keys were rejected before."""
+    merged = copy.deepcopy(ours)
+    for key, value in user.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def set_extensions_dir(options: ZeroOptions) -> None:
+    """Point DeepSpeed's JIT op builds (CPU Adam) at a reusable cache folder before anything is built."""
+    if options.extensions_dir:
+        Path(options.extensions_dir).mkdir(parents=True, exist_ok=True)
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(options.extensions_dir)
+
+
+def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The same Adam/AdamW (groups and hyper-parameters) as DeepSpeedCPUAdam, the fast optimizer for an
+    offloaded optimizer state. Other optimizers are returned unchanged."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return optimizer
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
+              for g in optimizer.param_groups]
+    return DeepSpeedCPUAdam(groups, adamw_mode=isinstance(optimizer, torch.optim.AdamW))
+
+
+def zero_partition_numel(module: torch.nn.Module) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole model) for a model partitioned by zero.Init."""
+    local = total = 0
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):
+            local += p.ds_tensor.numel()
+            total += p.ds_numel
+        else:
+            local += p.numel()
+            total += p.numel()
+    return local, total
+
+
+def is_zero_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / "latest").is_file()
+
+
+def zero_fp32_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a ZeRO checkpoint folder, merged from every rank's shards (DeepSpeed's
+    zero_to_fp32; it unpickles DeepSpeed's own checkpoint files, so load only checkpoints you wrote)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(path))
+
+
+def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix: str = "") -> Path:
+    """Gather a ZeRO-3 partitioned module on every rank and write its full state dict from rank 0 as safetensors.
+    Collective: call on every rank."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from disttrain.parallel.checkpoint import write_safetensors
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state: dict[str, torch.Tensor] = {}
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        if rank == 0:
+            state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()
+                     if k.startswith(prefix)}
+    path = Path(path)
+    if rank == 0:
+        if prefix and not state:
+            raise ValueError(f"prefix={prefix!r} matches no parameter of {type(module).__name__}")
+        write_safetensors({k[len(prefix):]: v for k, v in state.items()}, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path

@@ -1,0 +1,80 @@
+"""``disttrain_zero3`` / ``disttrain_zero3_offload`` for the Lightning Trainer: Lightning's DeepSpeed strategy,
+changed only where it refuses CPU or builds a config whose batch settings can disagree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeed
+
+from disttrain._lightning import ZeroPlumbing, register_names
+from disttrain.parallel.checkpoint import atomic_folder, check_checkpoint
+from disttrain.parallel.options import build_options
+from disttrain.parallel.zero import ZeroOptions, export_zero3, set_extensions_dir
+
+
+class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
+    """DeepSpeed ZeRO stage 3 for ``lightning.Trainer``, on CUDA (nccl) and on CPU (gloo).
+
+    Options as keywords (:class:`disttrain.parallel.zero.ZeroOptions`): ``offload_optimizer``,
+    ``offload_parameters`` ("cpu" or "nvme"), ``nvme_path``, ``config`` (a ds_config merged with ours),
+    ``cpu_adam``, ``extensions_dir``. Batch size, accumulation, clipping and precision come from the Trainer.
+    ``configure_model`` runs under ``deepspeed.zero.Init``: no rank materialises the whole model.
+    """
+
+    strategy_name = "disttrain_zero3"
+    register_strategies = classmethod(register_names)
+
+    def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
+                 precision_plugin: Any = None, process_group_backend: Any = None, **options: Any) -> None:
+        self.zero_options = build_options(ZeroOptions, self.strategy_name, options)
+        set_extensions_dir(self.zero_options)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
+                         process_group_backend=process_group_backend, stage=3, config={},
+                         remote_device=self.zero_options.offload_parameters)
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # skips Lightning's "DeepSpeed needs CUDA" check
+
+    def setup_distributed(self) -> None:
+        self._validate_devices()
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _format_config(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self.config = self._build_zero_config(
+            self.precision_plugin.precision,
+            micro_batch_size=self._micro_batch_size(),
+            accumulation=trainer.accumulate_grad_batches if trainer is not None else 1,
+            gradient_clipping=trainer.gradient_clip_val if trainer is not None else None,
+        )
+
+    def _micro_batch_size(self) -> int:
+        """The training DataLoader's batch size; 1 for pre-batched data (``batch_size=None``), where DeepSpeed uses
+        it only for throughput reporting."""
+        source = self.lightning_module.trainer.fit_loop._data_source if self.lightning_module is not None else None
+        if source is None or not source.is_defined():
+            return 1
+        sampler = getattr(source.dataloader(), "batch_sampler", None)
+        return getattr(sampler, "batch_size", None) or 1
+
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        return super()._setup_model_and_optimizer(model, self._maybe_cpu_adam(optimizer), lr_scheduler)
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        with atomic_folder(self.broadcast(filepath)) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return super().load_checkpoint(check_checkpoint(self.broadcast(checkpoint_path), layout="zero"), weights_only)
+
+    def export_full(self, path: Any, prefix: str = "") -> Path:
+        """The full model (in its training dtype) as one safetensors file (rank 0). For the fp32 master weights
+        of a checkpoint use ``disttrain export CKPT OUT.safetensors``."""
+        return export_zero3(self.lightning_module, path, prefix=prefix)
