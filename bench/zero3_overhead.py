@@ -6,16 +6,21 @@ in one run; per-rank device and host memory with and without offload.
 
 Rows: raw DeepSpeed loop (engine(ids), engine.backward, engine.step), disttrain_zero3 through Fabric and through
 the Trainer (ratios against the raw loop; target <= 1.05), and disttrain_zero3_offload through Fabric (memory).
-Variants are interleaved over rounds so that machine noise hits them alike.
+Each variant runs in fresh processes (so one engine's leftovers do not inflate the next one's memory), and the
+variants are interleaved over rounds so that machine noise hits them alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -40,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (after 3 warm-up steps)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # set for the child processes
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -139,14 +146,13 @@ def trainer_run(args, device, data):
     return clock.times, memory(device)
 
 
-def main() -> None:
-    args = parse_args()
-    if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes
-        from torch.distributed import run as torchrun
+RUNS = {"raw deepspeed.initialize": raw_deepspeed, "disttrain_zero3 (Fabric)": fabric_run("disttrain_zero3"),
+        "disttrain_zero3 (Trainer)": trainer_run,
+        "disttrain_zero3_offload (Fabric)": fabric_run("disttrain_zero3_offload")}
 
-        torchrun.main([f"--nproc_per_node={args.devices}", "--master_addr=127.0.0.1", "--master_port=29513",
-                       __file__, *sys.argv[1:]])
-        return
+
+def child(args: argparse.Namespace) -> None:
+    """One variant on this process group; rank 0 writes times and every rank's memory to --result."""
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -156,32 +162,51 @@ def main() -> None:
     deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     data = [torch.randint(0, 4096, (args.batch, args.seq), generator=g).to(device) for _ in range(args.steps + 3)]
-    runs = {"raw deepspeed.initialize": raw_deepspeed, "disttrain_zero3 (Fabric)": fabric_run("disttrain_zero3"),
-            "disttrain_zero3 (Trainer)": trainer_run,
-            "disttrain_zero3_offload (Fabric)": fabric_run("disttrain_zero3_offload")}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    mem: dict[str, dict] = {}
-    for _ in range(args.rounds):
-        for name, fn in runs.items():
-            t, m = fn(args, device, data)
-            times[name] += t
-            mem[name] = m
+    times, mem = RUNS[args.variant](args, device, data)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mem)
     if dist.get_rank() == 0:
-        with torch.device("meta"):
-            n_params = sum(p.numel() for p in build_model(args).parameters())
-        print(f"\nzero3_overhead: {args.devices} x {device.type}, Llama {args.layers}x{args.hidden} "
-              f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
-              f"{args.rounds} rounds x {args.steps} timed steps")
-        base = statistics.median(times["raw deepspeed.initialize"])
-        for name, t in times.items():
-            med = statistics.median(t)
-            mems = "  ".join(f"rank{r} " + ", ".join(f"{k} {v:.0f}" for k, v in g[name].items())
-                             for r, g in enumerate(gathered))
-            print(f"  {name:<34} {med * 1e3:8.1f} ms/step  ratio {med / base:.3f}   {mems}")
-        print("  (target: ratio <= 1.05 for disttrain_zero3; host RSS is the process total after the run)")
+        with open(args.result, "w") as f:
+            json.dump({"times": times, "memory": gathered}, f)
     dist.barrier()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.variant is not None:
+        return child(args)
+    times: dict[str, list[float]] = {name: [] for name in RUNS}
+    memory_of: dict[str, list] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            for i, name in enumerate(RUNS):
+                result = os.path.join(tmp, f"{i}.json")
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.devices}",
+                       "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, *sys.argv[1:],
+                       "--variant", name, "--result", result]
+                subprocess.run(cmd, check=True)
+                with open(result) as f:
+                    out = json.load(f)
+                times[name] += out["times"]
+                memory_of[name] = out["memory"]
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build_model(args).parameters())
+    print(f"\nzero3_overhead: {args.devices} x {args.device}, Llama {args.layers}x{args.hidden} "
+          f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
+          f"{args.rounds} rounds x {args.steps} timed steps, each variant in fresh processes")
+    base = statistics.median(times["raw deepspeed.initialize"])
+    for name, t in times.items():
+        med = statistics.median(t)
+        mems = "  ".join(f"rank{r} " + ", ".join(f"{k} {v:.0f}" for k, v in m.items())
+                         for r, m in enumerate(memory_of[name]))
+        print(f"  {name:<34} {med * 1e3:8.1f} ms/step  ratio {med / base:.3f}   {mems}")
+    print("  (target: ratio <= 1.05 for disttrain_zero3; host RSS is each process's total after its run)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
