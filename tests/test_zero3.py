@@ -31,6 +31,11 @@ def test_zero_init_partitions_the_model_at_build(checks):
     assert checks["after_fit"] == checks["at_build"]
 
 
+def test_fabric_init_module_runs_under_zero_init(fabric_zero3):
+    local, total = fabric_zero3[0]["zero_partition"]
+    assert local * 2 == total
+
+
 def test_fp16_overflow_step_is_skipped_and_training_continues(checks):
     assert checks["fp16_enabled"]
     assert checks["skipped_steps"] == 1

@@ -9,6 +9,7 @@ import torch
 
 import disttrain  # noqa: F401  (registers the strategy names)
 from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
+from disttrain.parallel.zero import zero_partition_numel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
@@ -58,6 +59,7 @@ fabric2 = make_fabric()
 with fabric2.init_module(empty_init=True):
     fresh = tiny_llama()
 meta_before_setup = all(p.is_meta for p in fresh.parameters())
+zero_partition = zero_partition_numel(fresh)  # under disttrain_zero3: (this rank's elements, all elements)
 fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
 fresh, fresh_opt = fabric2.setup(fresh, fresh_opt)
 inner = fresh.module
@@ -76,7 +78,7 @@ resumed = fabric_train(fabric2, fresh, fresh_opt, 5, start=state["step"])
 write_result({
     "losses": losses, "resumed_losses": resumed, "resumed_from": state["step"], "rest": sorted(rest),
     "memory": memory, "unsharded": unsharded_param_bytes(model), "logits": logits.tolist(), "export": export,
-    "meta_before_setup": meta_before_setup, "meta_init": meta_init, "sampler": fabric.strategy.distributed_sampler_kwargs
+    "meta_before_setup": meta_before_setup, "meta_init": meta_init, "zero_partition": zero_partition, "sampler": fabric.strategy.distributed_sampler_kwargs
     if hasattr(fabric.strategy, "engine") else None,
     "local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in fresh.parameters()),
     "numel": sum(p.numel() for p in fresh.parameters()),
