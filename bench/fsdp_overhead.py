@@ -16,60 +16,21 @@ import logging
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import add_model_args, batches, build_model, count_params, timed_loop, trainer_step_times  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=12, help="timed steps per round (after 3 warm-up steps)")
-    p.add_argument("--rounds", type=int, default=2)
     return p.parse_args()
-
-
-def build_model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    heads = max(4, args.hidden // 64)
-    config = LlamaConfig(vocab_size=4096, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
-                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
-                         max_position_embeddings=args.seq, use_cache=False, attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
-
-
-def batches(args, n: int, device) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    return [torch.randint(0, 4096, (args.batch, args.seq), generator=g).to(device) for _ in range(n)]
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-
-
-def timed_loop(step_fn, data, device) -> list[float]:
-    times = []
-    for i, ids in enumerate(data):
-        _sync(device)
-        t0 = time.perf_counter()
-        step_fn(ids)
-        _sync(device)
-        if i >= 3:  # warm-up
-            times.append(time.perf_counter() - t0)
-    return times
 
 
 def hand_written(args, device, data) -> tuple[list[float], int]:
@@ -120,41 +81,7 @@ def with_fabric(args, device, data) -> tuple[list[float], int]:
 
 
 def with_trainer(args, device, data) -> tuple[list[float], int]:
-    import lightning as L
-
-    import disttrain  # noqa: F401
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = build_model(args)
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    class Clock(L.Callback):
-        def __init__(self):
-            self.times, self.t0 = [], 0.0
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            _sync(device)
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            _sync(device)
-            if batch_idx >= 3:
-                self.times.append(time.perf_counter() - self.t0)
-
-    clock = Clock()
-    trainer = L.Trainer(accelerator=device.type, devices=args.devices, strategy="disttrain_fsdp",
-                        precision=args.precision, max_steps=len(data), logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                        use_distributed_sampler=False)
-    trainer.fit(Module(), torch.utils.data.DataLoader([d.cpu() for d in data], batch_size=None))
-    return clock.times, 0
+    return trainer_step_times(args, device, data, "disttrain_fsdp"), 0
 
 
 def main() -> None:
@@ -170,7 +97,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    data = batches(args, args.steps + 3, device)
+    data = batches(args, device)
     runs = {"hand-written FSDP2": hand_written, "disttrain_fsdp (Fabric)": with_fabric,
             "disttrain_fsdp (Trainer)": with_trainer}
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -180,8 +107,7 @@ def main() -> None:
             t, total = fn(args, device, data)
             times[name] += t
             state_bytes = total or state_bytes
-    with torch.device("meta"):  # sizes only: nothing allocated
-        n_params = sum(p.numel() for p in build_model(args).parameters())
+    n_params = count_params(args)
     full_state = 4 * 4 * n_params  # fp32 params + grads + AdamW's two moments
     per_rank = [0] * dist.get_world_size()
     dist.all_gather_object(per_rank, state_bytes)

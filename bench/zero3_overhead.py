@@ -21,14 +21,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import psutil
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fsdp_overhead import build_model, timed_loop  # noqa: E402  (same model and timing as the FSDP benchmark)
+from harness import add_model_args, batches, build_model, count_params, timed_loop, trainer_step_times  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -36,15 +35,8 @@ logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (after 3 warm-up steps)")
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # set for the child processes
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -107,43 +99,7 @@ def fabric_run(strategy: str):
 
 
 def trainer_run(args, device, data):
-    import lightning as L
-
-    import disttrain  # noqa: F401
-
-    class Module(L.LightningModule):
-        def configure_model(self):
-            if not hasattr(self, "model"):
-                self.model = build_model(args)
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    from fsdp_overhead import _sync
-
-    class Clock(L.Callback):
-        def __init__(self):
-            self.times, self.t0 = [], 0.0
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            _sync(device)
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            _sync(device)
-            if batch_idx >= 3:
-                self.times.append(time.perf_counter() - self.t0)
-
-    clock = Clock()
-    trainer = L.Trainer(accelerator=device.type, devices=args.devices, strategy="disttrain_zero3",
-                        precision=args.precision, max_steps=len(data), logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                        use_distributed_sampler=False)
-    trainer.fit(Module(), torch.utils.data.DataLoader([d.cpu() for d in data], batch_size=None))
-    return clock.times, memory(device)
+    return trainer_step_times(args, device, data, "disttrain_zero3"), memory(device)
 
 
 RUNS = {"raw deepspeed.initialize": raw_deepspeed, "disttrain_zero3 (Fabric)": fabric_run("disttrain_zero3"),
@@ -160,8 +116,7 @@ def child(args: argparse.Namespace) -> None:
     import deepspeed
 
     deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    data = [torch.randint(0, 4096, (args.batch, args.seq), generator=g).to(device) for _ in range(args.steps + 3)]
+    data = batches(args, device)
     times, mem = RUNS[args.variant](args, device, data)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mem)
@@ -189,8 +144,7 @@ def main() -> None:
                     out = json.load(f)
                 times[name] += out["times"]
                 memory_of[name] = out["memory"]
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in build_model(args).parameters())
+    n_params = count_params(args)
     print(f"\nzero3_overhead: {args.devices} x {args.device}, Llama {args.layers}x{args.hidden} "
           f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
           f"{args.rounds} rounds x {args.steps} timed steps, each variant in fresh processes")

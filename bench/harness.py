@@ -1,0 +1,98 @@
+"""Pieces both benchmarks share: the model, the timing loop, and a Trainer run timed per step."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    p.add_argument("--rounds", type=int, default=2)
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    heads = max(4, args.hidden // 64)
+    config = LlamaConfig(vocab_size=4096, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
+                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                         max_position_embeddings=args.seq, use_cache=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def count_params(args) -> int:
+    with torch.device("meta"):  # sizes only: nothing allocated
+        return sum(p.numel() for p in build_model(args).parameters())
+
+
+def batches(args, device) -> list[torch.Tensor]:
+    """3 warm-up + ``args.steps`` timed batches, different on every rank."""
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    return [torch.randint(0, 4096, (args.batch, args.seq), generator=g).to(device) for _ in range(args.steps + 3)]
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def timed_loop(step_fn, data, device) -> list[float]:
+    times = []
+    for i, ids in enumerate(data):
+        sync(device)
+        t0 = time.perf_counter()
+        step_fn(ids)
+        sync(device)
+        if i >= 3:  # warm-up
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def trainer_step_times(args, device, data, strategy: str) -> list[float]:
+    """The same model through ``lightning.Trainer`` with ``strategy``; per-step times after 3 warm-up steps."""
+    import lightning as L
+
+    import disttrain  # noqa: F401
+
+    class Module(L.LightningModule):
+        def configure_model(self):
+            if not hasattr(self, "model"):
+                self.model = build_model(args)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Clock(L.Callback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            sync(device)
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            sync(device)
+            if batch_idx >= 3:
+                self.times.append(time.perf_counter() - self.t0)
+
+    clock = Clock()
+    trainer = L.Trainer(accelerator=device.type, devices=args.devices, strategy=strategy, precision=args.precision,
+                        max_steps=len(data), logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[clock], use_distributed_sampler=False)
+    trainer.fit(Module(), torch.utils.data.DataLoader([d.cpu() for d in data], batch_size=None))
+    return clock.times
