@@ -80,6 +80,13 @@ def test_full_export_loads_into_plain_model(run, request):
     assert torch.allclose(logits, torch.tensor(result["logits"]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("run", ["fabric_fsdp", "fabric_ddp"])
+def test_gradient_accumulation_without_sync_matches_the_full_batch(run, request):
+    result = request.getfixturevalue(run)[0]
+    expected = reference_losses(3, WORLD, accumulation=2)
+    assert relative_diff(result["accumulated_losses"], expected) <= 1e-5
+
+
 def test_fabric_meta_init_never_materialises_whole_model(fabric_fsdp):
     result = fabric_fsdp[0]
     assert result["meta_before_setup"]

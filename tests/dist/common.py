@@ -143,13 +143,16 @@ def rank_batch(step: int, rank: int, world_size: int) -> torch.Tensor:
     return global_batch(step, world_size)[rank::world_size]
 
 
-def reference_losses(steps: int, world_size: int, shuffle_seed: int | None = 0, lr: float = 1e-2) -> list[float]:
-    """One process, the global batch per step: what the sharded run must equal."""
+def reference_losses(steps: int, world_size: int, shuffle_seed: int | None = 0, lr: float = 1e-2,
+                     accumulation: int = 1) -> list[float]:
+    """One process, the global batch per step: what the sharded run must equal. With ``accumulation`` micro-steps
+    per optimizer step, optimizer step k covers the global batches of micro-steps k*a .. k*a+a-1."""
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        ids = global_batch(step, world_size, shuffle_seed)
+        ids = torch.cat([global_batch(step * accumulation + m, world_size, shuffle_seed)
+                         for m in range(accumulation)])
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

@@ -14,6 +14,8 @@ from disttrain.parallel.zero import zero_partition_numel
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     fabric_train,
+    mean_over_ranks,
+    rank_batch,
     probe_input,
     strategy_from_spec,
     tiny_llama,
@@ -75,7 +77,27 @@ state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
 rest = fabric2.load(ckpt, state)
 resumed = fabric_train(fabric2, fresh, fresh_opt, 5, start=state["step"])
 
+# Gradient accumulation: 2 micro-steps per optimizer step, gradient sync skipped on the first one
+# (FSDP2 set_requires_gradient_sync / DDP no_sync). DeepSpeed accumulates inside its engine instead.
+accumulated = []
+if "zero3" not in spec:
+    acc_model = tiny_llama()
+    acc_opt = torch.optim.AdamW(acc_model.parameters(), lr=1e-2)
+    acc_model, acc_opt = fabric2.setup(acc_model, acc_opt)
+    for step in range(3):
+        micro_losses = []
+        for micro in range(2):
+            ids = rank_batch(2 * step + micro, fabric2.global_rank, fabric2.world_size)
+            loss = acc_model(input_ids=ids, labels=ids).loss
+            with fabric2.no_backward_sync(acc_model, enabled=micro == 0):
+                fabric2.backward(loss / 2)
+            micro_losses.append(mean_over_ranks(loss))
+        acc_opt.step()
+        acc_opt.zero_grad()
+        accumulated.append(sum(micro_losses) / 2)
+
 write_result({
+    "accumulated_losses": accumulated,
     "losses": losses, "resumed_losses": resumed, "resumed_from": state["step"], "rest": sorted(rest),
     "memory": memory, "unsharded": unsharded_param_bytes(model), "logits": logits.tolist(), "export": export,
     "meta_before_setup": meta_before_setup, "meta_init": meta_init, "zero_partition": zero_partition, "sampler": fabric.strategy.distributed_sampler_kwargs
