@@ -4,17 +4,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, child_env, free_port
 from safetensors.torch import load_file
 
 BIN = Path(sys.executable).parent
 
 
-def test_demo_trains_and_reports(tmp_path):
+def demo(strategy: str, steps: int) -> subprocess.CompletedProcess:
     cmd = [str(BIN / "lightning"), "run", "model", "recipes/demo/tiny_llama.py", "--accelerator", "cpu",
-           "--devices", "2", "--strategy", "disttrain_fsdp", "--main-port", str(free_port()),
-           "--steps", "30", "--eval-every", "10"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+           "--devices", "2", "--strategy", strategy, "--main-port", str(free_port()),
+           "--steps", str(steps), "--eval-every", "10"]
+    return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("strategy,sharded", [("disttrain_ddp", False), ("disttrain_zero3", True)])
+def test_demo_runs_under_other_strategies(strategy, sharded):
+    proc = demo(strategy, 4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    share = "(50.0%; ideal 1/2 = 50.0%)" if sharded else "(100.0%; ideal 1/2 = 50.0%)"
+    assert "rank 1: parameters" in proc.stdout and share in proc.stdout
+
+
+def test_demo_trains_and_reports(tmp_path):
+    proc = demo("disttrain_fsdp", 30)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
     assert "rank 1: parameters" in out and "(50.0%; ideal 1/2 = 50.0%)" in out

@@ -31,7 +31,8 @@ def register_names(cls: type, registry: Any) -> None:
 
 
 class DistributedPlumbing:
-    """Mixin: what every disttrain strategy needs from torch.distributed, written once for both entry points."""
+    """Mixin for the engine-backed adapters (FSDP now; TP/PP next): process group, ranks, launcher, sampler,
+    collectives, written once for the Trainer and Fabric. DDP and ZeRO subclass Lightning's own strategies."""
 
     parallel_devices: Optional[list[torch.device]]
     _process_group_backend: Optional[str]

@@ -7,6 +7,9 @@ from torch import nn
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part: a DTensor's local shard (FSDP2), a ZeRO-3 parameter's partition, or the tensor itself."""
+    if hasattr(t, "ds_tensor"):
+        return t.ds_tensor
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -35,5 +38,5 @@ def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None =
 
 
 def unsharded_param_bytes(model: nn.Module) -> int:
-    """Bytes of the whole model's parameters (DTensor global shapes), without gathering anything."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the whole model's parameters (DTensor global shapes, ZeRO-3 ``ds_numel``), gathering nothing."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
