@@ -48,6 +48,14 @@ def validation_loss(model, world_size: int) -> float:
     return sum(losses) / len(losses)
 
 
+def masked_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Mask a different prefix per sample (ids[:, 0] % 10 tokens) so samples carry different token counts."""
+    labels = ids.clone()
+    for row, keep_from in enumerate((ids[:, 0] % 10).tolist()):
+        labels[row, :keep_from] = -100
+    return labels
+
+
 def probe_input() -> torch.Tensor:
     return torch.arange(SEQ).remainder(VOCAB).unsqueeze(0).repeat(2, 1)
 

@@ -67,6 +67,12 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
         return super()._setup_model_and_optimizer(model, self._maybe_cpu_adam(optimizer), lr_scheduler)
 
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        # The Trainer already divided the loss by accumulate_grad_batches; DeepSpeed's engine would divide it by
+        # gradient_accumulation_steps again (gradients 1/steps too small; Adam hides it, SGD does not).
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         with atomic_folder(self.broadcast(filepath)) as tmp:
             super().save_checkpoint(checkpoint, tmp, storage_options)
