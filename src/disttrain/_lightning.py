@@ -85,6 +85,10 @@ class DistributedPlumbing:
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = self._launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    def add_module_transform(self, transform: Any) -> None:
+        """Run ``transform(model)`` on the plain model right before it is sharded (used by the FP8 callback)."""
+        self.engine.module_transforms.append(transform)
+
     def _setup_processes_and_mesh(self) -> Any:
         self._init_process_group()
         return self.engine.setup_mesh(self.world_size, self.root_device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -29,6 +29,8 @@ class FSDPEngine:
         self.options = options
         self.dims: ParallelDims | None = None
         self.mesh: DeviceMesh | None = None
+        # Functions that change the plain model before it is sharded (e.g. the FP8 callback's Linear swap).
+        self.module_transforms: list[Callable[[nn.Module], None]] = []
 
     # -- processes ------------------------------------------------------------------------------------------
     def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
@@ -59,6 +61,8 @@ class FSDPEngine:
             raise TypeError("the model is wrapped in FSDP1 (FullyShardedDataParallel); disttrain_fsdp applies FSDP2"
                             " itself: pass the plain model")
         if not isinstance(module, FSDPModule):
+            for transform in self.module_transforms:
+                transform(module)
             apply_fsdp(module, self.mesh, self.options, precision, device)
             for name in forward_methods:
                 if callable(getattr(module, name, None)):

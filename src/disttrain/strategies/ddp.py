@@ -24,9 +24,19 @@ class DDPStrategy(_LightningDDP):
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  precision_plugin: Any = None, process_group_backend: Any = None, **options: Any) -> None:
         self.ddp_options = build_options(DDPOptions, self.strategy_name, options)
+        self._module_transforms: list = []
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, **self.ddp_options.ddp_kwargs())
+
+    def add_module_transform(self, transform: Any) -> None:
+        """Run ``transform(model)`` on the plain model right before DDP wraps it (used by the FP8 callback)."""
+        self._module_transforms.append(transform)
+
+    def _setup_model(self, model: Any) -> Any:
+        for transform in self._module_transforms:
+            transform(model)
+        return super()._setup_model(model)
 
     def _register_ddp_hooks(self) -> None:
         register_compression(self.model, self.ddp_options)
