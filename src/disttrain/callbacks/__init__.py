@@ -3,5 +3,16 @@ plain objects with methods a Fabric loop calls)."""
 
 from disttrain.callbacks.accumulation import GradientAccumulation, accumulation_steps
 from disttrain.callbacks.precision import FP8, MixedPrecision, convert_to_fp8
+from disttrain.callbacks.throughput import (
+    PEAK_FLOPS,
+    Throughput,
+    TransformerDims,
+    hf_transformer_dims,
+    measure_train_flops,
+    mfu,
+    transformer_flops_per_token,
+)
 
-__all__ = ["FP8", "GradientAccumulation", "MixedPrecision", "accumulation_steps", "convert_to_fp8"]
+__all__ = ["FP8", "PEAK_FLOPS", "GradientAccumulation", "MixedPrecision", "Throughput", "TransformerDims",
+           "accumulation_steps", "convert_to_fp8", "hf_transformer_dims", "measure_train_flops", "mfu",
+           "transformer_flops_per_token"]
