@@ -2,6 +2,7 @@
 plain objects with methods a Fabric loop calls)."""
 
 from disttrain.callbacks.accumulation import GradientAccumulation, accumulation_steps
+from disttrain.callbacks.attention import FlashAttention, apply_fast_attention, flash_attn_2_missing, format_report
 from disttrain.callbacks.precision import FP8, MixedPrecision, convert_to_fp8
 from disttrain.callbacks.throughput import (
     PEAK_FLOPS,
@@ -13,6 +14,6 @@ from disttrain.callbacks.throughput import (
     transformer_flops_per_token,
 )
 
-__all__ = ["FP8", "PEAK_FLOPS", "GradientAccumulation", "MixedPrecision", "Throughput", "TransformerDims",
-           "accumulation_steps", "convert_to_fp8", "hf_transformer_dims", "measure_train_flops", "mfu",
+__all__ = ["FP8", "PEAK_FLOPS", "FlashAttention", "GradientAccumulation", "MixedPrecision", "Throughput", "TransformerDims",
+           "accumulation_steps", "apply_fast_attention", "convert_to_fp8", "flash_attn_2_missing", "format_report", "hf_transformer_dims", "measure_train_flops", "mfu",
            "transformer_flops_per_token"]
