@@ -34,6 +34,12 @@ def test_fp16_on_cpu_skips_the_overflow_step(runs, strategy, plugin, scaler):
     assert relative_diff(result["losses"][:2], reference_losses(2, 2)) <= 1e-3
 
 
+def test_fp16_callback_under_zero3_uses_deepspeed_loss_scaling(runs):
+    result = runs["disttrain_zero3"]
+    assert result["fp16"] and result["plugin"] == "DeepSpeedPrecision"
+    assert result["skipped_steps"] == 1 and all(math.isfinite(x) for x in result["losses"])
+
+
 def test_bf16_callback_matches_fp32_closely(runs):
     assert relative_diff(runs["bf16_losses"], reference_losses(5, 2)) <= 2e-2
 

@@ -51,6 +51,12 @@ for strategy in ("disttrain_fsdp", "disttrain_ddp"):
         "param_dtype": str(next(module.parameters()).dtype),
     }
 
+zero_module, zero_mp = Overflow(), MixedPrecision("fp16")
+zero_trainer = fit(zero_module, "disttrain_zero3", [zero_mp])
+result["disttrain_zero3"] = {"fp16": zero_trainer.strategy.config["fp16"]["enabled"],
+                             "plugin": type(zero_trainer.strategy.precision_plugin).__name__,
+                             "skipped_steps": zero_mp.skipped_steps, "losses": zero_module.losses}
+
 bf16 = LlamaModule()
 fit(bf16, "disttrain_fsdp", [MixedPrecision("bf16")])
 fp8_module, fp8 = LlamaModule(), FP8()
