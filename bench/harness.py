@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -96,3 +103,29 @@ def trainer_step_times(args, device, data, strategy: str) -> list[float]:
                         enable_model_summary=False, callbacks=[clock], use_distributed_sampler=False)
     trainer.fit(Module(), torch.utils.data.DataLoader([d.cpu() for d in data], batch_size=None))
     return clock.times
+
+
+def run_variants(script: str, variants: list[str], flag: str, devices: int, rounds: int,
+                 env: Optional[dict] = None) -> dict[str, list[dict]]:
+    """Run ``script`` once per variant and round, each time in fresh processes (torchrun on 127.0.0.1), so one
+    variant's leftovers (engines, allocator caches) never inflate the next one's memory; rounds are interleaved so
+    that machine noise hits the variants alike. The child gets ``flag VARIANT --result FILE`` after this
+    process's own arguments, writes JSON there from rank 0; returns each variant's results, one per round."""
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            for i, variant in enumerate(variants):
+                result = os.path.join(tmp, f"{i}.json")
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}",
+                       "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(script),
+                       *sys.argv[1:], flag, variant, "--result", result]
+                subprocess.run(cmd, check=True, env=env)
+                with open(result) as f:
+                    results[variant].append(json.load(f))
+    return results
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

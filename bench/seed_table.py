@@ -23,16 +23,14 @@ import logging
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import add_model_args, sync  # noqa: E402
+from harness import add_model_args, run_variants, sync  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
@@ -141,21 +139,10 @@ def main() -> None:
     args = parse_args()
     if args.row is not None:
         return child(args)
-    times: dict[str, list[float]] = {row: [] for row in ROWS}
-    peaks: dict[str, list[float]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.devices))}
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.rounds):
-            for i, row in enumerate(ROWS):  # interleaved over rounds so that machine noise hits the rows alike
-                result = os.path.join(tmp, f"{i}.json")
-                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.devices}",
-                       "--master_addr=127.0.0.1", f"--master_port={_free_port()}", os.path.abspath(__file__),
-                       *sys.argv[1:], "--row", row, "--result", result]
-                subprocess.run(cmd, check=True, env=env)
-                with open(result) as f:
-                    out = json.load(f)
-                times[row] += out["times"]
-                peaks[row] = [max(a, b) for a, b in zip(out["peaks"], peaks.get(row, out["peaks"]))]
+    runs = run_variants(__file__, list(ROWS), "--row", args.devices, args.rounds, env=env)
+    times = {row: [t for out in outs for t in out["times"]] for row, outs in runs.items()}
+    peaks = {row: [max(rank) for rank in zip(*(out["peaks"] for out in outs))] for row, outs in runs.items()}
     base = "DDP + standard attention"
     base_mem, base_time = max(peaks[base]), statistics.median(times[base])
     print(f"\nseed_table: {args.devices} x {args.device}, Llama {args.layers}x{args.hidden}, {args.heads} heads, vocab {args.vocab} "
@@ -172,14 +159,6 @@ def main() -> None:
               f"| {gb} GB ({gb / ARTICLE[base][0]:.2f}x), {speed}x")
     print("  (memory: the larger rank's peak over the memory before the model was built; speed: DDP's step time "
           "divided by the row's)")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -16,18 +16,23 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 
 import psutil
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import add_model_args, batches, build_model, count_params, timed_loop, trainer_step_times  # noqa: E402
+from harness import (  # noqa: E402
+    add_model_args,
+    batches,
+    build_model,
+    count_params,
+    run_variants,
+    timed_loop,
+    trainer_step_times,
+)
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -130,20 +135,9 @@ def main() -> None:
     args = parse_args()
     if args.variant is not None:
         return child(args)
-    times: dict[str, list[float]] = {name: [] for name in RUNS}
-    memory_of: dict[str, list] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.rounds):
-            for i, name in enumerate(RUNS):
-                result = os.path.join(tmp, f"{i}.json")
-                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.devices}",
-                       "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, *sys.argv[1:],
-                       "--variant", name, "--result", result]
-                subprocess.run(cmd, check=True)
-                with open(result) as f:
-                    out = json.load(f)
-                times[name] += out["times"]
-                memory_of[name] = out["memory"]
+    runs = run_variants(__file__, list(RUNS), "--variant", args.devices, args.rounds)
+    times = {name: [t for out in outs for t in out["times"]] for name, outs in runs.items()}
+    memory_of = {name: outs[-1]["memory"] for name, outs in runs.items()}
     n_params = count_params(args)
     print(f"\nzero3_overhead: {args.devices} x {args.device}, Llama {args.layers}x{args.hidden} "
           f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
@@ -155,12 +149,6 @@ def main() -> None:
                          for r, m in enumerate(memory_of[name]))
         print(f"  {name:<34} {med * 1e3:8.1f} ms/step  ratio {med / base:.3f}   {mems}")
     print("  (target: ratio <= 1.05 for disttrain_zero3; host RSS is each process's total after its run)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
