@@ -124,3 +124,12 @@ def test_unsafe_metadata_is_refused_with_the_fix(tmp_path, trained):
     with pytest.raises(CheckpointError, match=r"safe loading refuses.*weights_only=False"):
         load_sharded(path, {"model": model}, model)
     assert load_sharded(path, {"model": model}, model, weights_only=False)["hyper_parameters"]["root"] == Path("/x")
+
+
+def test_bad_export_prefix_names_the_fix(tmp_path, trained):
+    from disttrain.parallel.checkpoint import export_safetensors
+
+    with pytest.raises(ValueError, match=r"prefix='net\.' matches no parameter \(keys start like 'model\.embed"
+                                         r"_tokens\.weight'\); pass the submodule's attribute path"):
+        export_safetensors(trained[0], tmp_path / "x.safetensors", prefix="net.")
+    assert not (tmp_path / "x.safetensors").exists()

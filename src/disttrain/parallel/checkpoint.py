@@ -241,16 +241,32 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike, prefix: str = 
 
     ``prefix`` (e.g. ``"model."``) keeps only the keys of that submodule, with the prefix removed.
     """
-    state = model_state(model, full=True)
-    if prefix:
-        kept = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        if state and not kept:
-            raise ValueError(f"prefix={prefix!r} matches no parameter; keys start like {next(iter(state))!r}")
-        state = kept
+    return write_from_rank0(model_state(model, full=True), path, prefix)
+
+
+def select_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The entries under ``prefix``, with the prefix removed (all of them for ""); an error if none is."""
+    if not prefix:
+        return dict(state)
+    kept = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if not kept:
+        first = next(iter(state), None)
+        raise ValueError(f"prefix={prefix!r} matches no parameter (keys start like {first!r}); pass the"
+                         " submodule's attribute path with a trailing dot, e.g. prefix='model.'")
+    return kept
+
+
+def write_from_rank0(state: Mapping[str, Any], path: str | os.PathLike, prefix: str = "") -> Path:
+    """Collective: rank 0 (which holds the gathered ``state``) writes it as safetensors; a bad prefix is raised
+    on every rank instead of leaving the others waiting."""
     path = Path(path)
+    error: Exception | None = None
     if _rank() == 0:
-        write_safetensors(state, path)
-    _barrier()
+        try:
+            write_safetensors(select_prefix(state, prefix), path)
+        except ValueError as e:
+            error = e
+    _all_ranks_ok(error)
     return path
 
 
@@ -308,11 +324,6 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
         key = models[0]
     if key not in state:
         raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}; it holds {sorted(state)}")
-    weights = state[key]
-    if prefix:
-        weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-        if not weights:
-            raise CheckpointError(f"prefix={prefix!r} matches no key of {key!r}")
     output = Path(output)
-    write_safetensors(weights, output)
+    write_safetensors(select_prefix(state[key], prefix), output)
     return output

@@ -103,7 +103,7 @@ class FSDPEngine:
              strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
         """Restore ``targets`` (``{key: module | optimizer}``) in place; returns the rest. Non-tensor state is
         unpickled safely (``weights_only``) unless the caller explicitly passes False."""
-        path = ckpt.check_checkpoint(path)
+        # Each loader checks the path (a missing one goes to load_full, which names it).
         loader = ckpt.load_sharded if ckpt.is_sharded_checkpoint(path) else ckpt.load_full
         return loader(path, targets, model, strict=strict, weights_only=weights_only is not False)
 

@@ -201,21 +201,11 @@ def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix:
     """Gather a ZeRO-3 partitioned module on every rank and write its full state dict from rank 0 as safetensors.
     Collective: call on every rank."""
     import deepspeed
-    import torch.distributed as dist
 
-    from disttrain.parallel.checkpoint import write_safetensors
+    from disttrain.parallel.checkpoint import _rank, write_from_rank0
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
     state: dict[str, torch.Tensor] = {}
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        if rank == 0:
-            state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()
-                     if k.startswith(prefix)}
-    path = Path(path)
-    if rank == 0:
-        if prefix and not state:
-            raise ValueError(f"prefix={prefix!r} matches no parameter of {type(module).__name__}")
-        write_safetensors({k[len(prefix):]: v for k, v in state.items()}, path)
-    if dist.is_initialized():
-        dist.barrier()
-    return path
+        if _rank() == 0:
+            state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+    return write_from_rank0(state, path, prefix)
