@@ -2,6 +2,7 @@
 
 from disttrain.fabric.ddp import DDPStrategy
 from disttrain.fabric.fsdp import FSDP2MixedPrecision, FSDPStrategy
+from disttrain.fabric.megatron import MegatronStrategy
 from disttrain.fabric.zero import ZeroStrategy
 
-__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "ZeroStrategy"]
+__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "MegatronStrategy", "ZeroStrategy"]

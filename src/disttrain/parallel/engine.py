@@ -73,19 +73,20 @@ class FSDPEngine:
     def parallelize_with_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
                                     device: torch.device, precision: str) -> nn.Module:
         """``parallelize``, then point optimizers created before sharding (even on meta parameters) at the new
-        sharded parameters, so users can create the optimizer before or after setup as with DDP."""
-        before = list(module.parameters())
+        sharded parameters, so users can create the optimizer before or after setup as with DDP. Parameters that
+        left this rank (other pipeline stages) leave the optimizer too."""
+        before = {id(p): name for name, p in _named_parameters(module)}
         self.parallelize(module, device, precision)
-        after = list(module.parameters())
-        if len(before) != len(after):  # fully_shard keeps the order and number of parameters
-            raise RuntimeError(f"sharding changed the number of parameters ({len(before)} -> {len(after)})")
-        new_param = {id(old): new for old, new in zip(before, after)}
+        after = dict(_named_parameters(module))
         for optimizer in optimizers:
             if optimizer.state:
                 raise RuntimeError("the optimizer already has state (it stepped before setup); create or step it"
                                    " only after fabric.setup()")
             for group in optimizer.param_groups:
-                group["params"] = [new_param.get(id(p), p) for p in group["params"]]
+                names = [before.get(id(p)) for p in group["params"]]
+                if None in names:
+                    raise RuntimeError("the optimizer holds a parameter that is not in the model given to setup")
+                group["params"] = [after[n] for n in names if n in after]
         return module
 
     # -- checkpoints ----------------------------------------------------------------------------------------
@@ -116,3 +117,8 @@ class FSDPEngine:
     @staticmethod
     def export(model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         return ckpt.export_safetensors(model, path, prefix=prefix)
+
+
+def _named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameter names without the activation-checkpoint wrapper's part, so they match before and after."""
+    return [(name.replace("_checkpoint_wrapped_module.", ""), p) for name, p in module.named_parameters()]

@@ -2,6 +2,7 @@
 
 from disttrain.strategies.ddp import DDPStrategy
 from disttrain.strategies.fsdp import FSDP2MixedPrecision, FSDPStrategy
+from disttrain.strategies.megatron import MegatronStrategy
 from disttrain.strategies.zero import ZeroStrategy
 
-__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "ZeroStrategy"]
+__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "MegatronStrategy", "ZeroStrategy"]
