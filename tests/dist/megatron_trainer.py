@@ -59,7 +59,10 @@ class Module(L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss = self.step_loss(batch)
         self.log("train_loss", loss)
-        self.losses.append(loss.item())
+        global_loss = loss.detach().clone()  # the mean over data-parallel ranks = the global batch's loss
+        dp = self.trainer.strategy.engine.mesh["dp"]
+        torch.distributed.all_reduce(global_loss, group=dp.get_group())
+        self.losses.append(global_loss.item() / dp.size())
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -75,13 +78,16 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)  # SGD: exports comparable to 1e-6
 
 
-def reference(model: Module) -> tuple[list[float], float, dict]:
-    """One process, the same batches: losses, the validation loss, the trained weights. (The Trainer's
-    DistributedSampler shuffles training data with seed 0 even for an unshuffled loader; validation is in order.)"""
+def reference(model: Module, dp: int) -> tuple[list[float], float, dict]:
+    """One process, the global batches of ``dp`` data-parallel ranks: losses, the validation loss as the Trainer
+    logs it, the trained weights. (The Trainer's DistributedSampler shuffles training data with seed 0 even for an
+    unshuffled loader: the ranks' k-th batches together are the k-th slice of that order; validation is in order,
+    rank r taking every dp-th sample.)"""
     opt = model.configure_optimizers()
     order = torch.randperm(len(data()), generator=torch.Generator().manual_seed(0))
-    train_batches = list(DataLoader(torch.utils.data.Subset(data(), order.tolist()), batch_size=BATCH))
-    batches = list(DataLoader(data(), batch_size=BATCH))
+    train_batches = list(DataLoader(torch.utils.data.Subset(data(), order.tolist()), batch_size=BATCH * dp))
+    batches = [b for r in range(dp) for b in DataLoader(torch.utils.data.Subset(data(), range(r, len(data()), dp)),
+                                                         batch_size=BATCH)]
     losses = []
     for batch in train_batches[:STEPS]:
         loss = model.step_loss(batch)
@@ -95,7 +101,7 @@ def reference(model: Module) -> tuple[list[float], float, dict]:
 
 
 module = Module()
-ref_losses, ref_val, ref_state = reference(copy.deepcopy(module))
+initial = copy.deepcopy(module)
 trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=STEPS,
                     strategy=strategy_from_spec(spec, "trainer"), logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -104,6 +110,7 @@ loader = DataLoader(data(), batch_size=BATCH)
 trainer.fit(module, train_dataloaders=loader)
 val = trainer.validate(module, dataloaders=DataLoader(data(), batch_size=BATCH), verbose=False)[0]["val_loss"]
 
+ref_losses, ref_val, ref_state = reference(initial, trainer.strategy.engine.dims.dp)
 export = os.path.join(tmpdir(), f"trainer-{family}.safetensors")
 trainer.strategy.export_full(export, prefix="model.")
 diff = None

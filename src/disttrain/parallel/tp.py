@@ -8,6 +8,7 @@ tensor-parallel group (FSDP shards them over the data-parallel one).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -61,9 +62,8 @@ def check_heads(tp: int, **counts: int) -> None:
     """``check_heads(2, num_heads=12)``: every head count must be divisible by the tensor-parallel size."""
     for name, count in counts.items():
         if count % tp:
-            common = divisors(int(torch.tensor(list(counts.values())).gcd().item())) if len(counts) > 1 else \
-                divisors(count)
-            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={count}; choose {_sizes(common)}")
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={count}; choose"
+                             f" {_sizes(divisors(math.gcd(*counts.values())))}")
 
 
 def model_family(model: nn.Module) -> str | None:
