@@ -177,12 +177,12 @@ def _prune_vit(vit: nn.Module, keep: set[int], first: bool, last: bool) -> list[
 
 
 def block_sizes(model: nn.Module) -> tuple[list[int], int, int]:
-    """Parameters per block, plus those of the first stage's embeddings and the last stage's head."""
+    """Parameters per block, plus those of the first stage's embeddings and the last stage's head: the weights
+    that balance the stages (matmul parameters stand for compute)."""
     family = model_family(model)
     count = lambda m: sum(p.numel() for p in m.parameters()) if m is not None else 0  # noqa: E731
-    if family == "llama":
-        return [count(l) for l in model.model.layers], count(model.model.embed_tokens), \
-            count(model.model.norm) + count(model.lm_head)
+    if family == "llama":  # the embedding is a lookup: its parameters cost memory but no compute
+        return [count(l) for l in model.model.layers], 0, count(model.model.norm) + count(model.lm_head)
     if family == "vit":
         first = count(model.patch_embed) + sum(getattr(model, n).numel() for n in ("cls_token", "pos_embed", "reg_token")
                                                if getattr(model, n, None) is not None)
