@@ -85,10 +85,12 @@ TRAINER_CASES = {
     "vit-1f1b-loss-hook": ("vit", megatron(pipeline_parallel_size=2, microbatches=4), 2),
     "vit-tp2": ("vit", megatron(tensor_parallel_size=2), 2),
     "llama-tp2-ac": ("llama", megatron(tensor_parallel_size=2, activation_checkpointing=True), 2),
+    "llama-tp2-pp2": ("llama", megatron(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2), 4),
 }
 
 
-@pytest.mark.parametrize("case", list(TRAINER_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if TRAINER_CASES[c][2] > 2 else c
+                                  for c in TRAINER_CASES])
 def test_trainer_matches_one_process(tmp_path, case):
     family, spec, nproc = TRAINER_CASES[case]
     results = run_dist("megatron_trainer.py", tmp_path, spec, family, nproc=nproc)
