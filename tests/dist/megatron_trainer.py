@@ -1,8 +1,9 @@
 """disttrain_megatron through the Trainer on CPU/gloo, with training_step written for one process.
 
-Usage: megatron_trainer.py OUT SPEC MODEL    (MODEL: "llama" or "vit")
+Usage: megatron_trainer.py OUT SPEC MODEL [resume]    (MODEL: "llama" or "vit")
 Trains 3 steps (one process computes the reference in the same script), validates under the strategy, exports
-the full model and compares it with the reference model's state dict.
+the full model and compares it with the reference model's state dict. "resume" (llama): saves a checkpoint after
+the 3 steps (one epoch) and resumes it in a new Trainer for step 4.
 """
 
 import copy
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import dataset, strategy_from_spec, tiny_llama, tmpdir, write_result  # noqa: E402
 
 spec, family = sys.argv[2], sys.argv[3]
+resume = sys.argv[4:] == ["resume"]
 STEPS, BATCH = 3, 4
 
 
@@ -89,25 +91,37 @@ def reference(model: Module, dp: int) -> tuple[list[float], float, dict]:
     batches = [b for r in range(dp) for b in DataLoader(torch.utils.data.Subset(data(), range(r, len(data()), dp)),
                                                          batch_size=BATCH)]
     losses = []
-    for batch in train_batches[:STEPS]:
+
+    def train(batch) -> None:
         loss = model.step_loss(batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+
+    for batch in train_batches[:STEPS]:
+        train(batch)
     with torch.no_grad():
         val = sum(model.step_loss(b).item() for b in batches) / len(batches)
-    return losses, val, {k: v.detach().clone() for k, v in model.model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.model.state_dict().items()}
+    if resume:  # step 4 opens epoch 1, shuffled with seed 0 + 1
+        order = torch.randperm(len(data()), generator=torch.Generator().manual_seed(1))
+        train(next(iter(DataLoader(torch.utils.data.Subset(data(), order.tolist()), batch_size=BATCH * dp))))
+    return losses, val, state
 
 
 module = Module()
 initial = copy.deepcopy(module)
-trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=STEPS,
-                    strategy=strategy_from_spec(spec, "trainer"), logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    use_distributed_sampler=True)
-loader = DataLoader(data(), batch_size=BATCH)
-trainer.fit(module, train_dataloaders=loader)
+
+
+def make_trainer(steps: int) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=steps,
+                     strategy=strategy_from_spec(spec, "trainer"), logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+
+
+trainer = make_trainer(STEPS)
+trainer.fit(module, train_dataloaders=DataLoader(data(), batch_size=BATCH))
 val = trainer.validate(module, dataloaders=DataLoader(data(), batch_size=BATCH), verbose=False)[0]["val_loss"]
 
 ref_losses, ref_val, ref_state = reference(initial, trainer.strategy.engine.dims.dp)
@@ -120,5 +134,12 @@ if trainer.global_rank == 0:
     exported = load_file(export)
     assert sorted(exported) == sorted(ref_state), (sorted(set(exported) ^ set(ref_state)))
     diff = max((exported[k] - ref_state[k]).abs().max().item() for k in ref_state)
-write_result({"losses": module.losses, "ref_losses": ref_losses, "val": val, "ref_val": ref_val,
+resumed = None
+if resume:
+    ckpt = os.path.join(tmpdir(), "megatron-trainer.ckpt")
+    trainer.save_checkpoint(ckpt)
+    again = Module()  # fresh weights: everything must come from the checkpoint
+    make_trainer(STEPS + 1).fit(again, train_dataloaders=DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt)
+    resumed = again.losses
+write_result({"resumed": resumed, "losses": module.losses, "ref_losses": ref_losses, "val": val, "ref_val": ref_val,
               "export_diff": diff, "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in module.parameters())})
