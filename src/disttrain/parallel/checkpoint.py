@@ -325,7 +325,7 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
             except (Exception, CheckpointException) as e:
                 raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
     if key is None:
-        models = [k for k, v in state.items() if isinstance(v, Mapping) and "state" not in v]
+        models = [k for k, v in state.items() if isinstance(v, Mapping) and not _is_optimizer_state(v)]
         if len(models) != 1:
             raise CheckpointError(f"checkpoint {str(path)!r} holds {sorted(state)}; pass key= to pick the model")
         key = models[0]
@@ -334,3 +334,8 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
     output = Path(output)
     write_safetensors(select_prefix(state[key], prefix), output)
     return output
+
+
+def _is_optimizer_state(state: Mapping[str, Any]) -> bool:
+    """Nested ({"state", "param_groups"}) or flattened ("state.<fqn>.<name>", "param_groups.<fqn>.<name>")."""
+    return any(k in ("state", "param_groups") or k.startswith(("state.", "param_groups.")) for k in state)
