@@ -185,8 +185,9 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
         zero = strategy.startswith("disttrain_zero3")
         unit = spec.largest_unit
         if zero:
-            gathered = 2 * unit * cb  # the module being used and the one prefetched
-            buffers = gathered + min(ZERO3_REDUCE_BUCKET, P) * gb
+            # The module being used and the one prefetched, and the reduce bucket DeepSpeed allocates whole
+            # (reduce_bucket_size elements) when contiguous_gradients is on, as our config sets it.
+            buffers = 2 * unit * cb + ZERO3_REDUCE_BUCKET * gb
         else:
             # FSDP2 keeps the root (embeddings, head) gathered through forward and backward, gathers one block
             # and prefetches the next, and reduce-scatters one block's unsharded gradients.

@@ -1,0 +1,70 @@
+"""Per-rank memory measured under a registered strategy, next to the planner's estimate, on CPU processes.
+
+Usage: planner_measure.py OUT STRATEGY SIZE   (SIZE: tiny or small). Each rank writes the measured model-state
+bytes (after the second optimizer step, gradients still held) and the bytes the forward saved for backward, plus
+the planner's estimate for the same model, strategy, world size, micro-batch, sequence and precision.
+"""
+
+import os
+import sys
+
+import lightning as L
+import torch
+
+import disttrain  # noqa: F401  (registers the strategy names)
+from disttrain.planner import estimate
+from disttrain.planner.measure import SavedActivations, state_bytes
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import strategy_from_spec, write_result  # noqa: E402
+
+SIZES = {  # LlamaConfig keywords, micro-batch, sequence
+    "tiny": ({"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}, 2, 16),
+    "small": ({"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}, 2, 128),
+}
+
+
+def build(config: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=False, use_cache=False,
+                                        attn_implementation="sdpa"))
+
+
+def main() -> None:
+    spec, size = sys.argv[2], sys.argv[3]
+    strategy = spec.split(":")[0]
+    # "disttrain_megatron:tensor_parallel_size=2": the same sizes go to the strategy and to the estimate.
+    sizes = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(":")[1].split(","))} if ":" in spec else {}
+    config, batch, seq = SIZES[size]
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"))
+    fabric.launch()
+    with fabric.init_module(empty_init="zero3" in strategy or "fsdp" in strategy):
+        model = build(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    g = torch.Generator().manual_seed(fabric.global_rank)
+    acts, states = 0, {}
+    for _ in range(2):  # the first step creates the optimizer state; measure the second
+        ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=g)
+        with SavedActivations(model) as saved:
+            loss = model(input_ids=ids, labels=ids).loss
+        acts = saved.bytes()
+        fabric.backward(loss)
+        optimizer.step()
+        states = state_bytes(model, optimizer)
+        optimizer.zero_grad()
+    e = estimate(dict(config, attn_implementation="sdpa"), strategy, world_size=fabric.world_size,
+                 micro_batch=batch, seq_len=seq, precision="32-true", **sizes)
+    write_result({"measured": {"states": states["total"], "params": states["params"], "grads": states["grads"],
+                               "optimizer": states["optimizer"], "activations": acts},
+                  "estimate": {"states": e.states + e.host, "params": e.params, "grads": e.grads,
+                               "optimizer": e.optimizer, "host": e.host, "activations": e.activations,
+                               "buffers": e.buffers}})
+
+
+if __name__ == "__main__":
+    main()
