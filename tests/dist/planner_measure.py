@@ -1,7 +1,7 @@
 """Per-rank memory measured under a registered strategy, next to the planner's estimate, on CPU processes.
 
-Usage: planner_measure.py OUT STRATEGY SIZE   (SIZE: tiny or small). Each rank writes the measured model-state
-bytes (after the second optimizer step, gradients still held) and the bytes the forward saved for backward, plus
+Usage: planner_measure.py OUT STRATEGY [SIZE ...]   (SIZE: tiny, small; default both, in one launch). Each rank
+writes, per size, the measured model-state bytes (after the second optimizer step, gradients still held) and the bytes the forward saved for backward, plus
 the planner's estimate for the same model, strategy, world size, micro-batch, sequence and precision.
 """
 
@@ -34,14 +34,8 @@ def build(config: dict):
                                         attn_implementation="sdpa"))
 
 
-def main() -> None:
-    spec, size = sys.argv[2], sys.argv[3]
-    strategy = spec.split(":")[0]
-    # "disttrain_megatron:tensor_parallel_size=2": the same sizes go to the strategy and to the estimate.
-    sizes = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(":")[1].split(","))} if ":" in spec else {}
+def measure(fabric: L.Fabric, strategy: str, sizes: dict, size: str) -> dict:
     config, batch, seq = SIZES[size]
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"))
-    fabric.launch()
     with fabric.init_module(empty_init="zero3" in strategy or "fsdp" in strategy):
         model = build(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -53,18 +47,27 @@ def main() -> None:
         with SavedActivations(model) as saved:
             loss = model(input_ids=ids, labels=ids).loss
         acts = saved.bytes()
-        fabric.backward(loss)
+        fabric.backward(loss, model=model)  # DeepSpeed needs to know which engine when several exist
         optimizer.step()
         states = state_bytes(model, optimizer)
         optimizer.zero_grad()
     e = estimate(dict(config, attn_implementation="sdpa"), strategy, world_size=fabric.world_size,
                  micro_batch=batch, seq_len=seq, precision="32-true", **sizes)
-    write_result({"measured": {"states": states["total"], "params": states["params"], "grads": states["grads"],
-                               "optimizer": states["optimizer"], "activations": acts},
-                  "estimate": {"states": e.states + e.host, "params": e.params, "grads": e.grads,
-                               "optimizer": e.optimizer, "host": e.host, "activations": e.activations,
-                               "buffers": e.buffers}})
+    return {"measured": {"states": states["total"], "params": states["params"], "grads": states["grads"],
+                         "optimizer": states["optimizer"], "activations": acts},
+            "estimate": {"states": e.states + e.host, "params": e.params, "grads": e.grads,
+                         "optimizer": e.optimizer, "host": e.host, "activations": e.activations,
+                         "buffers": e.buffers}}
 
+
+def main() -> None:
+    spec = sys.argv[2]
+    strategy = spec.split(":")[0]
+    # "disttrain_megatron:tensor_parallel_size=2": the same sizes go to the strategy and to the estimate.
+    sizes = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(":")[1].split(","))} if ":" in spec else {}
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"))
+    fabric.launch()
+    write_result({size: measure(fabric, strategy, sizes, size) for size in (sys.argv[3:] or SIZES)})
 
 if __name__ == "__main__":
     main()
