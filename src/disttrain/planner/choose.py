@@ -70,22 +70,29 @@ class Plan:
             raise RuntimeError("no strategy fits:\n" + "\n".join(self.reasons))
         return self.choice.estimate.strategy
 
+    @property
+    def unit(self) -> tuple[str, int]:
+        return ("GiB", GiB) if self.hardware.memory >= 4 * GiB else ("MiB", 2**20)
+
     def table(self) -> str:
-        head = (f"{'strategy':<46} {'params+grads+optim':>18} {'activations':>11} {'buffers':>8} {'per rank':>9}"
-                f" {'host':>8} {'fits':>4} {'step s':>7}")
+        name, unit = self.unit
+        head = (f"{'strategy':<40} {'states ' + name:>11} {'activations':>11} {'buffers':>8} {'per rank':>9}"
+                f" {'host':>7} {'fits':>4} {'step s':>8}")
         lines = [head, "-" * len(head)]
         for c in self.candidates:
             e = c.estimate
-            lines.append(f"{c.label:<46} {_gib(e.states):>18} {_gib(e.activations):>11} {_gib(e.buffers):>8}"
-                         f" {_gib(e.device):>9} {_gib(e.host):>8} {'yes' if c.fits else 'no':>4}"
-                         f" {c.step_time:>7.2f}")
+            lines.append(f"{c.label:<40} {e.states / unit:>11.1f} {e.activations / unit:>11.1f}"
+                         f" {e.buffers / unit:>8.1f} {e.device / unit:>9.1f} {e.host / unit:>7.1f}"
+                         f" {'yes' if c.fits else 'no':>4} {c.step_time:>8.3g}")
         return "\n".join(lines)
 
     def report(self) -> str:
         hw = self.hardware
-        out = [f"model: {self.spec.family}, {self.spec.params / 1e9:.2f}B parameters; {self.world_size} x {hw.name}"
-               f" ({_gib(hw.memory)} GiB, usable {_gib(self.candidates[0].usable) if self.candidates else '?'} GiB"
-               f" per rank), {hw.gpus_per_node} per node", "", self.table(), ""]
+        name, unit = self.unit
+        usable = f"{self.candidates[0].usable / unit:.1f}" if self.candidates else "?"
+        out = [f"model: {self.spec.family}, {_count(self.spec.params)} parameters; {self.world_size} x {hw.name}"
+               f" ({hw.memory / unit:.1f} {name}, usable {usable} {name} per rank), {hw.gpus_per_node} per node."
+               f" Bytes per rank:", "", self.table(), ""]
         if self.choice is not None:
             out.append(f"recommendation: {self.choice.label}  {self.choice.strategy_options() or ''}".rstrip())
         else:
@@ -95,7 +102,11 @@ class Plan:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GiB:.1f}"
+    return f"{n / GiB:.1f}" if n >= 0.1 * GiB else f"{n / GiB:.3g}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def step_time(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
