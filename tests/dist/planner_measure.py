@@ -1,18 +1,21 @@
 """Per-rank memory measured under a registered strategy, next to the planner's estimate, on CPU processes.
 
-Usage: planner_measure.py OUT STRATEGY [SIZE ...]   (SIZE: tiny, small; default both, in one launch). Each rank
-writes, per size, the measured model-state bytes (after the second optimizer step, gradients still held) and the bytes the forward saved for backward, plus
+Usage: planner_measure.py OUT STRATEGY [SIZE ...] [--steps N]   (SIZE: tiny, small; default both, in one launch;
+N timed steps after the measured ones, for bench/strategy_table.py). Each rank writes, per size, the measured
+model-state bytes (after the second optimizer step, gradients still held) and the bytes the forward saved for backward, plus
 the planner's estimate for the same model, strategy, world size, micro-batch, sequence and precision.
 """
 
 import os
+import statistics
 import sys
+import time
 
 import lightning as L
 import torch
 
 import disttrain  # noqa: F401  (registers the strategy names)
-from disttrain.planner import estimate
+from disttrain.planner import detect, estimate, model_spec, step_time
 from disttrain.planner.measure import SavedActivations, state_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,7 +37,7 @@ def build(config: dict):
                                         attn_implementation="sdpa"))
 
 
-def measure(fabric: L.Fabric, strategy: str, sizes: dict, size: str) -> dict:
+def measure(fabric: L.Fabric, strategy: str, sizes: dict, size: str, timed_steps: int = 0) -> dict:
     config, batch, seq = SIZES[size]
     with fabric.init_module(empty_init="zero3" in strategy or "fsdp" in strategy):
         model = build(config)
@@ -51,10 +54,23 @@ def measure(fabric: L.Fabric, strategy: str, sizes: dict, size: str) -> dict:
         optimizer.step()
         states = state_bytes(model, optimizer)
         optimizer.zero_grad()
+    times = []
+    for _ in range(timed_steps):
+        ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=g)
+        fabric.barrier()
+        t0 = time.perf_counter()
+        fabric.backward(model(input_ids=ids, labels=ids).loss, model=model)
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.barrier()
+        times.append(time.perf_counter() - t0)
     e = estimate(dict(config, attn_implementation="sdpa"), strategy, world_size=fabric.world_size,
                  micro_batch=batch, seq_len=seq, precision="32-true", **sizes)
     return {"measured": {"states": states["total"], "params": states["params"], "grads": states["grads"],
-                         "optimizer": states["optimizer"], "activations": acts},
+                         "optimizer": states["optimizer"], "activations": acts,
+                         "step_s": statistics.median(times) if times else None},
+            "estimated_step_s": step_time(model_spec(dict(config, attn_implementation="sdpa")), e,
+                                          detect(torch.device("cpu"), fabric.world_size)),
             "estimate": {"states": e.states + e.host, "params": e.params, "grads": e.grads,
                          "optimizer": e.optimizer, "host": e.host, "activations": e.activations,
                          "buffers": e.buffers}}
@@ -67,7 +83,10 @@ def main() -> None:
     sizes = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(":")[1].split(","))} if ":" in spec else {}
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"))
     fabric.launch()
-    write_result({size: measure(fabric, strategy, sizes, size) for size in (sys.argv[3:] or SIZES)})
+    args = sys.argv[3:]
+    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 0
+    chosen = [a for a in args if a in SIZES] or list(SIZES)
+    write_result({size: measure(fabric, strategy, sizes, size, steps) for size in chosen})
 
 if __name__ == "__main__":
     main()
