@@ -26,6 +26,8 @@ SMALL_MODEL = 1e9
 THREE_D_MODEL = 10e9
 THREE_D_DEVICES = 16
 TIE = 0.03  # step times within 3% are a tie: the article's preference order decides
+# Strategies with an activation_checkpointing option (recomputation is tried only where the plain set-up does not fit).
+RECOMPUTE = ("disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_megatron")
 
 
 @dataclass
@@ -83,7 +85,8 @@ class Plan:
             e = c.estimate
             lines.append(f"{c.label:<40} {e.states / unit:>11.1f} {e.activations / unit:>11.1f}"
                          f" {e.buffers / unit:>8.1f} {e.device / unit:>9.1f} {e.host / unit:>7.1f}"
-                         f" {'yes' if c.fits else 'no':>4} {c.step_time:>8.3g}")
+                         f" {'yes' if c.fits else 'no':>4} {c.step_time:>8.3g}"
+                         + (f"  {c.why}" if c.fits and c.why else ""))
         return "\n".join(lines)
 
     def report(self) -> str:
@@ -168,7 +171,7 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Union[Hardware
         if setup["strategy"] not in allowed:
             continue
         for ac in (False, True):
-            if ac and spec.family not in ("llama", "vit"):
+            if ac and (spec.family not in ("llama", "vit") or setup["strategy"] not in RECOMPUTE):
                 continue
             e = estimate(spec, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                          activation_checkpointing=ac, optimizer=optimizer, **setup)
@@ -215,6 +218,7 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     admitted = []
     for c in fitting:
         if c.estimate.strategy == "disttrain_megatron" and not (big or not plain_dp):
+            c.why = "(not considered: 3D rule)"
             continue
         admitted.append(c)
     if any(c.estimate.strategy == "disttrain_megatron" for c in plan.candidates):

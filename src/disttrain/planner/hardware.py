@@ -55,7 +55,7 @@ PRESETS: dict[str, Hardware] = {
 def hardware(name: Optional[str] = None, memory: Union[str, int, None] = None, **overrides: float) -> Hardware:
     """A preset by name ("A100-40GB", "a100", "T4", ...), with ``memory=`` ("40GiB") and any field overridden.
     Without a name: an A100-class node (NVLink, 25 GB/s per GPU between nodes) with the memory given."""
-    base = _preset(name) if name else PRESETS["A100-80GB"]
+    base = _preset(name) if name else replace(PRESETS["A100-80GB"], name="A100-class GPU")
     if memory is not None:
         base = base.with_memory(memory)
     unknown = set(overrides) - set(Hardware.__dataclass_fields__)
