@@ -81,9 +81,11 @@ def detect(device: torch.device, world_size: int, gpus_per_node: Optional[int] =
     if device.type != "cuda":
         import psutil
 
-        # On CPU every rank shares the host: each may use its share of the memory that is free now.
-        per_rank = int(psutil.virtual_memory().available / max(1, min(world_size, gpus_per_node or world_size)))
-        return replace(PRESETS["cpu"], memory=per_rank, gpus_per_node=gpus_per_node or world_size)
+        # On CPU the ranks share the host's memory: each gets its share of the total (not of what is free now, which
+        # differs between ranks and would let them choose differently). Offloading to the host frees nothing there:
+        # no host memory beyond it.
+        per_rank = int(psutil.virtual_memory().total / max(1, min(world_size, gpus_per_node or world_size)))
+        return replace(PRESETS["cpu"], memory=per_rank, gpus_per_node=gpus_per_node or world_size, host_memory=0)
     props = torch.cuda.get_device_properties(device)
     name = props.name
     base = PRESETS["A100-80GB"]
