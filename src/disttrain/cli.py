@@ -114,6 +114,36 @@ def _strategies(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    from disttrain.planner import PRESETS, choose
+
+    parser = argparse.ArgumentParser(prog="disttrain plan", description="Estimate per-rank memory of every strategy"
+                                     " for a model on a machine, and recommend one (no model is allocated).")
+    parser.add_argument("--model", required=True, help="recipe YAML with a top-level `model:` mapping")
+    parser.add_argument("--gpus", type=int, required=True, help="number of devices (all nodes)")
+    parser.add_argument("--gpu-mem", default=None, help="memory per device, e.g. 40GiB (default: the preset's)")
+    parser.add_argument("--gpu", default=None, help=f"device preset for bandwidths and FLOP/s: {', '.join(PRESETS)}")
+    parser.add_argument("--gpus-per-node", type=int, default=None)
+    parser.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device between nodes")
+    parser.add_argument("--micro-batch", type=int, default=1, help="samples per device per step")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
+    args = parser.parse_args(argv)
+    overrides = {}
+    if args.gpus_per_node:
+        overrides["gpus_per_node"] = args.gpus_per_node
+    if args.inter_node_gbps:
+        overrides["inter_node_bw"] = args.inter_node_gbps * 1e9
+    from disttrain.planner import hardware
+
+    hw = hardware(args.gpu, args.gpu_mem, **overrides)
+    plan = choose(args.model, args.gpus, hw, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                  precision=args.precision, headroom=args.headroom)
+    print(plan.report())
+    return 0 if plan.choice is not None else 1
+
+
 USAGE = """usage: disttrain COMMAND ...
 
 commands:
@@ -122,6 +152,8 @@ commands:
   export CHECKPOINT OUTPUT.safetensors [--key state_dict] [--prefix model.]
                  consolidate a sharded checkpoint folder into one safetensors file
   strategies     list the registered disttrain strategy names
+  plan --model CONFIG.yaml --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
+                 per-rank memory of every strategy, whether it fits, and the recommended one
 """
 
 
@@ -131,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    commands = {"run": launch, "export": _export, "strategies": _strategies}
+    commands = {"run": launch, "export": _export, "strategies": _strategies, "plan": _plan}
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """Strategies for ``lightning.Fabric``. ``import disttrain`` registers them by name (``disttrain_fsdp``...)."""
 
+from disttrain.fabric.auto import AutoStrategy
 from disttrain.fabric.ddp import DDPStrategy
 from disttrain.fabric.fsdp import FSDP2MixedPrecision, FSDPStrategy
 from disttrain.fabric.megatron import MegatronStrategy
 from disttrain.fabric.zero import ZeroStrategy
 
-__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "MegatronStrategy", "ZeroStrategy"]
+__all__ = ["AutoStrategy", "DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "MegatronStrategy", "ZeroStrategy"]
