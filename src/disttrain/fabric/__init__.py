@@ -3,5 +3,6 @@
 from disttrain.fabric.ddp import DDPStrategy
 from disttrain.fabric.fsdp import FSDP2MixedPrecision, FSDPStrategy
 from disttrain.fabric.zero import ZeroStrategy
+from disttrain.fabric.recsys import RecsysStrategy
 
-__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "ZeroStrategy"]
+__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "ZeroStrategy", "RecsysStrategy"]

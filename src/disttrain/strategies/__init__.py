@@ -3,5 +3,6 @@
 from disttrain.strategies.ddp import DDPStrategy
 from disttrain.strategies.fsdp import FSDP2MixedPrecision, FSDPStrategy
 from disttrain.strategies.zero import ZeroStrategy
+from disttrain.strategies.recsys import RecsysStrategy
 
-__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "ZeroStrategy"]
+__all__ = ["DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "ZeroStrategy", "RecsysStrategy"]
