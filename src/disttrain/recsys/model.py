@@ -128,6 +128,7 @@ class DeepFM(L.LightningModule):
         self.model_config = load_model_config(config)
         self.save_hyperparameters({"model": self.model_config, "lr": lr})
         self.lr = lr
+        self.table_sizes = list(self.model_config["num_embeddings_per_feature"])  # readable after DMP wraps net
         self.net = DeepFMNet(**self.model_config, device=device)
         self.loss_fn = nn.BCEWithLogitsLoss()
         self._dense_optimizer: Optional[torch.optim.Optimizer] = None
