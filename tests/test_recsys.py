@@ -239,3 +239,28 @@ def _date(text: str):
     import datetime as dt
 
     return dt.date.fromisoformat(text)
+
+
+def test_deploy_files_run_the_daily_job():
+    import ast
+
+    import yaml
+
+    deploy = ROOT / "deploy"
+    cron = [line for line in (deploy / "crontab").read_text().splitlines() if line and not line.startswith("#")]
+    assert len(cron) == 1 and len(cron[0].split()[:5]) == 5 and "recipes/recsys/deepfm_daily.py" in cron[0]
+    service = (deploy / "systemd" / "deepfm-daily.service").read_text()
+    assert "Type=oneshot" in service and "recipes/recsys/deepfm_daily.py" in service
+    assert "OnCalendar=" in (deploy / "systemd" / "deepfm-daily.timer").read_text()
+    job = yaml.safe_load((deploy / "kubernetes" / "deepfm-daily-cronjob.yaml").read_text())
+    assert job["kind"] == "CronJob" and job["spec"]["concurrencyPolicy"] == "Forbid"
+    container = job["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    assert "recipes/recsys/deepfm_daily.py" in container["command"]
+    dag = ast.parse((deploy / "airflow" / "deepfm_daily_dag.py").read_text())
+    assert any(isinstance(n, ast.Constant) and "deepfm_daily.py" in str(n.value) for n in ast.walk(dag))
+    # the options the deploy files pass are the recipe's own
+    from disttrain.recsys.daily import parser
+
+    args = parser().parse_args(["--data-root", "/data/clicks", "--model-root", "/models/deepfm", "--run-date",
+                                "2026-11-29"])
+    assert str(args.run_date) == "2026-11-29"

@@ -191,13 +191,13 @@ class DailyJob:
         for d in plan:
             if d in trained:
                 continue
-            self._fit_day(module, loaded[d])
+            rows = self._fit_day(module, loaded[d])
             trained.append(d)
             progress = {"base_version": current.name if current else None, "plan": plan, "trained": trained,
                         "current_metrics": current_metrics, "run_date": run_date}
             engine.save(self.store.staging, module, {"progress": progress,
                                                      "dense_optimizer": module.configure_optimizers().state_dict()})
-            _log(f"{d}: trained on {loaded[d].rows} rows")
+            _log(f"{d}: trained on {rows} rows")
             _crash_point(f"after-day-{d}")
 
         metrics = self.evaluate(module, newest)
@@ -250,7 +250,8 @@ class DailyJob:
         metadata = engine.load(path, module)
         module.configure_optimizers().load_state_dict(metadata["dense_optimizer"])
 
-    def _fit_day(self, module: Any, day: Day) -> None:
+    def _fit_day(self, module: Any, day: Day) -> int:
+        """One epoch over the day's training rows (all but the held-out tail); returns their number."""
         import lightning as L
 
         from disttrain.strategies import RecsysStrategy
@@ -269,6 +270,7 @@ class DailyJob:
                                 enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                                 num_sanity_val_steps=0)
             trainer.fit(module, loader)
+        return train_rows.stop - train_rows.start
 
     def evaluate(self, module: Any, day: Day) -> dict[str, float]:
         return evaluate(module, day, float(self.daily["eval_fraction"]), int(self.train["batch_size"]), self.device)
