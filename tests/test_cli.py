@@ -43,4 +43,5 @@ def test_strategies_lists_the_name_table():
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0
     assert [line.split()[0] for line in proc.stdout.splitlines()] == \
-        ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload"]
+        ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
+         "disttrain_recsys"]

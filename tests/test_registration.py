@@ -28,7 +28,7 @@ def test_importing_twice_is_harmless():
 
 
 def test_names_not_implemented_are_not_registered():
-    for name in ("disttrain_megatron", "disttrain_recsys", "disttrain_auto"):
+    for name in ("disttrain_megatron", "disttrain_auto"):
         assert name not in StrategyRegistry and name not in STRATEGY_REGISTRY
 
 
