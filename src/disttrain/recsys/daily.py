@@ -257,7 +257,8 @@ class DailyJob:
         from disttrain.strategies import RecsysStrategy
 
         train_rows, _ = split_rows(day.rows, float(self.daily["eval_fraction"]))
-        dataset = DayBatches(day, train_rows, int(self.train["batch_size"]), module.table_sizes)
+        dataset = DayBatches(day, train_rows, int(self.train["batch_size"]), module.table_sizes,
+                             drop_last=self.world > 1)
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=self.world, rank=self.rank, shuffle=True,
                                                       seed=int(self.train["seed"]) + day.date.toordinal())
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=sampler)
@@ -270,7 +271,7 @@ class DailyJob:
                                 enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                                 num_sanity_val_steps=0)
             trainer.fit(module, loader)
-        return train_rows.stop - train_rows.start
+        return dataset.rows
 
     def evaluate(self, module: Any, day: Day) -> dict[str, float]:
         return evaluate(module, day, float(self.daily["eval_fraction"]), int(self.train["batch_size"]), self.device)
@@ -307,7 +308,8 @@ class DailyJob:
 def evaluate(module: Any, day: Day, eval_fraction: float, batch_size: int,
              device: torch.device = torch.device("cpu")) -> dict[str, float]:
     """Metrics of a DeepFM on the held-out rows of ``day``, over all ranks. Every rank runs the same number of
-    forward passes (DMP's all-to-alls need all ranks); a rank out of batches repeats one and does not count it."""
+    forward passes of the same size (DMP's collectives need all ranks); a rank out of batches repeats one and does
+    not count it."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     _, held = split_rows(day.rows, eval_fraction)
     dataset = DayBatches(day, held, batch_size, module.table_sizes)
@@ -317,9 +319,13 @@ def evaluate(module: Any, day: Day, eval_fraction: float, batch_size: int,
     for step in range(-(-len(dataset) // world)):
         index = step * world + rank
         dense, sparse, labels = dataset[min(index, len(dataset) - 1)]
+        valid = labels.shape[0] if index < len(dataset) else 0
+        if world > 1 and labels.shape[0] < batch_size:  # the same batch size on every rank: pad with row 0
+            pad = batch_size - labels.shape[0]
+            dense, sparse = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (dense, sparse))
         logits = module(dense.to(device), sparse.to(device))
-        if index < len(dataset):
-            metrics.update(logits, labels.to(device))
+        if valid:
+            metrics.update(logits[:valid], labels.to(device))
     module.train(was_training)
     return metrics.compute()
 

@@ -189,18 +189,26 @@ def split_rows(rows: int, eval_fraction: float) -> tuple[slice, slice]:
 class DayBatches(torch.utils.data.Dataset):
     """Contiguous batches of a row range of a day, as ``(dense, sparse hashed to the table sizes, labels)``
     tensors; item i is batch i (use ``DataLoader(batch_size=None)``). Contiguous reads keep the memory map
-    sequential; shuffle the batch order with the sampler."""
+    sequential; shuffle the batch order with the sampler. ``drop_last`` leaves out a final partial batch (several
+    processes: torchrec's collectives on gloo need the same batch size on every rank)."""
 
-    def __init__(self, day: Day, rows: slice, batch_size: int, table_sizes: Sequence[int]) -> None:
+    def __init__(self, day: Day, rows: slice, batch_size: int, table_sizes: Sequence[int],
+                 drop_last: bool = False) -> None:
         if len(table_sizes) != day.sparse.shape[1]:
             raise ValueError(f"the model has {len(table_sizes)} tables but the data has {day.sparse.shape[1]}"
                              " categorical columns; set num_embeddings_per_feature to one size per column")
         self.day, self.batch_size = day, batch_size
         self.start, self.stop = rows.start or 0, rows.stop
         self.sizes = np.asarray(table_sizes, dtype=np.int64)
+        self.drop_last = drop_last
 
     def __len__(self) -> int:
-        return (self.stop - self.start + self.batch_size - 1) // self.batch_size
+        rows = self.stop - self.start
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+
+    @property
+    def rows(self) -> int:
+        return min(len(self) * self.batch_size, self.stop - self.start)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lo = self.start + index * self.batch_size

@@ -12,7 +12,6 @@ import datetime as dt
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -98,15 +97,15 @@ def write_day(path: Path, model: PlantedModel, labels: np.ndarray, dense: np.nda
 
 def make_days(root: str | os.PathLike, days: int, rows_per_day: int, start: dt.date = dt.date(2026, 11, 1),
               seed: int = 0, drift: float = 0.05, missing: float = 0.02, bad_rows: int = 0,
-              first_index: Optional[int] = None) -> list[Path]:
+              first_index: int = 0) -> list[Path]:
     """Write ``days`` files ``day_YYYY-MM-DD.tsv`` from ``start`` on; returns their paths. Day ``k`` uses the
-    planted model after ``first_index + k`` drift steps (``first_index`` defaults to the days since ``start``
-    ... i.e. 0), so days generated in separate calls continue the same drift."""
+    planted model after ``first_index + k`` drift steps (default 0), so a later call with ``first_index`` = the
+    number of days written before continues the same drift."""
     if days < 1 or rows_per_day < 1:
         raise ValueError(f"days={days} and rows_per_day={rows_per_day} must both be at least 1")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    base = 0 if first_index is None else first_index
+    base = first_index
     paths = []
     for k in range(days):
         index = base + k
@@ -120,8 +119,9 @@ def make_days(root: str | os.PathLike, days: int, rows_per_day: int, start: dt.d
 
 def planted_auc(root_seed: int, day_index: int, rows: int = 20000, drift: float = 0.05) -> float:
     """The AUC of the planted model itself on fresh rows of a day: the ceiling a learned model can approach."""
-    from sklearn.metrics import roc_auc_score  # pragma: no cover  (diagnostic only)
+    import torch
+    from torchmetrics.functional.classification import binary_auroc
 
     model = planted_model(root_seed, day_index, drift)
     labels, dense, choice = sample_day(model, rows, seed=12345)
-    return float(roc_auc_score(labels, model.logits(dense, choice)))
+    return float(binary_auroc(torch.from_numpy(model.logits(dense, choice)), torch.from_numpy(labels)))
