@@ -116,7 +116,7 @@ def init_processes(accelerator: str) -> torch.device:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):  # torchrun
             dist.init_process_group(backend)
         else:
             with socket.socket() as s:
