@@ -139,7 +139,7 @@ class DeepFM(L.LightningModule):
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
         dense, sparse, labels = batch
         loss = self.loss_fn(self(dense, sparse), labels)
-        self.log("train_loss", loss, prog_bar=True, batch_size=labels.shape[0])
+        self.log("train_loss", loss, batch_size=labels.shape[0])
         return loss
 
     def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
