@@ -183,7 +183,6 @@ def _quiet_planner_logs() -> None:
     for name in ("torchrec.distributed.planner.types", "torchrec.distributed.planner.storage_reservations",
                  "torchrec.distributed.utils"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(dist.get_world_size()) if dist.is_initialized() else "1")
 
 
 def is_sharded(module: nn.Module) -> bool:
