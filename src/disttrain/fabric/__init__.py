@@ -5,5 +5,7 @@ from disttrain.fabric.ddp import DDPStrategy
 from disttrain.fabric.fsdp import FSDP2MixedPrecision, FSDPStrategy
 from disttrain.fabric.megatron import MegatronStrategy
 from disttrain.fabric.zero import ZeroStrategy
+from disttrain.fabric.recsys import RecsysStrategy
 
-__all__ = ["AutoStrategy", "DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "MegatronStrategy", "ZeroStrategy"]
+__all__ = ["AutoStrategy", "DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "MegatronStrategy",
+           "RecsysStrategy", "ZeroStrategy"]

@@ -20,6 +20,7 @@ from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.recsys import refuse_torchrec_tables
 
 
 class FSDPEngine:
@@ -61,6 +62,7 @@ class FSDPEngine:
             raise TypeError("the model is wrapped in FSDP1 (FullyShardedDataParallel); disttrain_fsdp applies FSDP2"
                             " itself: pass the plain model")
         if not isinstance(module, FSDPModule):
+            refuse_torchrec_tables(module, "disttrain_fsdp")
             for transform in self.module_transforms:
                 transform(module)
             apply_fsdp(module, self.mesh, self.options, precision, device)

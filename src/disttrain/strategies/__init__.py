@@ -5,5 +5,7 @@ from disttrain.strategies.ddp import DDPStrategy
 from disttrain.strategies.fsdp import FSDP2MixedPrecision, FSDPStrategy
 from disttrain.strategies.megatron import MegatronStrategy
 from disttrain.strategies.zero import ZeroStrategy
+from disttrain.strategies.recsys import RecsysStrategy
 
-__all__ = ["AutoStrategy", "DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "MegatronStrategy", "ZeroStrategy"]
+__all__ = ["AutoStrategy", "DDPStrategy", "FSDP2MixedPrecision", "FSDPStrategy", "MegatronStrategy",
+           "RecsysStrategy", "ZeroStrategy"]
