@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=None, help="overrides train.epochs")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (train.max_steps)")
     p.add_argument("--out", default="runs/vit", help="where the checkpoint and the export are written")
+    p.add_argument("--log-every", type=int, default=20, help="print the training loss every this many steps")
     p.add_argument("--resume", default=None, help="a checkpoint folder written by this recipe (e.g. runs/vit/ckpt)")
     # Used when started with plain `python`; under `lightning run model` the launcher's own options decide.
     p.add_argument("--accelerator", default="auto")
@@ -134,7 +135,7 @@ def make_loaders(fabric: L.Fabric, data: ImageFolderData) -> dict[str, Any]:
             "val": DataLoader(val.dataset, batch_size=val.batch_size, sampler=val_sampler, **common)}
 
 
-def fit(fabric: L.Fabric, state: dict, run: dict, out: Path) -> dict[str, float]:
+def fit(fabric: L.Fabric, state: dict, run: dict, out: Path, log_every: int) -> dict[str, float]:
     model, optimizer, scheduler = state["model"], state["optimizer"], state["scheduler"]
     cfg = run["vit"].train_config
     metrics: dict[str, float] = {}
@@ -149,7 +150,7 @@ def fit(fabric: L.Fabric, state: dict, run: dict, out: Path) -> dict[str, float]
             optimizer.zero_grad()
             scheduler.step()
             state["step"] += 1
-            if state["step"] % 10 == 0:
+            if state["step"] % log_every == 0:
                 rate = (state["step"] - first_step) / (time.perf_counter() - start)
                 fabric.print(f"epoch {epoch + 1} step {state['step']}: loss {loss.item():.4f}, {rate:.2f} steps/s")
             if cfg.max_steps and state["step"] >= cfg.max_steps:
@@ -186,7 +187,7 @@ def main() -> None:
         metrics = validate(fabric, state, run)
         fabric.print(f"already trained: val_acc {metrics['val_acc']:.4f}")
     else:
-        metrics = fit(fabric, state, run, out)
+        metrics = fit(fabric, state, run, out, args.log_every)
     export = export_timm(out / "export", run["vit"].model_args,
                          lambda path: _export_weights(fabric, state["model"], path),
                          data=run["vit"].data_config, class_names=run["classes"])
