@@ -10,8 +10,9 @@ on CPU; the planner will make this choice once it exists), and the source docume
 head-split tensor parallel (tp=2) x data parallel (``disttrain_megatron``), on an even number of CUDA devices;
 ``disttrain_fsdp`` otherwise. ``--strategy`` overrides it with any registered name.
 
-Writes under --out: ``ckpt`` (a resumable checkpoint, replaced atomically; ``--resume OUT/ckpt`` continues from
-it) and ``export`` (model.safetensors + config.json: ``timm.create_model("local-dir:OUT/export", pretrained=True)``).
+Writes under --out: ``ckpt`` (a resumable checkpoint, replaced atomically at epoch ends; ``--resume OUT/ckpt``
+continues from the next epoch, so a run stopped by --max-steps counts its last epoch as done) and ``export``
+(model.safetensors + config.json: ``timm.create_model("local-dir:OUT/export", pretrained=True)``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def world_size(args: argparse.Namespace, cuda: bool) -> int:
     return args.devices or (torch.cuda.device_count() if cuda else 2)
 
 
-def make_fabric(args: argparse.Namespace, precision: str, devices: int) -> L.Fabric:
+def make_fabric(args: argparse.Namespace, accelerator: str, precision: str, devices: int) -> L.Fabric:
     """Fabric with the launcher's settings; what the launcher left open comes from the args and the defaults."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
@@ -72,7 +73,7 @@ def make_fabric(args: argparse.Namespace, precision: str, devices: int) -> L.Fab
     if not os.environ.get("LT_PRECISION"):
         kwargs["precision"] = args.precision or precision
     if not os.environ.get("LT_STRATEGY"):
-        name, options = (args.strategy, {}) if args.strategy else default_strategy(devices, args.accelerator)
+        name, options = (args.strategy, {}) if args.strategy else default_strategy(devices, accelerator)
         row = STRATEGY_REGISTRY[name]
         kwargs["strategy"] = row["strategy"](**{**row["init_params"], **options}) if options else name
     return L.Fabric(**kwargs)
@@ -90,7 +91,7 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict, dict]:
         if getattr(args, key) is not None:
             setattr(vit.train_config, key, getattr(args, key))
 
-    fabric = make_fabric(args, vit.train_config.precision, devices)
+    fabric = make_fabric(args, accelerator, vit.train_config.precision, devices)
     if not os.environ.get("LT_CLI_USED"):
         fabric.launch()  # only with plain `python`: the launcher already started every process
     fabric.seed_everything(vit.train_config.seed)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning as L
-import torch
 from torch.utils.data import DataLoader
 
 from disttrain.parallel.options import build_options
@@ -174,7 +173,3 @@ class ImageFolderData(L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.config.batch_size, shuffle=False,
                           num_workers=self.config.num_workers, persistent_workers=self.config.num_workers > 0)
 
-
-def to_device_batch(batch: Any, device: torch.device) -> Any:
-    images, target = batch
-    return images.to(device, non_blocking=True), target.to(device, non_blocking=True)
