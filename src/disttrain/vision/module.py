@@ -112,7 +112,8 @@ class ViTClassifier(L.LightningModule):
         return values
 
     def on_validation_epoch_end(self) -> None:  # Trainer only
-        self.log_dict(self.validation_metrics(), prog_bar=True, rank_zero_only=True)
+        # Already reduced over ranks by torchmetrics: every rank logs the same values (ModelCheckpoint can monitor).
+        self.log_dict(self.validation_metrics(), prog_bar=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW without weight decay on biases, norms, position embedding and class token (timm's groups); linear
