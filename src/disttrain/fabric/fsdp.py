@@ -22,6 +22,9 @@ from disttrain.parallel.fsdp import FSDPOptions, set_gradient_sync
 from disttrain.parallel.options import build_options
 
 FSDP2MixedPrecision = fsdp2_mixed_precision_class(MixedPrecision)
+# fully_shard shards the module in place, so Fabric has no wrapper to redirect a LightningModule's step methods
+# through forward: FSDP2 itself must gather the root's parameters around them (as the Trainer adapter does).
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 class _GradientSyncControl(_BackwardSyncControl):
@@ -88,12 +91,13 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         return self.engine.mesh
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self.engine.parallelize(module, self.root_device, self.precision.precision)
+        return self.engine.parallelize(module, self.root_device, self.precision.precision,
+                                       forward_methods=_STEP_METHODS)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         module = self.engine.parallelize_with_optimizers(module, optimizers, self.root_device,
-                                                         self.precision.precision)
+                                                         self.precision.precision, _STEP_METHODS)
         return module, optimizers, scheduler
 
     def module_to_device(self, module: nn.Module) -> None:

@@ -73,12 +73,13 @@ class FSDPEngine:
         return module
 
     def parallelize_with_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
-                                    device: torch.device, precision: str) -> nn.Module:
+                                    device: torch.device, precision: str,
+                                    forward_methods: tuple[str, ...] = ()) -> nn.Module:
         """``parallelize``, then point optimizers created before sharding (even on meta parameters) at the new
         sharded parameters, so users can create the optimizer before or after setup as with DDP. Parameters that
         left this rank (other pipeline stages) leave the optimizer too."""
         before = {id(p): name for name, p in _named_parameters(module)}
-        self.parallelize(module, device, precision)
+        self.parallelize(module, device, precision, forward_methods)
         after = dict(_named_parameters(module))
         for optimizer in optimizers:
             if optimizer.state:
