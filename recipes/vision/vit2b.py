@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--devices", type=int, default=None, help="default: every GPU, or 2 CPU processes")
     p.add_argument("--strategy", default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=2,
+                   help="tensor-parallel ranks per head group under disttrain_megatron (default 2)")
     p.add_argument("--precision", default=None)
     return p.parse_args()
 
@@ -72,10 +74,20 @@ def make_fabric(args: argparse.Namespace, accelerator: str, precision: str, devi
         kwargs["devices"] = devices
     if not os.environ.get("LT_PRECISION"):
         kwargs["precision"] = args.precision or precision
-    if not os.environ.get("LT_STRATEGY"):
-        name, options = (args.strategy, {}) if args.strategy else default_strategy(devices, accelerator)
+    name = os.environ.get("LT_STRATEGY") or args.strategy
+    options: dict[str, Any] = {}
+    if name is None:
+        name, options = default_strategy(devices, accelerator)
+    if name == "disttrain_megatron":  # the source document's head-split TP: tp=2 unless told otherwise
+        options = {**options, "tensor_parallel_size": args.tensor_parallel_size}
+    if options:
+        # A launcher's --strategy names the strategy; its options come from this recipe. Fabric refuses a strategy
+        # object next to LT_STRATEGY, so the name is taken over here.
+        os.environ.pop("LT_STRATEGY", None)
         row = STRATEGY_REGISTRY[name]
-        kwargs["strategy"] = row["strategy"](**{**row["init_params"], **options}) if options else name
+        kwargs["strategy"] = row["strategy"](**{**row["init_params"], **options})
+    elif not os.environ.get("LT_STRATEGY"):
+        kwargs["strategy"] = name
     return L.Fabric(**kwargs)
 
 
