@@ -8,7 +8,15 @@ import pytest
 import torch
 import yaml
 
-from disttrain.planner import Hardware, choose, estimate, hardware, model_spec, parse_bytes, table_placement
+from disttrain.planner import (
+    Hardware,
+    choose,
+    estimate,
+    hardware,
+    model_spec,
+    parse_bytes,
+    table_placement,
+)
 from disttrain.planner.spec import meta_model
 
 # The three industrial cases' `model:` mappings (the recipes' YAML files carry the same keys).
