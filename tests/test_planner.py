@@ -8,7 +8,15 @@ import pytest
 import torch
 import yaml
 
-from disttrain.planner import Hardware, choose, estimate, hardware, model_spec, parse_bytes, table_placement
+from disttrain.planner import (
+    Hardware,
+    choose,
+    estimate,
+    hardware,
+    model_spec,
+    parse_bytes,
+    table_placement,
+)
 from disttrain.planner.spec import meta_model
 
 # The three industrial cases' `model:` mappings (the recipes' YAML files carry the same keys).
@@ -157,3 +165,20 @@ def test_cli_plan(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "disttrain.cli", "plan", "--model", str(path), "--gpus", "32",
                           "--gpu-mem", "lots"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "lots" in bad.stderr
+
+
+def test_step_time_follows_traffic_and_bandwidth():
+    from dataclasses import replace
+
+    from disttrain.planner import step_time
+
+    spec = model_spec(DIALOGUE_10B)
+    zero = estimate(spec, "disttrain_zero3", 32)
+    assert zero.comm["dp"] == pytest.approx(31 / 32 * spec.params * 6)  # bf16 all-gather x2 + bf16 reduce-scatter
+    ddp = estimate(spec, "disttrain_ddp", 32)
+    assert ddp.comm["dp"] == pytest.approx(2 * 31 / 32 * spec.params * 4)  # ring all-reduce of fp32 gradients
+    a100 = hardware("A100-40GB")
+    slow = replace(a100, inter_node_bw=a100.inter_node_bw / 4)
+    assert step_time(spec, zero, slow) > step_time(spec, zero, a100)  # communication-bound here
+    inside_a_node = estimate(spec, "disttrain_zero3", 8)
+    assert step_time(spec, inside_a_node, a100) < step_time(spec, zero, a100)  # NVLink instead of the network

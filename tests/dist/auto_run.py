@@ -14,7 +14,7 @@ import disttrain
 from disttrain.parallel import rank_state_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LlamaModule, fabric_train, loader, tiny_llama, write_result  # noqa: E402
+from common import LlamaModule, fabric_train, loader, tiny_llama, write_result
 
 entry = sys.argv[2]
 memory = sys.argv[3] if len(sys.argv) > 3 else None

@@ -19,7 +19,7 @@ from disttrain.planner import detect, estimate, model_spec, step_time
 from disttrain.planner.measure import SavedActivations, state_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import strategy_from_spec, write_result  # noqa: E402
+from common import strategy_from_spec, write_result
 
 SIZES = {  # LlamaConfig keywords, micro-batch, sequence
     "tiny": ({"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -4,8 +4,6 @@ model, so the model to plan for is an option: ``Fabric(strategy=AutoStrategy(mod
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning.fabric.plugins.precision import DeepSpeedPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 

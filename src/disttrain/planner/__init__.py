@@ -6,9 +6,31 @@
 """
 
 from disttrain.planner.choose import Candidate, Plan, choose, step_time
-from disttrain.planner.estimate import STRATEGIES, Estimate, activation_bytes, estimate, table_placement
+from disttrain.planner.estimate import (
+           STRATEGIES,
+           Estimate,
+           activation_bytes,
+           estimate,
+           table_placement,
+)
 from disttrain.planner.hardware import PRESETS, Hardware, detect, hardware
 from disttrain.planner.spec import ModelSpec, model_spec, parse_bytes
 
-__all__ = ["Candidate", "Estimate", "Hardware", "ModelSpec", "PRESETS", "Plan", "STRATEGIES", "activation_bytes",
-           "choose", "detect", "estimate", "hardware", "model_spec", "parse_bytes", "step_time", "table_placement"]
+__all__ = [
+           "PRESETS",
+           "STRATEGIES",
+           "Candidate",
+           "Estimate",
+           "Hardware",
+           "ModelSpec",
+           "Plan",
+           "activation_bytes",
+           "choose",
+           "detect",
+           "estimate",
+           "hardware",
+           "model_spec",
+           "parse_bytes",
+           "step_time",
+           "table_placement",
+]

@@ -15,11 +15,12 @@ checkpointing adds a forward (x 4/3).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Union
 
 from disttrain.planner.estimate import STRATEGIES, Estimate, estimate, flops_per_sample
-from disttrain.planner.hardware import GiB, Hardware, hardware as make_hardware
+from disttrain.planner.hardware import GiB, Hardware
+from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
 SMALL_MODEL = 1e9
@@ -63,7 +64,7 @@ class Plan:
     world_size: int
     hardware: Hardware
     candidates: list[Candidate]
-    choice: Optional[Candidate]
+    choice: Candidate | None
     reasons: list[str] = field(default_factory=list)
 
     @property
@@ -149,10 +150,10 @@ def candidates(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]:
     return out
 
 
-def choose(model_or_config: ModelLike, world_size: int, hardware: Union[Hardware, str, None] = None,
-           device_memory: Union[str, int, None] = None, micro_batch: int = 1, seq_len: Optional[int] = None,
-           precision: str = "bf16-mixed", headroom: float = 0.1, available: Optional[Iterable[str]] = None,
-           optimizer: Optional[str] = None) -> Plan:
+def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str | None = None,
+           device_memory: str | int | None = None, micro_batch: int = 1, seq_len: int | None = None,
+           precision: str = "bf16-mixed", headroom: float = 0.1, available: Iterable[str] | None = None,
+           optimizer: str | None = None) -> Plan:
     """The cheapest strategy that fits ``device_memory`` (minus ``headroom`` and the runtime's reserve) on
     ``world_size`` devices of ``hardware`` (a :class:`Hardware`, a preset name such as "A100-40GB", or None for an
     A100-class node). ``available`` limits the choice to these strategy names (e.g. the registered ones)."""

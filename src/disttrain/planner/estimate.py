@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
@@ -144,9 +143,9 @@ def flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
 
 
 def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_batch: int = 1,
-             seq_len: Optional[int] = None, precision: str = "bf16-mixed", activation_checkpointing: bool = False,
-             offload: Optional[bool] = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-             optimizer: Optional[str] = None) -> Estimate:
+             seq_len: int | None = None, precision: str = "bf16-mixed", activation_checkpointing: bool = False,
+             offload: bool | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+             optimizer: str | None = None) -> Estimate:
     """Per-rank bytes of ``model_or_config`` trained with ``strategy`` on ``world_size`` ranks.
 
     ``seq_len`` defaults to the model's (ViT: its patch count + 1; Llama: ``max_position_embeddings``).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
 
 import torch
 
@@ -32,7 +31,7 @@ class Hardware:
     mfu: float = 0.4
     reserved: int = GiB
 
-    def with_memory(self, memory: Union[str, int]) -> "Hardware":
+    def with_memory(self, memory: str | int) -> Hardware:
         return replace(self, memory=parse_bytes(memory))
 
 
@@ -52,7 +51,7 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
-def hardware(name: Optional[str] = None, memory: Union[str, int, None] = None, **overrides: float) -> Hardware:
+def hardware(name: str | None = None, memory: str | int | None = None, **overrides: float) -> Hardware:
     """A preset by name ("A100-40GB", "a100", "T4", ...), with ``memory=`` ("40GiB") and any field overridden.
     Without a name: an A100-class node (NVLink, 25 GB/s per GPU between nodes) with the memory given."""
     base = _preset(name) if name else replace(PRESETS["A100-80GB"], name="A100-class GPU")
@@ -76,7 +75,7 @@ def _preset(name: str) -> Hardware:
                      f" the bandwidths as numbers")
 
 
-def detect(device: torch.device, world_size: int, gpus_per_node: Optional[int] = None) -> Hardware:
+def detect(device: torch.device, world_size: int, gpus_per_node: int | None = None) -> Hardware:
     """The hardware of this process's device: memory and name from CUDA, links from the matching preset."""
     if device.type != "cuda":
         import psutil

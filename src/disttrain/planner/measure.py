@@ -10,7 +10,7 @@ have zero bytes by then) and the parameters themselves.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,18 +27,18 @@ class SavedActivations:
     """``with SavedActivations(model) as saved: loss = model(x)`` then ``saved.bytes()``: bytes of the unique
     storages autograd saved for backward during the block, parameters excluded."""
 
-    def __init__(self, model: Optional[nn.Module] = None) -> None:
+    def __init__(self, model: nn.Module | None = None) -> None:
         self.model = model
         self._saved: list[torch.Tensor] = []
         self._hooks: Any = None
 
-    def __enter__(self) -> "SavedActivations":
+    def __enter__(self) -> SavedActivations:
         self._saved = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
         self._final = self._count()
         self._saved = []

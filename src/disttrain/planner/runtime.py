@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from disttrain.planner.choose import Plan, choose
-from disttrain.planner.hardware import detect, hardware as make_hardware
+from disttrain.planner.hardware import detect
+from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelSpec, model_spec
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,10 @@ class AutoOptions:
 
     model: Any = None
     micro_batch: int = 1
-    seq_len: Optional[int] = None
+    seq_len: int | None = None
     headroom: float = 0.1
-    hardware: Optional[str] = None
-    device_memory: Optional[str] = None
+    hardware: str | None = None
+    device_memory: str | None = None
 
 
 def registered_choices() -> list[str]:

@@ -69,7 +69,7 @@ class ModelSpec:
         table = max(self.table_rows, default=0) * self.embedding_dim
         return max(self.layer_params, self.root_params if self.layers else 0, table) or self.params
 
-    def with_tokens(self, tokens: int) -> "ModelSpec":
+    def with_tokens(self, tokens: int) -> ModelSpec:
         return replace(self, tokens=tokens)
 
 
@@ -253,7 +253,7 @@ def _generic(module: nn.Module) -> ModelSpec:
     return ModelSpec("module", _count(module), layers=len(blocks), layer_params=layer)
 
 
-def parse_bytes(text: Union[str, int, float]) -> int:
+def parse_bytes(text: str | float) -> int:
     """``"40GiB"``, ``"16GB"``, ``"512MiB"``, ``40e9`` -> bytes. GB is 10^9, GiB 2^30 (a "40GB" A100 has 40 GiB)."""
     if isinstance(text, (int, float)):
         return int(text)
