@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from planner_accuracy import registered, run
 
 ROWS = ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
-        "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2"]
+        "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2,microbatches=2"]
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from conftest import run_dist
 from disttrain.names import STRATEGIES
 
 MEASURED = ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
-            "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2"]
+            "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2,microbatches=2"]
 REGISTERED = {name for name, *_ in STRATEGIES}
 
 

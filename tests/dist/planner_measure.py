@@ -80,7 +80,9 @@ def main() -> None:
     spec = sys.argv[2]
     strategy = spec.split(":")[0]
     # "disttrain_megatron:tensor_parallel_size=2": the same sizes go to the strategy and to the estimate.
-    sizes = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(":")[1].split(","))} if ":" in spec else {}
+    options = dict(kv.split("=") for kv in spec.split(":")[1].split(",")) if ":" in spec else {}
+    sizes = {k: int(v) for k, v in options.items() if k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                                  "microbatches")}
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"))
     fabric.launch()
     args = sys.argv[3:]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel.ac import apply_ac
@@ -89,9 +89,10 @@ class MegatronEngine(FSDPEngine):
     def parallelize(self, module: nn.Module, device: torch.device, precision: str,
                     forward_methods: tuple[str, ...] = ()) -> nn.Module:
         assert self.mesh is not None and self.dims is not None, "setup_mesh() first"
-        if isinstance(module, FSDPModule) or self.pipeline is not None:
+        if getattr(module, "_disttrain_megatron", False):  # set up before (a Trainer re-setup): only materialise
             materialize(module, device)
             return module
+        module._disttrain_megatron = True
         for transform in self.module_transforms:
             transform(module)
         prefix, target = self._target(module)

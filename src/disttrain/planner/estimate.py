@@ -145,12 +145,14 @@ def flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
 def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_batch: int = 1,
              seq_len: int | None = None, precision: str = "bf16-mixed", activation_checkpointing: bool = False,
              offload: bool | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-             optimizer: str | None = None) -> Estimate:
+             optimizer: str | None = None, microbatches: int | None = None) -> Estimate:
     """Per-rank bytes of ``model_or_config`` trained with ``strategy`` on ``world_size`` ranks.
 
     ``seq_len`` defaults to the model's (ViT: its patch count + 1; Llama: ``max_position_embeddings``).
     ``offload=True`` turns ``disttrain_fsdp``/``disttrain_zero3`` into their ``_offload`` variants.
     ``optimizer`` is "adamw" (default) or "adagrad"/"sgd"/"rowwise_adagrad" (DeepFM's tables default to Adagrad).
+    ``microbatches``: pipeline microbatches the ``micro_batch`` samples are split into (``disttrain_megatron``'s
+    default, ``2 * pipeline_parallel_size``, when None).
     """
     spec = model_spec(model_or_config)
     if strategy not in STRATEGIES:
@@ -205,12 +207,12 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
 
     if strategy == "disttrain_megatron":
         return _megatron(spec, est, n, t, p, micro_batch, seq, activation_checkpointing, (pb, gb, ob, cb, rb),
-                         samples)
+                         samples, microbatches or 2 * p)
     return _recsys(spec, est, n, micro_batch, (pb, gb, ob, cb, rb), acts, opt)
 
 
 def _megatron(spec: ModelSpec, est: dict, n: int, t: int, p: int, b: int, s: int, ac: bool,
-              sizes: tuple[int, int, int, int, int], samples: int) -> Estimate:
+              sizes: tuple[int, int, int, int, int], samples: int, m: int) -> Estimate:
     pb, gb, ob, cb, rb = sizes
     if spec.family not in ("llama", "vit"):
         raise ValueError(f"disttrain_megatron splits attention heads and MLPs of Llama/ViT blocks; a {spec.family} "
@@ -232,8 +234,8 @@ def _megatron(spec: ModelSpec, est: dict, n: int, t: int, p: int, b: int, s: int
     shard = math.ceil(local / dp)  # FSDP on the data dimension
     cb_act = cb if est["precision"] != "32-true" else 4
     per_mb = activation_bytes(spec, b, s, cb_act, ac, tensor_parallel_size=t)
-    # 1F1B: the first stage holds p micro-batches of its layers/p blocks, i.e. one micro-batch of every block.
-    acts = per_mb
+    # 1F1B: the first stage holds min(p, m) pipeline microbatches (b/m samples each) of its layers/p blocks.
+    acts = per_mb * min(p, m) / (p * m) if p > 1 else per_mb
     micro_steps = t * p  # micro-batches per data-parallel group for the same global batch as the other strategies
     width = s * b * spec.hidden * cb
     buffers = 2 * width * (t > 1) + 2 * width * (p > 1)
