@@ -22,6 +22,9 @@ from disttrain.parallel.fsdp import FSDPOptions, set_gradient_sync
 from disttrain.parallel.options import build_options
 
 FSDP2MixedPrecision = fsdp2_mixed_precision_class(MixedPrecision)
+# A LightningModule set up with Fabric is called through these (fabric marks them as forward methods, but does not
+# redirect them through forward when the module is sharded in place): FSDP2 must gather the root around them too.
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 class _GradientSyncControl(_BackwardSyncControl):
@@ -87,12 +90,13 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         return self.engine.mesh
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self.engine.parallelize(module, self.root_device, self.precision.precision)
+        return self.engine.parallelize(module, self.root_device, self.precision.precision,
+                                       forward_methods=_STEP_METHODS)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         module = self.engine.parallelize_with_optimizers(module, optimizers, self.root_device,
-                                                         self.precision.precision)
+                                                         self.precision.precision, forward_methods=_STEP_METHODS)
         return module, optimizers, scheduler
 
     def module_to_device(self, module: nn.Module) -> None:

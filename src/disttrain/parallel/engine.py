@@ -71,11 +71,12 @@ class FSDPEngine:
         return module
 
     def parallelize_with_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
-                                    device: torch.device, precision: str) -> nn.Module:
+                                    device: torch.device, precision: str,
+                                    forward_methods: tuple[str, ...] = ()) -> nn.Module:
         """``parallelize``, then point optimizers created before sharding (even on meta parameters) at the new
         sharded parameters, so users can create the optimizer before or after setup as with DDP."""
         before = list(module.parameters())
-        self.parallelize(module, device, precision)
+        self.parallelize(module, device, precision, forward_methods)
         after = list(module.parameters())
         if len(before) != len(after):  # fully_shard keeps the order and number of parameters
             raise RuntimeError(f"sharding changed the number of parameters ({len(before)} -> {len(after)})")
