@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="default: train.lr")
     p.add_argument("--out", default="runs/dialogue_llm", help="checkpoints and the HF export go here")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: none)")
+    p.add_argument("--log-every", type=int, default=0, help="print the train loss every N steps (0: at evals)")
     p.add_argument("--resume", default=None, help="a checkpoint folder written by --save-every")
     p.add_argument("--prompt", default=None, help="sample prompt answered after training (default: train.prompt)")
     p.add_argument("--demo-root", default=str(DEFAULT_DEMO_ROOT), help="where the demo data is built")
@@ -201,6 +202,8 @@ def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
             state["tokens_per_s"] = rates["throughput/tokens_per_s"]
         loss_value = fabric.all_reduce(step_loss, reduce_op="mean").item()
         state["losses"][step] = loss_value
+        if run["args"].log_every and step % run["args"].log_every == 0:
+            fabric.print(f"step {step:4d}  train loss {loss_value:.6f}")
         if step % eval_every == 0 or step == steps:
             held_out = validate(fabric, state, run)
             tps = state.get("tokens_per_s", float("nan"))
