@@ -34,7 +34,8 @@ from disttrain.callbacks import GradientAccumulation, Throughput, apply_fast_att
 from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_datasets, export_hf, load_tokenizer, \
     read_jsonl, read_recipe_config, reply_from_export
 from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
-from disttrain.nlp.data import collate, loss_tokens
+from disttrain.nlp.data import collate
+from disttrain.nlp.module import lr_factor
 from disttrain.parallel.checkpoint import export_safetensors
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
@@ -120,8 +121,9 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     with fabric.init_module(empty_init=True):  # meta device / zero.Init: shards only, for any model size
         module.configure_model()
     attention = apply_fast_attention(module, device=fabric.device)
-    optimizers = module.configure_optimizers()
-    optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    # The schedule is applied by hand each step (set_lr): DeepSpeed's ZeRO-3 optimizer regroups the parameters, so
+    # a torch LR scheduler bound to the optimizer before setup would no longer match its param groups.
+    optimizer = module.configure_optimizers()["optimizer"]
     model, optimizer = fabric.setup(module, optimizer)
 
     sampler_kwargs = {"num_replicas": dp, "rank": _data_parallel_rank(fabric)}
@@ -135,7 +137,7 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
         raise DataError(f"{len(train_set)} packed rows make no batch of {micro} per rank on {dp} ranks; use more"
                         " data or a smaller train.micro_batch_size")
 
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler, "step": 0}
+    state = {"model": model, "optimizer": optimizer, "sampler": sampler, "step": 0}
     if args.resume:
         fabric.load(args.resume, state)
     run = {"args": args, "cfg": cfg, "tokenizer": tokenizer, "accumulation": accumulation, "steps": steps,
@@ -174,7 +176,7 @@ def validate(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> di
 
 
 def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
-    model, optimizer, scheduler, sampler = state["model"], state["optimizer"], state["scheduler"], state["sampler"]
+    model, optimizer, sampler = state["model"], state["optimizer"], state["sampler"]
     acc: GradientAccumulation = run["accumulation"]
     cfg, steps = run["cfg"], run["steps"]
     eval_every = int(cfg["train"].get("eval_every", 10))
@@ -184,6 +186,7 @@ def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
     state["losses"] = {}
     start = time.perf_counter()
     for step in range(state["step"] + 1, steps + 1):
+        set_lr(optimizer, run["module"].hparams, step - 1)
         step_loss, tokens, samples = torch.zeros((), device=fabric.device), 0, 0
         for micro in range(acc.steps):
             batch = next(data)
@@ -195,7 +198,6 @@ def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
             tokens, samples = tokens + batch["input_ids"].numel(), samples + batch["input_ids"].shape[0]
         optimizer.step()
         optimizer.zero_grad()
-        scheduler.step()
         state["step"] = step
         rates = throughput.step(fabric, tokens=tokens, samples=samples)
         if rates:
@@ -217,8 +219,15 @@ def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
     state["seconds"] = time.perf_counter() - start
 
 
+def set_lr(optimizer: Any, hparams: Any, step: int) -> None:
+    """Warm-up then cosine decay (DialogueLM's schedule) for 0-based optimizer ``step``."""
+    lr = hparams.lr * lr_factor(step, hparams.warmup_steps, hparams.max_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def state_to_save(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: state[k] for k in ("model", "optimizer", "scheduler", "sampler", "step")}
+    return {k: state[k] for k in ("model", "optimizer", "sampler", "step")}
 
 
 def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> Path:
