@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=0, help="print the train loss every N steps (0: at evals)")
     p.add_argument("--resume", default=None, help="a checkpoint folder written by --save-every")
     p.add_argument("--prompt", default=None, help="sample prompt answered after training (default: train.prompt)")
-    p.add_argument("--demo-root", default=str(DEFAULT_DEMO_ROOT), help="where the demo data is built")
+    p.add_argument("--demo-root", default=str(ROOT / DEFAULT_DEMO_ROOT), help="where the demo data is built")
     # Only for plain `python`: under `lightning run model` the launcher's own options decide.
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--devices", type=int, default=2)
@@ -93,7 +93,7 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
         precision=precision)
     micro = int(train.get("micro_batch_size", 8))
-    dp = _data_parallel_size(fabric)
+    dp = _sampler_kwargs(fabric)["num_replicas"]
     accumulation = GradientAccumulation(global_batch_size=int(train.get("global_batch_size") or micro * dp))
     accumulation.attach(fabric, micro)  # before launch: feeds disttrain_zero3's DeepSpeed config
     if not cli:
@@ -126,7 +126,7 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     optimizer = module.configure_optimizers()["optimizer"]
     model, optimizer = fabric.setup(module, optimizer)
 
-    sampler_kwargs = {"num_replicas": dp, "rank": _data_parallel_rank(fabric)}
+    sampler_kwargs = _sampler_kwargs(fabric)
     sampler = ResumableSampler(train_set, seed=int(data.get("seed", 0)), **sampler_kwargs)
     val_sampler = ResumableSampler(val_set, shuffle=False, drop_last=False, **sampler_kwargs)
     train_loader, val_loader = fabric.setup_dataloaders(
@@ -146,14 +146,15 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     return fabric, state, run
 
 
-def _data_parallel_size(fabric: L.Fabric) -> int:
-    kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", 1))
-
-
-def _data_parallel_rank(fabric: L.Fabric) -> int:
-    kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("rank", 0))
+def _sampler_kwargs(fabric: L.Fabric) -> dict[str, int]:
+    """Data-parallel size and rank (ranks of one tensor/pipeline group share data). Before the processes are set
+    up (plain `python`, ahead of fabric.launch) the strategy cannot say yet: every rank is then data-parallel."""
+    try:
+        kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {}
+    except (AssertionError, RuntimeError):
+        kwargs = {}
+    return {"num_replicas": int(kwargs.get("num_replicas", fabric.world_size)),
+            "rank": int(kwargs.get("rank", fabric.global_rank))}
 
 
 def batches(loader: Any, sampler: ResumableSampler) -> Iterator[dict[str, torch.Tensor]]:
@@ -181,7 +182,9 @@ def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
     cfg, steps = run["cfg"], run["steps"]
     eval_every = int(cfg["train"].get("eval_every", 10))
     save_every = run["args"].save_every
-    throughput = Throughput(transformer=run["module"].config, every_n_steps=max(2, eval_every), seq_len=run["seq_len"])
+    # Report the rate at the evaluations (or at the end of a run shorter than eval_every); a rate needs 2 steps.
+    throughput = Throughput(transformer=run["module"].config, every_n_steps=max(2, min(eval_every, steps - state["step"])),
+                            seq_len=run["seq_len"])
     data = batches(run["train_loader"], sampler)
     state["losses"] = {}
     start = time.perf_counter()
@@ -208,9 +211,9 @@ def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
             fabric.print(f"step {step:4d}  train loss {loss_value:.6f}")
         if step % eval_every == 0 or step == steps:
             held_out = validate(fabric, state, run)
-            tps = state.get("tokens_per_s", float("nan"))
+            tps = f"{state['tokens_per_s']:,.0f}" if "tokens_per_s" in state else "-"
             fabric.print(f"step {step:4d}  train loss {loss_value:.3f}  held-out loss {held_out['val/loss']:.3f}"
-                         f"  held-out perplexity {held_out['val/ppl']:.1f}  {tps:,.0f} tokens/s")
+                         f"  held-out perplexity {held_out['val/ppl']:.1f}  {tps} tokens/s")
             state["held_out"] = held_out
         if save_every and step % save_every == 0:
             path = Path(run["args"].out) / "checkpoints" / f"step-{step:06d}"
