@@ -183,8 +183,8 @@ def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
     eval_every = int(cfg["train"].get("eval_every", 10))
     save_every = run["args"].save_every
     # Report the rate at the evaluations (or at the end of a run shorter than eval_every); a rate needs 2 steps.
-    throughput = Throughput(transformer=run["module"].config, every_n_steps=max(2, min(eval_every, steps - state["step"])),
-                            seq_len=run["seq_len"])
+    every = max(2, min(eval_every, steps - state["step"]))
+    throughput = Throughput(transformer=run["module"].config, every_n_steps=every, seq_len=run["seq_len"])
     data = batches(run["train_loader"], sampler)
     state["losses"] = {}
     start = time.perf_counter()

@@ -156,7 +156,7 @@ class DialogueLM(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         metrics = self.validation_metrics()
         self.last_validation = metrics
-        self.log_dict(metrics, prog_bar=True, rank_zero_only=True)
+        self.log_dict(metrics, prog_bar=True, sync_dist=True)  # equal on every rank already; no warning
 
     # -- optimizer ------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:
