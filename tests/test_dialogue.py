@@ -270,9 +270,12 @@ def test_recipe_runs_under_other_strategies(tmp_path, demo, strategy):
 
 
 @pytest.mark.slow
-def test_trainer_fsdp_lowers_held_out_loss(tmp_path, demo):
+def test_trainer_fsdp_lowers_held_out_loss_and_resumes_mid_epoch(tmp_path, demo):
     results = run_dist("dialogue_trainer.py", tmp_path, str(demo[0]))
     r = results[0]
     assert r["after"] < 0.9 * r["before"], r
     assert results[1]["after"] == pytest.approx(r["after"])  # every rank reports the same held-out loss
-    assert r["reply_is_text"] and r["sampler_position"] > 0
+    assert r["reply_is_text"]
+    for rank in results:  # 12 batches of 8 rows, then 3 more after the resume, all inside epoch 0
+        assert (rank["sampler_position"], rank["resumed_position"]) == (96, 120)
+        assert rank["resumed_batches"] == rank["expected_batches"] and rank["first_batches_differ"]

@@ -249,7 +249,10 @@ def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> Path
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    fabric, state, run = setup(args)
+    try:
+        fabric, state, run = setup(args)
+    except (DataError, FileNotFoundError) as e:  # bad data or paths: the message says what to fix
+        raise SystemExit(f"dialogue_llm: error: {e}") from None
     module, stats = run["module"], run["stats"]
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
     fabric.print(f"{type(fabric.strategy).__name__} on {fabric.world_size} x {fabric.device.type}: Llama with "

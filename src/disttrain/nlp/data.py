@@ -11,7 +11,6 @@ packed dialogues never attend to each other (``tests/test_dialogue.py`` proves i
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -255,10 +254,6 @@ class ResumableSampler(DistributedSampler):
                              f"seed {state['seed']}, this run has {self.num_replicas} and {self.seed}; resume with "
                              "the same number of data-parallel ranks and seed")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-def batches_per_epoch(sampler: ResumableSampler, batch_size: int) -> int:
-    return math.ceil(sampler.num_samples / batch_size)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:

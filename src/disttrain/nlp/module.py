@@ -95,7 +95,9 @@ class DialogueLM(L.LightningModule):
         if pretrained is not None and not Path(pretrained).is_dir():
             raise FileNotFoundError(f"pretrained={pretrained!r} is not a folder; pass a local Hugging Face model"
                                     " folder (config.json + weights); nothing is downloaded")
-        self.save_hyperparameters(ignore=["config"])
+        if isinstance(config, os.PathLike):
+            config = str(config)  # checkpoints are read with weights_only=True: plain types only
+        self.save_hyperparameters()
         self.config = llama_config(pretrained if pretrained is not None else config)
         self.pretrained = pretrained
         self.model: Optional[nn.Module] = None
@@ -173,7 +175,9 @@ class DialogueLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- data position (resumable mid-epoch under the Trainer) ----------------------------------------------
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Counted at the start: Lightning's ModelCheckpoint saves in on_train_batch_end *before* the module's own
+        # on_train_batch_end runs, and its checkpoint must already count the batch it was taken after.
         sampler = getattr(self.trainer.datamodule, "train_sampler", None) if self._fabric is None else None
         if sampler is not None:
             sampler.advance(batch["input_ids"].shape[0])
