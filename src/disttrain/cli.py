@@ -114,6 +114,69 @@ def _strategies(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    from disttrain.planner import PRESETS, choose
+
+    parser = argparse.ArgumentParser(prog="disttrain plan", description="Estimate per-rank memory of every strategy"
+                                     " for a model on a machine, and recommend one (no model is allocated).")
+    parser.add_argument("--model", required=True, help="recipe YAML with a top-level `model:` mapping")
+    parser.add_argument("--gpus", type=int, required=True, help="number of devices (all nodes)")
+    parser.add_argument("--gpu-mem", default=None, help="memory per device, e.g. 40GiB (default: the preset's)")
+    parser.add_argument("--gpu", default=None, help=f"device preset for bandwidths and FLOP/s: {', '.join(PRESETS)}")
+    parser.add_argument("--gpus-per-node", type=int, default=None)
+    parser.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device between nodes")
+    parser.add_argument("--micro-batch", type=int, default=1, help="samples per device per step")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
+    args = parser.parse_args(argv)
+    overrides = {}
+    if args.gpus_per_node:
+        overrides["gpus_per_node"] = args.gpus_per_node
+    if args.inter_node_gbps:
+        overrides["inter_node_bw"] = args.inter_node_gbps * 1e9
+    from disttrain.planner import hardware
+
+    hw = hardware(args.gpu, args.gpu_mem, **overrides)
+    plan = choose(args.model, args.gpus, hw, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                  precision=args.precision, headroom=args.headroom)
+    print(plan.report())
+    return 0 if plan.choice is not None else 1
+
+
+def _recsys(argv: list[str]) -> int:
+    """``disttrain recsys make-data|daily ...``: the demo data generator and the daily DeepFM job."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: disttrain recsys make-data OUT_DIR [--days N --rows R --start YYYY-MM-DD --seed S ...]\n"
+              "       disttrain recsys daily --data-root DIR --model-root DIR [--run-date YYYY-MM-DD] [--force]")
+        return 0
+    if argv[0] == "daily":
+        from disttrain.recsys.daily import main as daily_main
+
+        return daily_main(argv[1:], prog="disttrain recsys daily")
+    if argv[0] != "make-data":
+        raise ValueError(f"unknown recsys command {argv[0]!r}; use make-data or daily")
+    from disttrain.recsys.data import parse_date
+    from disttrain.recsys.synthetic import make_days
+
+    parser = argparse.ArgumentParser(prog="disttrain recsys make-data", description="Write Criteo-format days"
+                                     " (day_YYYY-MM-DD.tsv) drawn from a planted ground-truth model with daily drift.")
+    parser.add_argument("out", help="folder to write the day files into")
+    parser.add_argument("--days", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=50000, help="rows per day")
+    parser.add_argument("--start", type=parse_date, default=parse_date("2026-11-01"), help="date of the first day")
+    parser.add_argument("--first-index", type=int, default=0,
+                        help="drift steps before the first day (continue an earlier call: its --days count)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the planted model")
+    parser.add_argument("--drift", type=float, default=0.05, help="daily drift of the planted model")
+    parser.add_argument("--bad-rows", type=int, default=0, help="malformed rows mixed into each day")
+    args = parser.parse_args(argv[1:])
+    for path in make_days(args.out, args.days, args.rows, start=args.start, seed=args.seed, drift=args.drift,
+                          bad_rows=args.bad_rows, first_index=args.first_index):
+        print(f"wrote {path}")
+    return 0
+
+
 USAGE = """usage: disttrain COMMAND ...
 
 commands:
@@ -122,6 +185,12 @@ commands:
   export CHECKPOINT OUTPUT.safetensors [--key state_dict] [--prefix model.]
                  consolidate a sharded checkpoint folder into one safetensors file
   strategies     list the registered disttrain strategy names
+  plan --model CONFIG.yaml --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
+                 per-rank memory of every strategy, whether it fits, and the recommended one
+  recsys make-data OUT_DIR [--days N --rows R]
+                 write Criteo-format demo days from a planted model with daily drift
+  recsys daily --data-root DIR --model-root DIR [--run-date YYYY-MM-DD] [--force]
+                 the daily DeepFM job (same as recipes/recsys/deepfm_daily.py)
 """
 
 
@@ -131,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    commands = {"run": launch, "export": _export, "strategies": _strategies}
+    commands = {"run": launch, "export": _export, "strategies": _strategies, "plan": _plan, "recsys": _recsys}
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -15,6 +15,12 @@ STRATEGIES: list[tuple[str, str, dict, str]] = [
      "DeepSpeed ZeRO stage 3; batch settings from the Trainer/Fabric; CPU (gloo) and GPU (nccl)"),
     ("disttrain_zero3_offload", "ZeroStrategy", {"offload_optimizer": "cpu", "offload_parameters": "cpu"},
      "DeepSpeed ZeRO-3 with optimizer state and parameters offloaded to CPU (nvme_path= for NVMe)"),
+    ("disttrain_megatron", "MegatronStrategy", {},
+     "Megatron-style 3D: tensor parallel (heads/MLP) x pipeline parallel (torch pipelining) x FSDP2 data parallel"),
+    ("disttrain_recsys", "RecsysStrategy", {},
+     "torchrec DistributedModelParallel: tables sharded by the planner, dense part data-parallel; CPU and GPU"),
+    ("disttrain_auto", "AutoStrategy", {},
+     "the planner's choice among the registered strategies, from model size, device memory and world size"),
 ]
 
 

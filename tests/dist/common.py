@@ -17,11 +17,11 @@ from torch.utils.data import DataLoader, TensorDataset
 VOCAB, SEQ, N_SAMPLES, MICRO_BATCH = 96, 16, 12, 2
 
 
-def tiny_llama(seed: int = 0):
+def tiny_llama(seed: int = 0, layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False, attn_implementation="eager", use_cache=False)
     return LlamaForCausalLM(config)
@@ -152,10 +152,10 @@ def rank_batch(step: int, rank: int, world_size: int) -> torch.Tensor:
 
 
 def reference_losses(steps: int, world_size: int, shuffle_seed: int | None = 0, lr: float = 1e-2,
-                     accumulation: int = 1) -> list[float]:
+                     accumulation: int = 1, layers: int = 2) -> list[float]:
     """One process, the global batch per step: what the sharded run must equal. With ``accumulation`` micro-steps
     per optimizer step, optimizer step k covers the global batches of micro-steps k*a .. k*a+a-1."""
-    model = tiny_llama()
+    model = tiny_llama(layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):

@@ -13,6 +13,7 @@ from disttrain._lightning import register_names
 from disttrain.parallel.checkpoint import export_safetensors
 from disttrain.parallel.ddp import DDPOptions, register_compression
 from disttrain.parallel.options import build_options
+from disttrain.parallel.recsys import refuse_torchrec_tables
 
 
 class DDPStrategy(_LightningDDP):
@@ -29,6 +30,7 @@ class DDPStrategy(_LightningDDP):
                          process_group_backend=process_group_backend, **self.ddp_options.ddp_kwargs())
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        refuse_torchrec_tables(module, self.strategy_name)
         ddp = super().setup_module(module)
         register_compression(ddp, self.ddp_options)
         return ddp

@@ -22,8 +22,8 @@ from disttrain.parallel.fsdp import FSDPOptions, set_gradient_sync
 from disttrain.parallel.options import build_options
 
 FSDP2MixedPrecision = fsdp2_mixed_precision_class(MixedPrecision)
-# A LightningModule set up with Fabric is called through these (fabric marks them as forward methods, but does not
-# redirect them through forward when the module is sharded in place): FSDP2 must gather the root around them too.
+# fully_shard shards the module in place, so Fabric has no wrapper to redirect a LightningModule's step methods
+# through forward: FSDP2 itself must gather the root's parameters around them (as the Trainer adapter does).
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
@@ -47,6 +47,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
 
     strategy_name = "disttrain_fsdp"
     _launcher_cls = _SubprocessScriptLauncher
+    _engine_cls, _options_cls = FSDPEngine, FSDPOptions  # disttrain_megatron swaps in its own
 
     def __init__(
         self,
@@ -60,7 +61,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
-        self._init_common(FSDPEngine(build_options(FSDPOptions, self.strategy_name, options)),
+        self._init_common(self._engine_cls(build_options(self._options_cls, self.strategy_name, options)),
                           process_group_backend, timeout)
         self._num_nodes = 1
         self._backward_sync_control = _GradientSyncControl()
@@ -96,7 +97,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         module = self.engine.parallelize_with_optimizers(module, optimizers, self.root_device,
-                                                         self.precision.precision, forward_methods=_STEP_METHODS)
+                                                         self.precision.precision, _STEP_METHODS)
         return module, optimizers, scheduler
 
     def module_to_device(self, module: nn.Module) -> None:

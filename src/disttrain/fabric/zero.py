@@ -14,6 +14,7 @@ from torch import nn
 from disttrain._lightning import ZeroPlumbing, register_names
 from disttrain.parallel.checkpoint import atomic_folder, check_checkpoint
 from disttrain.parallel.options import build_options
+from disttrain.parallel.recsys import refuse_torchrec_tables
 from disttrain.parallel.zero import ZeroOptions, export_zero3, set_extensions_dir
 
 
@@ -52,6 +53,7 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
                                               gradient_clipping=None)
 
     def _initialize_engine(self, model: Any, optimizer: Any = None, scheduler: Any = None) -> Any:
+        refuse_torchrec_tables(model, self.strategy_name)
         return super()._initialize_engine(model, self._maybe_cpu_adam(optimizer), scheduler)
 
     def save_checkpoint(self, path: Any, state: dict, storage_options: Optional[Any] = None,

@@ -66,8 +66,15 @@ def model_state(model: nn.Module, full: bool = False) -> dict[str, Any]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
 
+# Sharded optimizer states are flattened to one key per parameter ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
+# nested param_groups are one object per rank under one key, and DCP keeps only one copy of it, which breaks as
+# soon as ranks hold different parameters (pipeline stages).
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False) -> dict[str, Any]:
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True) if full else _FLAT
+    return get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def split_state(state: Mapping[str, Any], model: nn.Module,
@@ -210,7 +217,7 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, tensors[key], options=StateDictOptions(strict=strict))
         else:
-            set_optimizer_state_dict(model, obj, tensors[key])
+            set_optimizer_state_dict(model, obj, tensors[key], options=_FLAT)
     return metadata
 
 
@@ -318,7 +325,7 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
             except (Exception, CheckpointException) as e:
                 raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
     if key is None:
-        models = [k for k, v in state.items() if isinstance(v, Mapping) and "state" not in v]
+        models = [k for k, v in state.items() if isinstance(v, Mapping) and not _is_optimizer_state(v)]
         if len(models) != 1:
             raise CheckpointError(f"checkpoint {str(path)!r} holds {sorted(state)}; pass key= to pick the model")
         key = models[0]
@@ -327,3 +334,8 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
     output = Path(output)
     write_safetensors(select_prefix(state[key], prefix), output)
     return output
+
+
+def _is_optimizer_state(state: Mapping[str, Any]) -> bool:
+    """Nested ({"state", "param_groups"}) or flattened ("state.<fqn>.<name>", "param_groups.<fqn>.<name>")."""
+    return any(k in ("state", "param_groups") or k.startswith(("state.", "param_groups.")) for k in state)

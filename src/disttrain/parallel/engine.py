@@ -20,6 +20,7 @@ from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.recsys import refuse_torchrec_tables
 
 
 class FSDPEngine:
@@ -63,6 +64,7 @@ class FSDPEngine:
         if isinstance(module, FSDPModule):
             reshard(module)  # set up again (Trainer.validate, then fit): optimizers must see the sharded params
         else:
+            refuse_torchrec_tables(module, "disttrain_fsdp")
             for transform in self.module_transforms:
                 transform(module)
             apply_fsdp(module, self.mesh, self.options, precision, device)
@@ -76,19 +78,20 @@ class FSDPEngine:
                                     device: torch.device, precision: str,
                                     forward_methods: tuple[str, ...] = ()) -> nn.Module:
         """``parallelize``, then point optimizers created before sharding (even on meta parameters) at the new
-        sharded parameters, so users can create the optimizer before or after setup as with DDP."""
-        before = list(module.parameters())
+        sharded parameters, so users can create the optimizer before or after setup as with DDP. Parameters that
+        left this rank (other pipeline stages) leave the optimizer too."""
+        before = {id(p): name for name, p in _named_parameters(module)}
         self.parallelize(module, device, precision, forward_methods)
-        after = list(module.parameters())
-        if len(before) != len(after):  # fully_shard keeps the order and number of parameters
-            raise RuntimeError(f"sharding changed the number of parameters ({len(before)} -> {len(after)})")
-        new_param = {id(old): new for old, new in zip(before, after)}
+        after = dict(_named_parameters(module))
         for optimizer in optimizers:
             if optimizer.state:
                 raise RuntimeError("the optimizer already has state (it stepped before setup); create or step it"
                                    " only after fabric.setup()")
             for group in optimizer.param_groups:
-                group["params"] = [new_param.get(id(p), p) for p in group["params"]]
+                names = [before.get(id(p)) for p in group["params"]]
+                if None in names:
+                    raise RuntimeError("the optimizer holds a parameter that is not in the model given to setup")
+                group["params"] = [after[n] for n in names if n in after]
         return module
 
     # -- checkpoints ----------------------------------------------------------------------------------------
@@ -132,3 +135,8 @@ def reshard(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
+
+
+def _named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameter names without the activation-checkpoint wrapper's part, so they match before and after."""
+    return [(name.replace("_checkpoint_wrapped_module.", ""), p) for name, p in module.named_parameters()]

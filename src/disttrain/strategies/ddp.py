@@ -11,6 +11,7 @@ from disttrain._lightning import register_names
 from disttrain.parallel.checkpoint import export_safetensors
 from disttrain.parallel.ddp import DDPOptions, register_compression
 from disttrain.parallel.options import build_options
+from disttrain.parallel.recsys import refuse_torchrec_tables
 
 
 class DDPStrategy(_LightningDDP):
@@ -34,6 +35,7 @@ class DDPStrategy(_LightningDDP):
         self._module_transforms.append(transform)
 
     def _setup_model(self, model: Any) -> Any:
+        refuse_torchrec_tables(model, self.strategy_name)
         for transform in self._module_transforms:
             transform(model)
         return super()._setup_model(model)

@@ -39,6 +39,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
 
     strategy_name = "disttrain_fsdp"
     _launcher_cls = _SubprocessScriptLauncher
+    _engine_cls, _options_cls = FSDPEngine, FSDPOptions  # disttrain_megatron swaps in its own
 
     def __init__(
         self,
@@ -52,7 +53,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        self._init_common(FSDPEngine(build_options(FSDPOptions, self.strategy_name, options)),
+        self._init_common(self._engine_cls(build_options(self._options_cls, self.strategy_name, options)),
                           process_group_backend, timeout)
         self.num_nodes = 1
 

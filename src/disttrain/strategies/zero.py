@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpee
 from disttrain._lightning import ZeroPlumbing, register_names
 from disttrain.parallel.checkpoint import atomic_folder, check_checkpoint
 from disttrain.parallel.options import build_options
+from disttrain.parallel.recsys import refuse_torchrec_tables
 from disttrain.parallel.zero import ZeroOptions, export_zero3, set_extensions_dir
 
 
@@ -65,6 +66,7 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
         return getattr(sampler, "batch_size", None) or 1
 
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        refuse_torchrec_tables(model, self.strategy_name)
         return super()._setup_model_and_optimizer(model, self._maybe_cpu_adam(optimizer), lr_scheduler)
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:

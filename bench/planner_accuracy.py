@@ -1,0 +1,76 @@
+"""The planner's per-rank memory estimate against measurement, on 2 CPU processes (gloo), printed as errors.
+
+    python bench/planner_accuracy.py                 # every registered strategy, a tiny and a small Llama
+    python bench/planner_accuracy.py --strategies disttrain_fsdp disttrain_zero3
+
+How memory is measured (tests/dist/planner_measure.py, the script tests/test_planner_accuracy.py runs too):
+- model states: the bytes of the tensors this rank holds after the second optimizer step, gradients still alive:
+  parameters (a DTensor's local shard under FSDP2, a ZeRO-3 partition), gradients (ZeRO-3: its flat gradient
+  partition buffer), optimizer state (ZeRO-3: also its fp32 master partition);
+- activations: what autograd saves for backward during the forward (saved_tensors_hooks), unique storages counted
+  once at the end of the forward, parameters and already-freed (resharded) storages excluded.
+Buffers (DDP buckets, gathered FSDP/ZeRO units) are estimated but not measured here: on CPU there is no allocator
+peak to read them from. Megatron rows (tp=2, pp=2) appear once disttrain_megatron is registered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import free_port  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "dist", "planner_measure.py")
+ALL = ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
+       "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2"]
+
+
+def registered(spec: str) -> bool:
+    from disttrain.names import STRATEGIES
+
+    return spec.split(":")[0] in {name for name, *_ in STRATEGIES}
+
+
+def run(spec: str, *args: str) -> list[dict]:
+    """tests/dist/planner_measure.py under torchrun on 2 CPU processes; every rank's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        "--master_addr=127.0.0.1", f"--master_port={free_port()}", SCRIPT, out, spec, *args],
+                       check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return [json.load(open(f"{out}.{rank}.json")) for rank in range(2)]
+
+
+def error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.1%}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategies", nargs="*", default=ALL)
+    args = p.parse_args()
+    print(f"{'strategy':<44} {'model':<6} {'states MiB':>10} {'est':>8} {'err':>7} {'acts MiB':>9} {'est':>8}"
+          f" {'err':>7} {'total err':>9}")
+    for spec in args.strategies:
+        if not registered(spec):
+            print(f"{spec:<44} skipped: {spec.split(':')[0]} is not registered (disttrain.names.STRATEGIES)")
+            continue
+        rank0 = run(spec)[0]
+        for size, r in rank0.items():
+            m, e = r["measured"], r["estimate"]
+            mib = 2**20
+            print(f"{spec:<44} {size:<6} {m['states'] / mib:>10.2f} {e['states'] / mib:>8.2f}"
+                  f" {error(e['states'], m['states']):>7} {m['activations'] / mib:>9.2f}"
+                  f" {e['activations'] / mib:>8.2f} {error(e['activations'], m['activations']):>7}"
+                  f" {error(e['states'] + e['activations'], m['states'] + m['activations']):>9}")
+
+
+if __name__ == "__main__":
+    main()

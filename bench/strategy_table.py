@@ -1,0 +1,55 @@
+"""Every strategy on one model in one run: per-rank memory and step time, measured, next to the planner's estimate.
+
+    python bench/strategy_table.py            # 2 CPU processes (gloo), the "small" Llama of the accuracy test
+    python bench/strategy_table.py --steps 5
+
+This is the source article's cross-framework comparison (DDP / FSDP / DeepSpeed ZeRO-3 / Megatron; memory and
+speed), rebuilt from our own measurements: rows ddp, fsdp, fsdp_offload, zero3, zero3_offload, megatron tp=2 and
+pp=2 (the megatron rows appear once disttrain_megatron is registered; until then they are skipped with a message).
+Memory is measured as in bench/planner_accuracy.py (model states + saved activations per rank); step time is the
+median of --steps steps after the measured ones, each in fresh processes. Times and the planner's step estimates
+are printed as ratios to DDP's in the same run. On CPU "offload" moves nothing (host and device are one memory), so
+its cost shows only as the copies and the CPU optimizer; the planner's device/host split is printed for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planner_accuracy import registered, run  # noqa: E402
+
+ROWS = ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
+        "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--size", default="small", choices=("tiny", "small"))
+    args = p.parse_args()
+    results = {}
+    for spec in ROWS:
+        if not registered(spec):
+            print(f"{spec}: skipped, {spec.split(':')[0]} is not registered (disttrain.names.STRATEGIES)")
+            continue
+        results[spec] = run(spec, args.size, "--steps", str(args.steps))
+    base = results["disttrain_ddp"][0][args.size]
+    mib = 2**20
+    print(f"\n{'strategy':<44} {'measured MiB/rank':>17} {'estimate':>9} {'est device':>10} {'est host':>8}"
+          f" {'step s':>7} {'x DDP':>6} {'est x DDP':>9}")
+    for spec, ranks in results.items():
+        r = ranks[0][args.size]
+        m, e = r["measured"], r["estimate"]
+        busiest = max(x[args.size]["measured"]["states"] + x[args.size]["measured"]["activations"] for x in ranks)
+        device = e["params"] + e["grads"] + e["optimizer"] + e["activations"] + e["buffers"]
+        print(f"{spec:<44} {busiest / mib:>17.2f} {(e['states'] + e['activations']) / mib:>9.2f}"
+              f" {device / mib:>10.2f} {e['host'] / mib:>8.2f} {m['step_s']:>7.3f}"
+              f" {m['step_s'] / base['measured']['step_s']:>6.2f}"
+              f" {r['estimated_step_s'] / base['estimated_step_s']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Train a timm ViT classifier with Lightning Fabric: the ~2B ViT on GPUs, the tiny config on CPU.
+
+    lightning run model recipes/vision/vit2b.py
+    lightning run model recipes/vision/vit2b.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
+    lightning run model recipes/vision/vit2b.py --accelerator gpu --devices 8 --strategy disttrain_megatron
+    python recipes/vision/vit2b.py --config configs/vision/vit_tiny.yaml      # launches its own processes
+
+Defaults: the largest configs/vision/vit*.yaml whose training state fits this machine's devices (the tiny config
+on CPU; the planner will make this choice once it exists), and the source document's set-up for the 2B ViT,
+head-split tensor parallel (tp=2) x data parallel (``disttrain_megatron``), on an even number of CUDA devices;
+``disttrain_fsdp`` otherwise. ``--strategy`` overrides it with any registered name.
+
+Writes under --out: ``ckpt`` (a resumable checkpoint, replaced atomically at epoch ends; ``--resume OUT/ckpt``
+continues from the next epoch, so a run stopped by --max-steps counts its last epoch as done) and ``export``
+(model.safetensors + config.json: ``timm.create_model("local-dir:OUT/export", pretrained=True)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+import disttrain  # noqa: F401  (registers the disttrain_* names)
+from disttrain.vision import (ImageFolderData, ViTClassifier, count_parameters, default_config, default_strategy,
+                              export_timm, read_yaml)
+from disttrain.vision.defaults import cuda_memory
+from disttrain.vision.export import PREFIX
+
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="a configs/vision/*.yaml (default: the largest that fits)")
+    p.add_argument("--data-root", default=None, help="ImageFolder tree with train/ and val/ (overrides data.root)")
+    p.add_argument("--batch-size", type=int, default=None, help="images per process per step (data.batch_size)")
+    p.add_argument("--epochs", type=int, default=None, help="overrides train.epochs")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (train.max_steps)")
+    p.add_argument("--out", default="runs/vit", help="where the checkpoint and the export are written")
+    p.add_argument("--log-every", type=int, default=20, help="print the training loss every this many steps")
+    p.add_argument("--resume", default=None, help="a checkpoint folder written by this recipe (e.g. runs/vit/ckpt)")
+    # Used when started with plain `python`; under `lightning run model` the launcher's own options decide.
+    p.add_argument("--accelerator", default="auto")
+    p.add_argument("--devices", type=int, default=None, help="default: every GPU, or 2 CPU processes")
+    p.add_argument("--strategy", default=None)
+    p.add_argument("--precision", default=None)
+    return p.parse_args()
+
+
+def world_size(args: argparse.Namespace, cuda: bool) -> int:
+    if "WORLD_SIZE" in os.environ:  # started by torchrun / the launcher
+        return int(os.environ["WORLD_SIZE"])
+    return args.devices or (torch.cuda.device_count() if cuda else 2)
+
+
+def make_fabric(args: argparse.Namespace, accelerator: str, precision: str, devices: int) -> L.Fabric:
+    """Fabric with the launcher's settings; what the launcher left open comes from the args and the defaults."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    kwargs: dict[str, Any] = {}
+    if not os.environ.get("LT_ACCELERATOR"):
+        kwargs["accelerator"] = args.accelerator
+    if not os.environ.get("LT_DEVICES"):
+        kwargs["devices"] = devices
+    if not os.environ.get("LT_PRECISION"):
+        kwargs["precision"] = args.precision or precision
+    if not os.environ.get("LT_STRATEGY"):
+        name, options = (args.strategy, {}) if args.strategy else default_strategy(devices, accelerator)
+        row = STRATEGY_REGISTRY[name]
+        kwargs["strategy"] = row["strategy"](**{**row["init_params"], **options}) if options else name
+    return L.Fabric(**kwargs)
+
+
+def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict, dict]:
+    """Fabric, the sharded model, optimizer and schedule (``state``, what a checkpoint holds) and the data."""
+    accelerator = os.environ.get("LT_ACCELERATOR") or args.accelerator
+    cuda = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+    devices = world_size(args, cuda)
+    config_path = Path(args.config) if args.config else default_config(devices, cuda_memory() if cuda else None)
+    config = read_yaml(config_path)
+    vit = ViTClassifier.from_config(config_path, root=args.data_root, batch_size=args.batch_size)
+    for key in ("epochs", "max_steps"):
+        if getattr(args, key) is not None:
+            setattr(vit.train_config, key, getattr(args, key))
+
+    fabric = make_fabric(args, accelerator, vit.train_config.precision, devices)
+    if not os.environ.get("LT_CLI_USED"):
+        fabric.launch()  # only with plain `python`: the launcher already started every process
+    fabric.seed_everything(vit.train_config.seed)
+    fabric.print(f"{config_path}: ViT with {count_parameters(config['model']) / 1e6:,.1f}M parameters,"
+                 f" {type(fabric.strategy).__name__} on {fabric.world_size} x {fabric.device.type}")
+
+    data = ImageFolderData(vit.data_config, img_size=_side(vit.model_args), num_classes=vit.num_classes)
+    with fabric.rank_zero_first(local=True):  # one process per machine writes the demo tree
+        data.prepare_data()
+    data.setup()
+    loaders = make_loaders(fabric, data)
+
+    with fabric.init_module(empty_init=True):  # meta device (FSDP) / zero.Init (ZeRO-3): only shards allocated
+        vit.configure_model()
+    per_epoch = len(loaders["train"])
+    vit.total_steps = min(vit.train_config.epochs * per_epoch, vit.train_config.max_steps or 10**12)
+    optim = vit.configure_optimizers()
+    model, optimizer = fabric.setup(vit, optim["optimizer"])
+    state = {"model": model, "optimizer": optimizer, "scheduler": optim["lr_scheduler"]["scheduler"],
+             "step": 0, "epoch": 0}
+    if args.resume:
+        fabric.load(args.resume, state)
+        fabric.print(f"resumed from {args.resume} at epoch {state['epoch']}, step {state['step']}")
+    return fabric, state, {"vit": vit, "classes": data.classes, **loaders}
+
+
+def _side(model_args: dict) -> int:
+    size = model_args.get("img_size", 224)
+    return size if isinstance(size, int) else int(size[0])
+
+
+def make_loaders(fabric: L.Fabric, data: ImageFolderData) -> dict[str, Any]:
+    """Loaders over this rank's share of the data-parallel ranks (tensor-parallel peers read the same batches);
+    the training sampler's epoch is set by fit(), so a resumed run sees the order it would have seen."""
+    shard = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+    train, val = data.train_dataloader(), data.val_dataloader()
+    train_sampler = DistributedSampler(train.dataset, shuffle=True, drop_last=True, seed=0, **shard)
+    val_sampler = DistributedSampler(val.dataset, shuffle=False, **shard)
+    common = dict(num_workers=train.num_workers, persistent_workers=train.num_workers > 0)
+    return {"train": DataLoader(train.dataset, batch_size=train.batch_size, sampler=train_sampler, drop_last=True,
+                                **common),
+            "val": DataLoader(val.dataset, batch_size=val.batch_size, sampler=val_sampler, **common)}
+
+
+def fit(fabric: L.Fabric, state: dict, run: dict, out: Path, log_every: int) -> dict[str, float]:
+    model, optimizer, scheduler = state["model"], state["optimizer"], state["scheduler"]
+    cfg = run["vit"].train_config
+    metrics: dict[str, float] = {}
+    start, first_step = time.perf_counter(), state["step"]
+    for epoch in range(state["epoch"], cfg.epochs):
+        run["train"].sampler.set_epoch(epoch)
+        model.train()
+        for batch in run["train"]:
+            loss = model.training_step(fabric.to_device(batch), state["step"])
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            state["step"] += 1
+            if state["step"] % log_every == 0:
+                rate = (state["step"] - first_step) / (time.perf_counter() - start)
+                fabric.print(f"epoch {epoch + 1} step {state['step']}: loss {loss.item():.4f}, {rate:.2f} steps/s")
+            if cfg.max_steps and state["step"] >= cfg.max_steps:
+                break
+        state["epoch"] = epoch + 1
+        last = state["epoch"] == cfg.epochs or bool(cfg.max_steps and state["step"] >= cfg.max_steps)
+        if last or state["epoch"] % cfg.val_every_epochs == 0:
+            metrics = validate(fabric, state, run)
+            fabric.print(f"epoch {state['epoch']}: val_acc {metrics['val_acc']:.4f}, val_loss {metrics['val_loss']:.4f}"
+                         f" ({time.perf_counter() - start:.1f} s)")
+        if last or state["epoch"] % cfg.checkpoint_every_epochs == 0:
+            fabric.save(out / "ckpt", state)  # atomic: a crash mid-save keeps the previous checkpoint
+        if last:
+            break
+    return metrics
+
+
+@torch.no_grad()
+def validate(fabric: L.Fabric, state: dict, run: dict) -> dict[str, float]:
+    """Top-1 accuracy and loss on the validation set, over every rank (torchmetrics syncs the counts)."""
+    model = state["model"]
+    model.eval()
+    for i, batch in enumerate(run["val"]):
+        model.validation_step(fabric.to_device(batch), i)
+    model.train()
+    return run["vit"].validation_metrics()
+
+
+def main() -> None:
+    args = parse_args()
+    fabric, state, run = setup(args)
+    out = Path(args.out)
+    if state["epoch"] >= run["vit"].train_config.epochs:
+        metrics = validate(fabric, state, run)
+        fabric.print(f"already trained: val_acc {metrics['val_acc']:.4f}")
+    else:
+        metrics = fit(fabric, state, run, out, args.log_every)
+    export = export_timm(out / "export", run["vit"].model_args,
+                         lambda path: _export_weights(fabric, state["model"], path),
+                         data=run["vit"].data_config, class_names=run["classes"])
+    fabric.print(f"final val_acc {metrics['val_acc']:.4f}; checkpoint {out / 'ckpt'}, timm export {export}")
+
+
+def _export_weights(fabric: L.Fabric, model: Any, path: Path) -> Optional[Path]:
+    """The strategy's full-weights export of the timm model (``self.model``) as safetensors."""
+    if hasattr(fabric.strategy, "export_full"):
+        return fabric.strategy.export_full(model, path, prefix=PREFIX)
+    from disttrain.parallel.checkpoint import export_safetensors  # single-device Fabric strategies
+
+    return export_safetensors(getattr(model, "module", model), path, prefix=PREFIX)
+
+
+if __name__ == "__main__":
+    main()

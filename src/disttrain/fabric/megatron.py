@@ -1,0 +1,22 @@
+"""``disttrain_megatron`` for Lightning Fabric: tensor x pipeline x data parallelism, an adapter over
+MegatronEngine (everything else is the FSDP adapter's)."""
+
+from __future__ import annotations
+
+from disttrain.fabric.fsdp import FSDPStrategy
+from disttrain.parallel.megatron import MegatronEngine, MegatronOptions
+
+
+class MegatronStrategy(FSDPStrategy):
+    """Megatron-style 3D parallelism for ``lightning.Fabric``; options as on the Trainer strategy
+    (:class:`disttrain.parallel.megatron.MegatronOptions`).
+
+    Under pipeline parallelism an HF causal LM is called as usual, ``model(input_ids=..., labels=...).loss``;
+    other models are called as ``model(x, target=y)`` and return the loss (pass ``loss_fn=`` through the model's
+    ``pipeline.loss_fn`` or give the strategy a module with ``loss_fn``). ``fabric.backward(loss)`` is then a
+    no-op: the schedule already ran backward. Create optimizers after ``fabric.setup`` or before it: parameters
+    of other stages are dropped from them.
+    """
+
+    strategy_name = "disttrain_megatron"
+    _engine_cls, _options_cls = MegatronEngine, MegatronOptions

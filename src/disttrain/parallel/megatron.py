@@ -1,0 +1,176 @@
+"""The shared core of ``disttrain_megatron``: tensor x pipeline x data parallelism on one 3D DeviceMesh.
+
+Order of application (torchtitan's): pipeline split -> tensor parallel -> activation checkpointing -> FSDP2 over
+the data-parallel dimension. The Trainer and Fabric ``MegatronStrategy`` adapters only call this engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+from disttrain.parallel import checkpoint as ckpt
+from disttrain.parallel.ac import apply_ac
+from disttrain.parallel.blocks import find_blocks
+from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, offload_policy
+from disttrain.parallel.init import materialize
+from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.pipeline import Pipeline, pipeline_model
+from disttrain.parallel.precision import mixed_precision_policy
+from disttrain.parallel.tp import Plan, TPResult, apply_tp, find_model, model_family, restore_rows
+
+
+@dataclass
+class MegatronOptions(FSDPOptions):
+    """What a user can set on ``disttrain_megatron`` (besides the FSDP options, which apply to the data dimension).
+
+    tensor_parallel_size: ranks that split each block's heads and MLP (Megatron TP); must divide the head counts.
+    pipeline_parallel_size: pipeline stages over ranks; each rank keeps only its stages' parameters.
+    tp_plan: your own plan, ``{"path.in.block": ColwiseParallel(), ...}`` relative to one block; default: the HF
+        Llama family or timm ViT plan.
+    pipeline_schedule: "gpipe", "1f1b" or "interleaved_1f1b" (virtual stages: ``virtual_stages`` per rank, >= 2).
+    microbatches: microbatches per batch under PP (default ``2 * pipeline_parallel_size``); divides the batch.
+    split_points: block indices where stages 1, 2, ... start; default: balanced by parameter count.
+    pipeline_module: attribute of the LightningModule holding the model to split/shard (default ``"model"``;
+        found automatically when the attribute does not exist).
+    Data parallel is what is left: ``world_size / (tensor_parallel_size * pipeline_parallel_size)``.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    tp_plan: Optional[Plan] = None
+    pipeline_schedule: str = "1f1b"
+    microbatches: Optional[int] = None
+    virtual_stages: int = 1
+    split_points: Optional[Sequence[int]] = None
+    pipeline_module: str = "model"
+
+
+class MegatronEngine(FSDPEngine):
+    """Holds the 3D mesh; splits, tensor-parallelises and shards a model; checkpoints and exports it."""
+
+    options: MegatronOptions
+
+    def __init__(self, options: MegatronOptions) -> None:
+        super().__init__(options)
+        self.pipeline: Optional[Pipeline] = None
+        self.tp_result = TPResult()
+        self._target_prefix = ""
+
+    def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
+        self.dims = ParallelDims(world_size=world_size, tp=self.options.tensor_parallel_size,
+                                 pp=self.options.pipeline_parallel_size)
+        self.mesh = self.dims.build_mesh(device.type)
+        return self.mesh
+
+    def _target(self, module: nn.Module) -> tuple[str, nn.Module]:
+        """The model to split and shard: the module itself when it is a known model (HF Llama family / timm ViT),
+        else the LightningModule's ``pipeline_module`` attribute, else the outermost known model inside."""
+        if model_family(module) is not None:  # Fabric: the model itself
+            return "", module
+        attr = self.options.pipeline_module
+        inner = getattr(module, attr, None)
+        if isinstance(inner, nn.Module) and inner is not module:
+            return f"{attr}.", inner
+        found = find_model(module)
+        if found is not None and found[0]:
+            return f"{found[0]}.", found[1]
+        return "", module
+
+    def parallelize(self, module: nn.Module, device: torch.device, precision: str,
+                    forward_methods: tuple[str, ...] = ()) -> nn.Module:
+        assert self.mesh is not None and self.dims is not None, "setup_mesh() first"
+        if isinstance(module, FSDPModule) or self.pipeline is not None:
+            materialize(module, device)
+            return module
+        for transform in self.module_transforms:
+            transform(module)
+        prefix, target = self._target(module)
+        self._target_prefix = prefix
+        opts, dims = self.options, self.dims
+        if dims.pp > 1:
+            self.pipeline = pipeline_model(
+                target, self.mesh["pp"], device, schedule=opts.pipeline_schedule, microbatches=opts.microbatches,
+                virtual_stages=opts.virtual_stages, split_points=opts.split_points)
+            self.pipeline.dp_group = self.mesh["dp"].get_group()
+            hook = getattr(module, "loss_fn", None)
+            if module is not target and callable(hook) and model_family(target) != "llama":
+                module.loss_fn = self.pipeline.defer_loss(hook)  # the documented PP hook of a LightningModule
+        if dims.tp > 1:
+            self.tp_result = apply_tp(target, self.mesh["tp"], opts.tp_plan, opts.wrap_classes)
+        if dims.pp > 1:
+            self._shard_stages(device, precision)
+        else:
+            apply_fsdp(module, self.mesh["dp"], opts, precision, device)
+            for name in forward_methods:
+                if callable(getattr(module, name, None)):
+                    register_fsdp_forward_method(module, name)
+        materialize(module, device)
+        return module
+
+    def _shard_stages(self, device: torch.device, precision: str) -> None:
+        """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP): the schedule
+        calls the stage modules, so FSDP's root hooks run around every microbatch."""
+        assert self.pipeline is not None and self.mesh is not None
+        opts = self.options
+        common = dict(mesh=self.mesh["dp"], offload_policy=offload_policy(opts.cpu_offload, device))
+        block_policy = mixed_precision_policy(precision)
+        root_policy = mixed_precision_policy(precision, root=True)
+        for stage in self.pipeline.stage_modules:
+            blocks = list((stage.layers if hasattr(stage, "layers") else stage.blocks).values())
+            if opts.activation_checkpointing:
+                blocks = apply_ac(stage, blocks)
+            for block in blocks:
+                fully_shard(block, reshard_after_forward=opts.reshard_after_forward, **common,
+                            **({"mp_policy": block_policy} if block_policy else {}))
+            fully_shard(stage, reshard_after_forward=opts.reshard_after_forward, **common,
+                        **({"mp_policy": root_policy} if root_policy else {}))
+
+    # -- checkpoints and export -----------------------------------------------------------------------------
+    def export(self, model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
+        """The full model in its own layout (qkv rows restored) as one safetensors file on rank 0, gathered from
+        every pipeline stage. Collective: call on every rank."""
+        state = ckpt.model_state(model, full=True) if self.pipeline is None else self._gather_stages(model)
+        if _rank() == 0:
+            restore_rows(state, self.tp_result.reordered, prefix=self._target_prefix_for(model))
+        return ckpt.write_from_rank0(state, path, prefix)
+
+    def _target_prefix_for(self, model: nn.Module) -> str:
+        # Fabric exports the plain model (the target itself); the Trainer exports the LightningModule.
+        _, target = self._target(model)
+        return "" if target is model else self._target_prefix
+
+    def _gather_stages(self, model: nn.Module) -> dict[str, Any]:
+        """Each pipeline stage's full tensors (gathered over dp/tp in its own groups), then collected on rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.mesh is not None
+        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        local = {k: v.detach().cpu() for k, v in local.items()}
+        pp_group = self.mesh["pp"].get_group()
+        first_of_rest = all(self.mesh[d].get_local_rank() == 0 for d in self.mesh.mesh_dim_names if d != "pp")
+        parts: list[Any] = [None] * dist.get_world_size(pp_group)
+        if first_of_rest:  # one copy per stage: the ranks at dp = tp = 0 take part
+            dist.gather_object(local, parts if _rank() == 0 else None, dst=dist.get_global_rank(pp_group, 0),
+                               group=pp_group)
+        dist.barrier()
+        merged: dict[str, Any] = {}
+        for part in parts if _rank() == 0 else []:
+            merged.update(part or {})
+        return merged
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+__all__ = ["MegatronEngine", "MegatronOptions"]

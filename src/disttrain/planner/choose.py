@@ -1,0 +1,253 @@
+"""Choosing a strategy: the source article's rules decide which kinds of parallelism are considered, the memory
+estimate decides what fits, and an estimated step time ranks what fits.
+
+Rules (the article's "strategy selection"): under 1B parameters, DDP whenever it fits; a model that does not fit
+one device is sharded (FSDP / ZeRO-3); Megatron-style tensor/pipeline parallelism ("3D") is considered above 10B
+parameters with many devices, or when no data-parallel strategy fits without recomputation or offload (activations,
+not states, are the problem: tensor parallelism is the only way to split them). Embedding-dominated recommenders
+(DeepFM) shard their tables (``disttrain_recsys``).
+
+Step time = max(compute, data-parallel traffic / bandwidth) (FSDP/ZeRO/DDP traffic overlaps compute) + the
+traffic on the critical path (tensor-parallel all-reduces, pipeline sends, embedding all-to-all, offload copies and
+the CPU optimizer) + the pipeline bubble. Compute is 6N + attention FLOPs per token at ``mfu`` of peak; activation
+checkpointing adds a forward (x 4/3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Union
+
+from disttrain.planner.estimate import STRATEGIES, Estimate, estimate, flops_per_sample
+from disttrain.planner.hardware import GiB, Hardware, hardware as make_hardware
+from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
+
+SMALL_MODEL = 1e9
+THREE_D_MODEL = 10e9
+THREE_D_DEVICES = 16
+TIE = 0.03  # step times within 3% are a tie: the article's preference order decides
+# Strategies with an activation_checkpointing option (recomputation is tried only where the plain set-up does not fit).
+RECOMPUTE = ("disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_megatron")
+
+
+@dataclass
+class Candidate:
+    """One strategy set-up with its estimate, whether it fits, and its estimated step time in seconds."""
+
+    estimate: Estimate
+    fits: bool
+    step_time: float
+    usable: int
+    why: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.estimate.label + (" +AC" if self.estimate.activation_checkpointing else "")
+
+    def strategy_options(self) -> dict:
+        """Keyword options of the registered strategy that realise this candidate."""
+        e = self.estimate
+        if e.strategy == "disttrain_megatron":
+            return {"tensor_parallel_size": e.tensor_parallel_size, "pipeline_parallel_size": e.pipeline_parallel_size,
+                    "activation_checkpointing": e.activation_checkpointing}
+        if e.strategy.startswith("disttrain_fsdp") and e.activation_checkpointing:
+            return {"activation_checkpointing": True}
+        return {}
+
+
+@dataclass
+class Plan:
+    """Every candidate considered (``candidates``), the choice and the reasons, for one model and machine."""
+
+    spec: ModelSpec
+    world_size: int
+    hardware: Hardware
+    candidates: list[Candidate]
+    choice: Optional[Candidate]
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def strategy(self) -> str:
+        if self.choice is None:
+            raise RuntimeError("no strategy fits:\n" + "\n".join(self.reasons))
+        return self.choice.estimate.strategy
+
+    @property
+    def unit(self) -> tuple[str, int]:
+        return ("GiB", GiB) if self.hardware.memory >= 4 * GiB else ("MiB", 2**20)
+
+    def table(self) -> str:
+        name, unit = self.unit
+        head = (f"{'strategy':<40} {'states ' + name:>11} {'activations':>11} {'buffers':>8} {'per rank':>9}"
+                f" {'host':>7} {'fits':>4} {'step s':>8}")
+        lines = [head, "-" * len(head)]
+        for c in self.candidates:
+            e = c.estimate
+            lines.append(f"{c.label:<40} {e.states / unit:>11.1f} {e.activations / unit:>11.1f}"
+                         f" {e.buffers / unit:>8.1f} {e.device / unit:>9.1f} {e.host / unit:>7.1f}"
+                         f" {'yes' if c.fits else 'no':>4} {c.step_time:>8.3g}"
+                         + (f"  {c.why}" if c.fits and c.why else ""))
+        return "\n".join(lines)
+
+    def report(self) -> str:
+        hw = self.hardware
+        name, unit = self.unit
+        usable = f"{self.candidates[0].usable / unit:.1f}" if self.candidates else "?"
+        out = [f"model: {self.spec.family}, {_count(self.spec.params)} parameters; {self.world_size} x {hw.name}"
+               f" ({hw.memory / unit:.1f} {name}, usable {usable} {name} per rank), {hw.gpus_per_node} per node."
+               f" Bytes per rank:", "", self.table(), ""]
+        if self.choice is not None:
+            out.append(f"recommendation: {self.choice.label}  {self.choice.strategy_options() or ''}".rstrip())
+        else:
+            out.append("recommendation: none fits")
+        out += [f"  - {r}" for r in self.reasons]
+        return "\n".join(out)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}" if n >= 0.1 * GiB else f"{n / GiB:.3g}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def step_time(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
+    """Estimated seconds of one step (one micro-batch per data-parallel rank's worth of samples per rank)."""
+    compute = flops_per_sample(spec, e.seq_len) * e.micro_batch / (hw.peak_flops * hw.mfu)
+    if e.activation_checkpointing:
+        compute *= 4 / 3
+    c = e.comm
+    compute *= 1 + c.get("bubble", 0.0)
+    spans_nodes = e.world_size > hw.gpus_per_node
+    dp_bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
+    tp_bw = hw.intra_node_bw if e.tensor_parallel_size <= hw.gpus_per_node else hw.inter_node_bw
+    exposed = (c.get("tp", 0) / tp_bw + c.get("pp", 0) / dp_bw + c.get("a2a", 0) / dp_bw
+               + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
+    return max(compute, c.get("dp", 0) / dp_bw) + exposed
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]:
+    """Every set-up worth estimating: the data-parallel strategies, Megatron tp x pp splits (tp inside a node),
+    table-wise recsys for DeepFM."""
+    out = [{"strategy": s} for s in ("disttrain_ddp", "disttrain_fsdp", "disttrain_zero3", "disttrain_fsdp_offload",
+                                     "disttrain_zero3_offload")]
+    if spec.family == "deepfm":
+        out.insert(0, {"strategy": "disttrain_recsys"})
+    if spec.family in ("llama", "vit"):
+        for t in _divisors(min(world_size, hw.gpus_per_node)):
+            if spec.heads % t or spec.kv_heads % t:
+                continue
+            for p in _divisors(world_size // t):
+                if (t, p) != (1, 1) and p <= 16 and spec.layers % p == 0:
+                    out.append({"strategy": "disttrain_megatron", "tensor_parallel_size": t,
+                                "pipeline_parallel_size": p})
+    return out
+
+
+def choose(model_or_config: ModelLike, world_size: int, hardware: Union[Hardware, str, None] = None,
+           device_memory: Union[str, int, None] = None, micro_batch: int = 1, seq_len: Optional[int] = None,
+           precision: str = "bf16-mixed", headroom: float = 0.1, available: Optional[Iterable[str]] = None,
+           optimizer: Optional[str] = None) -> Plan:
+    """The cheapest strategy that fits ``device_memory`` (minus ``headroom`` and the runtime's reserve) on
+    ``world_size`` devices of ``hardware`` (a :class:`Hardware`, a preset name such as "A100-40GB", or None for an
+    A100-class node). ``available`` limits the choice to these strategy names (e.g. the registered ones)."""
+    spec = model_spec(model_or_config)
+    hw = hardware if isinstance(hardware, Hardware) else make_hardware(hardware, device_memory)
+    if isinstance(hardware, Hardware) and device_memory is not None:
+        hw = hw.with_memory(device_memory)
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom} must be a fraction in [0, 1), e.g. 0.1 for 10%")
+    usable = int(hw.memory * (1 - headroom)) - hw.reserved
+    allowed = set(STRATEGIES if available is None else available)
+    ranks_per_node = min(world_size, hw.gpus_per_node)
+
+    plan = Plan(spec, world_size, hw, [], None)
+    for setup in candidates(spec, world_size, hw):
+        if setup["strategy"] not in allowed:
+            continue
+        for ac in (False, True):
+            if ac and (spec.family not in ("llama", "vit") or setup["strategy"] not in RECOMPUTE):
+                continue
+            e = estimate(spec, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                         activation_checkpointing=ac, optimizer=optimizer, **setup)
+            host_ok = e.host * ranks_per_node <= hw.host_memory * (1 - headroom)
+            fits = e.device <= usable and host_ok
+            why = "" if fits else (f"needs {_gib(e.device)} GiB > {_gib(usable)} GiB usable" if host_ok else
+                                   f"host needs {_gib(e.host * ranks_per_node)} GiB per node")
+            plan.candidates.append(Candidate(e, fits, step_time(spec, e, hw), usable, why))
+            if fits:
+                break  # recomputation only where the plain set-up does not fit
+    _decide(plan, allowed)
+    return plan
+
+
+def _preference(spec: ModelSpec, c: Candidate) -> int:
+    """The article's framework order, used to break ties in step time."""
+    name = c.estimate.strategy
+    if spec.params >= THREE_D_MODEL:  # "medium-large -> DeepSpeed, very large -> Megatron"
+        order = ("disttrain_recsys", "disttrain_zero3", "disttrain_megatron", "disttrain_fsdp", "disttrain_ddp")
+    else:  # "small and medium teams -> PyTorch FSDP"
+        order = ("disttrain_recsys", "disttrain_ddp", "disttrain_fsdp", "disttrain_zero3", "disttrain_megatron")
+    base = name.removesuffix("_offload")
+    return order.index(base) + (10 if name.endswith("_offload") else 0) + (5 if c.estimate.activation_checkpointing
+                                                                            else 0)
+
+
+def _decide(plan: Plan, allowed: set[str]) -> None:
+    spec, n, reasons = plan.spec, plan.world_size, plan.reasons
+    fitting = [c for c in plan.candidates if c.fits]
+    ddp = next((c for c in fitting if c.estimate.strategy == "disttrain_ddp"), None)
+    if ddp is not None and spec.params < SMALL_MODEL and spec.family != "deepfm":
+        plan.choice = ddp
+        reasons.append(f"under 1B parameters ({spec.params / 1e9:.2f}B) and DDP fits ({_gib(ddp.estimate.device)} of"
+                       f" {_gib(ddp.usable)} GiB): the article's rule, and the least communication (one all-reduce)")
+        return
+    if ddp is None:
+        worst = next((c for c in plan.candidates if c.estimate.strategy == "disttrain_ddp"), None)
+        if worst is not None:
+            reasons.append(f"DDP does not fit: a full replica {worst.why} (model states alone "
+                           f"{_gib(worst.estimate.states)} GiB)")
+    plain_dp = [c for c in fitting if c.estimate.strategy in ("disttrain_ddp", "disttrain_fsdp", "disttrain_zero3")
+                and not c.estimate.activation_checkpointing]
+    big = spec.params >= THREE_D_MODEL and n >= THREE_D_DEVICES
+    admitted = []
+    for c in fitting:
+        if c.estimate.strategy == "disttrain_megatron" and not (big or not plain_dp):
+            c.why = "(not considered: 3D rule)"
+            continue
+        admitted.append(c)
+    if any(c.estimate.strategy == "disttrain_megatron" for c in plan.candidates):
+        if big:
+            reasons.append(f"3D parallelism considered: {spec.params / 1e9:.1f}B parameters on {n} devices")
+        elif not plain_dp:
+            reasons.append("3D parallelism considered: no data-parallel strategy fits without recomputation or "
+                           "offload (activations dominate; tensor parallelism splits them across heads)")
+        else:
+            reasons.append(f"3D parallelism not considered: under {THREE_D_MODEL / 1e9:.0f}B parameters and a "
+                           f"data-parallel strategy fits")
+    if spec.family == "deepfm" and "disttrain_recsys" not in allowed:
+        reasons.append("disttrain_recsys (table-wise embedding sharding) is not available here")
+    if not admitted:
+        reasons.append("nothing fits: " + "; ".join(f"{c.label}: {c.why}" for c in plan.candidates[:6]) +
+                       "; use more devices, a smaller micro-batch or a shorter sequence")
+        return
+    best_time = min(c.step_time for c in admitted)
+    near = [c for c in admitted if c.step_time <= best_time * (1 + TIE)]
+    near.sort(key=lambda c: (_preference(spec, c), c.step_time))
+    plan.choice = choice = near[0]
+    e = choice.estimate
+    comm = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in e.comm.items() if k != "bubble" and v)
+    reasons.append(f"{choice.label} fits ({_gib(e.device)} of {_gib(choice.usable)} GiB per rank) with the shortest "
+                   f"estimated step ({choice.step_time:.2f} s; traffic per rank per step: {comm or 'none'})")
+    runners = sorted((c for c in admitted if c is not choice), key=lambda c: c.step_time)[:2]
+    for r in runners:
+        reasons.append(f"next: {r.label} at {r.step_time:.2f} s")
+    if len(near) > 1:
+        reasons.append("step times within 3% are ties, broken by the article's framework order ("
+                       + ("DeepSpeed, then Megatron, for 10B+" if spec.params >= THREE_D_MODEL else
+                          "DDP, then FSDP, for smaller models") + ")")

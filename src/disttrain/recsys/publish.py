@@ -1,0 +1,158 @@
+"""The model store of the daily job: published versions, the ``current`` pointer, run records, the work folder
+of a run in progress, and the lock.
+
+    MODEL_ROOT/
+      versions/000003/     a published model (DCP folder: table shards, fused optimizer state, meta.pt) + info.json
+      current -> versions/000003     symlink, swapped atomically (readers never see a half-written model)
+      runs/2026-11-29.json one record per processed day
+      work/staging/        the model after the days trained so far in an unfinished run (what a restart resumes)
+      .lock                flock held by the running job
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+VERSION_DIGITS = 6
+
+
+class LockedError(RuntimeError):
+    """Another run of the daily job holds the lock."""
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` and the folders themselves, so a rename after it publishes durable data."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class ModelStore:
+    """Versions, pointer, records and lock under one model root (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.versions = self.root / "versions"
+        self.runs = self.root / "runs"
+        self.work = self.root / "work"
+        self.staging = self.work / "staging"
+        self.pointer = self.root / "current"
+
+    # -- lock -------------------------------------------------------------------------------------------------
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold ``.lock`` for the whole run; a second run fails at once instead of waiting or overlapping. The
+        kernel drops a flock when its process dies, so a crashed run never leaves a stale lock."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise LockedError(f"another daily run holds {self.root / '.lock'} (pid {holder}); wait for it to"
+                                  " finish (runs never overlap)") from None
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    # -- versions -----------------------------------------------------------------------------------------------
+    def current(self) -> Optional[Path]:
+        """The published version folder ``current`` points at, or None before the first publish."""
+        if not self.pointer.is_symlink() and not self.pointer.exists():
+            return None
+        target = self.pointer.resolve()
+        if not target.is_dir():
+            raise FileNotFoundError(f"{self.pointer} points at {target}, which does not exist; point it at a"
+                                    f" folder under {self.versions} (ln -sfn versions/NNNNNN current)")
+        return target
+
+    def info(self, version: Optional[Path]) -> dict[str, Any]:
+        if version is None:
+            return {}
+        return json.loads((version / "info.json").read_text())
+
+    def next_version(self) -> Path:
+        self.versions.mkdir(parents=True, exist_ok=True)
+        numbers = [int(p.name) for p in self.versions.iterdir() if p.name.isdigit()]
+        return self.versions / f"{max(numbers, default=0) + 1:0{VERSION_DIGITS}d}"
+
+    def partial(self, version: Path) -> Path:
+        return version.with_name(f".{version.name}.partial")
+
+    def finish_version(self, version: Path, info: dict[str, Any]) -> None:
+        """Rank 0: the model is in ``partial(version)``; add info.json, fsync, rename to ``version``."""
+        partial = self.partial(version)
+        write_json_atomic(partial / "info.json", info)
+        fsync_tree(partial)
+        partial.rename(version)
+        fsync_dir(self.versions)
+
+    def point_at(self, version: Path) -> None:
+        """Swap ``current`` to ``version`` atomically (a new symlink renamed over the old one)."""
+        tmp = self.root / ".current.tmp"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(Path("versions") / version.name)
+        os.replace(tmp, self.pointer)
+        fsync_dir(self.root)
+
+    def prune(self, keep: int) -> list[str]:
+        """Remove all but the newest ``keep`` versions (never the current one) and leftover partial folders."""
+        current = self.current()
+        folders = sorted(p for p in self.versions.iterdir() if p.name.isdigit())
+        removed = []
+        for folder in folders[:-keep] if keep > 0 else folders:
+            if current is not None and folder.resolve() == current:
+                continue
+            shutil.rmtree(folder)
+            removed.append(folder.name)
+        for partial in self.versions.glob(".*.partial"):
+            shutil.rmtree(partial)
+        return removed
+
+    # -- run records --------------------------------------------------------------------------------------------
+    def record_path(self, day: str) -> Path:
+        return self.runs / f"{day}.json"
+
+    def record(self, day: str) -> Optional[dict[str, Any]]:
+        path = self.record_path(day)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def write_record(self, day: str, record: dict[str, Any]) -> None:
+        write_json_atomic(self.record_path(day), record)

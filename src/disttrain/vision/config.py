@@ -1,0 +1,102 @@
+"""Recipe YAML files for the ViT trainer and the timm models they describe.
+
+A config has three sections: ``model:`` (timm ``VisionTransformer`` keyword arguments, the schema the planner
+reads), ``data:`` (:class:`disttrain.vision.data.DataConfig`) and ``train:`` (:class:`TrainConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import yaml
+from torch import nn
+
+from disttrain.parallel.options import build_options
+
+# timm registers no generic "vit" name: building through a registered architecture keeps create_model's
+# bookkeeping (pretrained_cfg, which the export's config.json needs); our keyword arguments replace its sizes.
+TIMM_ARCHITECTURE = "vit_base_patch16_224"
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "vision"
+
+
+@dataclass
+class TrainConfig:
+    """The ``train:`` section.
+
+    epochs / max_steps: how long (max_steps, when set, stops earlier). lr, weight_decay, warmup_steps,
+    min_lr_ratio: AdamW with linear warm-up then cosine decay to ``lr * min_lr_ratio``. label_smoothing: for the
+    hard-label loss (mixup has its own). activation_checkpointing: recompute each block in backward (timm's
+    ``set_grad_checkpointing``). sdpa: attention through ``scaled_dot_product_attention`` (FlashAttention-2 on
+    GPU). precision: the Fabric/Trainer precision unless the launcher sets one. seed, val_every_epochs,
+    checkpoint_every_epochs: as named.
+    """
+
+    epochs: int = 10
+    max_steps: Optional[int] = None
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    label_smoothing: float = 0.0
+    activation_checkpointing: bool = False
+    sdpa: bool = True
+    precision: str = "32-true"
+    seed: int = 0
+    val_every_epochs: int = 1
+    checkpoint_every_epochs: int = 1
+
+
+def read_yaml(path: Union[str, os.PathLike]) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))) if CONFIG_DIR.is_dir() else "none"
+        raise FileNotFoundError(f"config {str(path)!r} does not exist; pass a YAML file such as"
+                                f" configs/vision/vit_tiny.yaml (found in configs/vision: {known})")
+    config = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise ValueError(f"config {str(path)!r} has no `model:` mapping of timm VisionTransformer arguments;"
+                         " start from configs/vision/vit_tiny.yaml")
+    return config
+
+
+def train_config(section: Optional[dict[str, Any]]) -> TrainConfig:
+    return build_options(TrainConfig, "train:", dict(section or {}))
+
+
+def build_vit(model_args: dict[str, Any], device: Union[str, torch.device, None] = None) -> nn.Module:
+    """The timm VisionTransformer of a ``model:`` section; on ``device="meta"`` nothing is allocated."""
+    import timm
+
+    unknown = sorted(set(model_args) - _vit_arguments())
+    if unknown:
+        raise ValueError(f"model: {unknown} are not VisionTransformer arguments; valid ones include"
+                         f" {', '.join(sorted(_vit_arguments()))}")
+    heads, width = model_args.get("num_heads", 12), model_args.get("embed_dim", 768)
+    if width % heads:
+        raise ValueError(f"model: embed_dim={width} is not divisible by num_heads={heads}; choose a width that"
+                         f" is a multiple of the number of heads")
+    with torch.device(device) if device is not None else nullcontext():
+        return timm.create_model(TIMM_ARCHITECTURE, pretrained=False, **model_args)
+
+
+def count_parameters(model_args: dict[str, Any]) -> int:
+    """Parameters of the model a ``model:`` section describes, counted on the meta device (no memory used)."""
+    return sum(p.numel() for p in build_vit(model_args, device="meta").parameters())
+
+
+def _vit_arguments() -> set[str]:
+    import inspect
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    return set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
+
+
+def as_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)

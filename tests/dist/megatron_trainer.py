@@ -1,0 +1,145 @@
+"""disttrain_megatron through the Trainer on CPU/gloo, with training_step written for one process.
+
+Usage: megatron_trainer.py OUT SPEC MODEL [resume]    (MODEL: "llama" or "vit")
+Trains 3 steps (one process computes the reference in the same script), validates under the strategy, exports
+the full model and compares it with the reference model's state dict. "resume" (llama): saves a checkpoint after
+the 3 steps (one epoch) and resumes it in a new Trainer for step 4.
+"""
+
+import copy
+import os
+import sys
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import disttrain  # noqa: F401  (registers the strategy names)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import dataset, strategy_from_spec, tiny_llama, tmpdir, write_result  # noqa: E402
+
+spec, family = sys.argv[2], sys.argv[3]
+resume = sys.argv[4:] == ["resume"]
+STEPS, BATCH = 3, 4
+
+
+def tiny_vit():
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=32,
+                             depth=4, num_heads=4, num_classes=5)
+
+
+def data() -> TensorDataset:
+    if family == "llama":
+        return dataset()
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(24, 3, 16, 16, generator=g), torch.randint(0, 5, (24,), generator=g))
+
+
+class Module(L.LightningModule):
+    """Written for one process: nothing here knows about stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_llama(layers=4) if family == "llama" else tiny_vit()
+        self.losses: list[float] = []
+
+    def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # the PP hook (ViT)
+        return F.cross_entropy(logits, target)
+
+    def step_loss(self, batch) -> torch.Tensor:
+        if family == "llama":
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+        x, y = batch
+        return self.loss_fn(self.model(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.step_loss(batch)
+        self.log("train_loss", loss)
+        global_loss = loss.detach().clone()  # the mean over data-parallel ranks = the global batch's loss
+        dp = self.trainer.strategy.engine.mesh["dp"]
+        torch.distributed.all_reduce(global_loss, group=dp.get_group())
+        self.losses.append(global_loss.item() / dp.size())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        if family == "llama":
+            self.log("val_loss", self.step_loss(batch), sync_dist=True)
+        else:
+            x, y = batch
+            logits = self.model(x)
+            self.log("val_loss", self.loss_fn(logits, y), sync_dist=True)
+            self.log("val_acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)  # SGD: exports comparable to 1e-6
+
+
+def reference(model: Module, dp: int) -> tuple[list[float], float, dict]:
+    """One process, the global batches of ``dp`` data-parallel ranks: losses, the validation loss as the Trainer
+    logs it, the trained weights. (The Trainer's DistributedSampler shuffles training data with seed 0 even for an
+    unshuffled loader: the ranks' k-th batches together are the k-th slice of that order; validation is in order,
+    rank r taking every dp-th sample.)"""
+    opt = model.configure_optimizers()
+    order = torch.randperm(len(data()), generator=torch.Generator().manual_seed(0))
+    train_batches = list(DataLoader(torch.utils.data.Subset(data(), order.tolist()), batch_size=BATCH * dp))
+    batches = [b for r in range(dp) for b in DataLoader(torch.utils.data.Subset(data(), range(r, len(data()), dp)),
+                                                         batch_size=BATCH)]
+    losses = []
+
+    def train(batch) -> None:
+        loss = model.step_loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+
+    for batch in train_batches[:STEPS]:
+        train(batch)
+    with torch.no_grad():
+        val = sum(model.step_loss(b).item() for b in batches) / len(batches)
+    state = {k: v.detach().clone() for k, v in model.model.state_dict().items()}
+    if resume:  # step 4 opens epoch 1, shuffled with seed 0 + 1
+        order = torch.randperm(len(data()), generator=torch.Generator().manual_seed(1))
+        train(next(iter(DataLoader(torch.utils.data.Subset(data(), order.tolist()), batch_size=BATCH * dp))))
+    return losses, val, state
+
+
+module = Module()
+initial = copy.deepcopy(module)
+
+
+def make_trainer(steps: int) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=steps,
+                     strategy=strategy_from_spec(spec, "trainer"), logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+
+
+trainer = make_trainer(STEPS)
+trainer.fit(module, train_dataloaders=DataLoader(data(), batch_size=BATCH))
+val = trainer.validate(module, dataloaders=DataLoader(data(), batch_size=BATCH), verbose=False)[0]["val_loss"]
+
+ref_losses, ref_val, ref_state = reference(initial, trainer.strategy.engine.dims.dp)
+export = os.path.join(tmpdir(), f"trainer-{family}.safetensors")
+trainer.strategy.export_full(export, prefix="model.")
+diff = None
+if trainer.global_rank == 0:
+    from safetensors.torch import load_file
+
+    exported = load_file(export)
+    assert sorted(exported) == sorted(ref_state), (sorted(set(exported) ^ set(ref_state)))
+    diff = max((exported[k] - ref_state[k]).abs().max().item() for k in ref_state)
+resumed = None
+if resume:
+    ckpt = os.path.join(tmpdir(), "megatron-trainer.ckpt")
+    trainer.save_checkpoint(ckpt)
+    again = Module()  # fresh weights: everything must come from the checkpoint
+    make_trainer(STEPS + 1).fit(again, train_dataloaders=DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt)
+    resumed = again.losses
+write_result({"resumed": resumed, "losses": module.losses, "ref_losses": ref_losses, "val": val, "ref_val": ref_val,
+              "export_diff": diff, "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in module.parameters())})

@@ -1,0 +1,67 @@
+"""``strategy="disttrain_auto"``: the planner's choice applied at run time, on 2 CPU processes (gloo), for the
+Trainer and Fabric; and its single-process pieces (options, errors, measuring a configure_model module)."""
+
+import lightning as L
+import pytest
+import torch
+from conftest import run_dist
+
+import disttrain
+from disttrain.planner.runtime import spec_of
+
+
+@pytest.mark.slow
+def test_trainer_name_picks_ddp_for_a_small_model(tmp_path):
+    ranks = run_dist("auto_run.py", tmp_path, "trainer-name")
+    assert {r["choice"] for r in ranks} == {"disttrain_ddp"}
+    assert ranks[0]["class"] == "disttrain.strategies.ddp.DDPStrategy"
+    assert ranks[0]["param_bytes"] == ranks[1]["param_bytes"]  # a full replica on each rank
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ranks)
+
+
+@pytest.mark.slow
+def test_trainer_shards_when_a_replica_does_not_fit(tmp_path):
+    ranks = run_dist("auto_run.py", tmp_path, "trainer", "1.8MB")
+    assert {r["choice"] for r in ranks} == {"disttrain_fsdp"}
+    assert ranks[0]["class"] == "disttrain.strategies.fsdp.FSDPStrategy"
+    full = sum(p.numel() for p in __import__("common").tiny_llama().parameters()) * 4
+    assert ranks[0]["param_bytes"] == full // 2  # each rank holds half the parameters
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss is averaged over ranks: one training run
+
+
+@pytest.mark.slow
+def test_fabric_with_a_model_config(tmp_path):
+    ranks = run_dist("auto_run.py", tmp_path, "fabric", "1.8MB")
+    assert {r["choice"] for r in ranks} == {"disttrain_fsdp"}
+    assert ranks[0]["class"] == "disttrain.fabric.fsdp.FSDPStrategy"
+
+
+def test_fabric_without_a_model_is_one_clear_error():
+    with pytest.raises(ValueError, match="needs the model to plan for"):
+        L.Fabric(accelerator="cpu", devices=1, strategy="disttrain_auto")
+
+
+def test_unknown_option_names_the_valid_ones():
+    with pytest.raises(TypeError, match="did you mean 'micro_batch'"):
+        disttrain.strategies.AutoStrategy(micro_batches=4)
+
+
+def test_a_configure_model_module_is_measured_on_meta_and_put_back():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = None
+
+        def configure_model(self):
+            if self.model is None:
+                self.model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, vocab_size=96,
+                                                          num_hidden_layers=2, num_attention_heads=4))
+
+    module = Module()
+    spec = spec_of(module)
+    assert spec.family == "llama" and spec.layers == 2 and spec.params > 0
+    assert module.model is None  # the real build still happens later, on the real device
+    module.configure_model()
+    assert not next(module.model.parameters()).is_meta

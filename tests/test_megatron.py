@@ -1,0 +1,143 @@
+"""disttrain_megatron: tensor, pipeline and 3D parallelism against one process, on CPU/gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_dist
+from safetensors.torch import load_file
+
+from disttrain.parallel.megatron import MegatronOptions
+from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.options import build_options
+from disttrain.parallel.pipeline import plan_stages
+from disttrain.parallel.tp import apply_tp, check_heads, qkv_rank_major, restore_rows
+
+TOL = 1e-5
+
+
+def megatron(**options: object) -> str:
+    return "disttrain_megatron:" + ",".join(f"{k}={v}" for k, v in options.items())
+
+
+# -- sizes and plans, no processes ----------------------------------------------------------------------------
+def test_indivisible_sizes_are_rejected_with_the_valid_choices():
+    with pytest.raises(ValueError, match=r"world_size=4 is not divisible by tp\*pp=3"):
+        ParallelDims(world_size=4, tp=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_heads=4; choose 1, 2 or 4"):
+        check_heads(3, num_heads=4)
+    with pytest.raises(ValueError, match="num_key_value_heads=2; choose 1 or 2"):
+        check_heads(4, num_attention_heads=8, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="cannot fill pipeline_parallel_size"):
+        plan_stages([10, 10, 10], pp=2, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"split_points=\[3\] must be 1 increasing block indices"):
+        plan_stages([10, 10, 10], pp=2, split_points=[3])
+    with pytest.raises(TypeError, match="unknown option .tensor_parallel. .* did you mean .tensor_parallel_size."):
+        build_options(MegatronOptions, "disttrain_megatron", {"tensor_parallel": 2})
+
+
+def test_tp_plan_checks_the_model_heads_before_sharding():
+    from common import tiny_llama
+
+    class FakeMesh:  # only its size is read before the head check fails
+        def size(self) -> int:
+            return 8
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 does not divide num_attention_heads=4"):
+        apply_tp(tiny_llama(), FakeMesh())
+
+
+def test_stages_balance_parameters_and_respect_split_points():
+    # 4 equal blocks, embeddings and head small: two stages of two blocks; interleaved: one block per stage
+    assert plan_stages([37] * 4, pp=2, first_extra=6, last_extra=6).bounds == ((0, 2), (2, 4))
+    assert plan_stages([37] * 4, pp=2, virtual_stages=2).bounds == ((0, 1), (1, 2), (2, 3), (3, 4))
+    # a heavy first block (e.g. with the embeddings) gets a stage of its own
+    assert plan_stages([5, 1, 1, 1, 1, 1], pp=2).bounds == ((0, 1), (1, 6))
+    assert plan_stages([1] * 6, pp=2, split_points=[4]).bounds == ((0, 4), (4, 6))
+    plan = plan_stages([1] * 8, pp=2, virtual_stages=2)
+    assert plan.stages_of(0) == [0, 2] and plan.stages_of(1) == [1, 3]
+
+
+def test_fused_qkv_reorder_gives_each_rank_its_heads_and_is_undone_for_export():
+    dim, tp = 8, 2  # rows: q0..q7 | k0..k7 | v0..v7 (4 heads of 2)
+    order = qkv_rank_major(dim, tp)
+    weight = torch.arange(3 * dim, dtype=torch.float32).unsqueeze(1)
+    shards = weight[order].chunk(tp)
+    assert shards[0].flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]  # q, k, v of heads 0-1
+    assert shards[1].flatten().tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+    state = restore_rows({"blocks.0.attn.qkv.weight": weight[order]}, {"blocks.0.attn.qkv": order})
+    assert torch.equal(state["blocks.0.attn.qkv.weight"], weight)
+
+
+# -- tensor parallel: forward and backward equal one process ----------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "vit"])
+def test_tp2_forward_and_backward_match_one_process(tmp_path, family):
+    result = run_dist("megatron_fabric.py", tmp_path, megatron(tensor_parallel_size=2), f"grads-{family}")[0]
+    assert result["params_compared"] == result["params_total"]
+    assert result["logits_diff"] <= TOL and result["grad_diff"] <= TOL, result
+
+
+# -- pipeline parallel inside the Trainer: training_step written for one process -------------------------------
+TRAINER_CASES = {  # name: (model, strategy, processes); llama-gpipe also saves and resumes a Trainer checkpoint
+    "llama-gpipe": ("llama", megatron(pipeline_parallel_size=2, microbatches=2, pipeline_schedule="gpipe"), 2),
+    "llama-interleaved": ("llama", megatron(pipeline_parallel_size=2, microbatches=2,
+                                            pipeline_schedule="interleaved_1f1b"), 2),
+    "vit-1f1b-loss-hook": ("vit", megatron(pipeline_parallel_size=2, microbatches=4), 2),
+    "vit-tp2": ("vit", megatron(tensor_parallel_size=2), 2),
+    "llama-tp2-ac": ("llama", megatron(tensor_parallel_size=2, activation_checkpointing=True), 2),
+    "llama-tp2-pp2": ("llama", megatron(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2), 4),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if TRAINER_CASES[c][2] > 2 else c
+                                  for c in TRAINER_CASES])
+def test_trainer_matches_one_process(tmp_path, case):
+    family, spec, nproc = TRAINER_CASES[case]
+    resume = case == "llama-gpipe"
+    results = run_dist("megatron_trainer.py", tmp_path, spec, family, *(["resume"] if resume else []), nproc=nproc)
+    for result in results:  # the loss is logged on every rank, pipeline stages included
+        assert result["losses"] == pytest.approx(result["ref_losses"][:3], abs=TOL)
+        if resume:  # a DCP checkpoint of both stages, resumed by a new Trainer: step 4 as in one process
+            assert result["resumed"] == pytest.approx(result["ref_losses"][3:], abs=TOL)
+        assert result["val"] == pytest.approx(result["ref_val"], abs=TOL)  # validation under PP/TP
+    assert results[0]["export_diff"] <= TOL  # the exported full model = the one-process model's state dict
+
+
+# -- pipeline parallel through Fabric: 1F1B, memory per rank, DCP save and resume -------------------------------
+def test_fabric_pp2_1f1b_trains_keeps_one_stage_and_resumes(tmp_path):
+    from common import reference_losses, tiny_llama
+
+    results = run_dist("megatron_fabric.py", tmp_path, megatron(pipeline_parallel_size=2, microbatches=2), "train")
+    expected = reference_losses(3, world_size=1)
+    for result in results:
+        assert result["losses"] == pytest.approx(expected, abs=TOL)
+        assert result["resumed"] == pytest.approx(result["losses"][2], abs=TOL)
+    # each rank holds only its stage: together exactly the model, each about half
+    locals_ = [r["local_params"] for r in results]
+    assert sum(locals_) == results[0]["total_params"] and max(locals_) < 0.6 * results[0]["total_params"]
+    exported = load_file(results[0]["export"])
+    assert sorted(exported) == sorted(tiny_llama().state_dict())
+
+
+# -- 3D: tensor x data parallel on 4 processes, pipeline x data parallel on 4 ---------------------------------
+@pytest.mark.slow
+def test_tp2_dp2_on_four_processes_trains_and_matches(tmp_path):
+    from common import reference_losses
+
+    results = run_dist("megatron_fabric.py", tmp_path, megatron(tensor_parallel_size=2), "train", nproc=4)
+    expected = reference_losses(3, world_size=2)  # dp=2: the global batch of two data-parallel ranks
+    for result in results:
+        assert result["losses"] == pytest.approx(expected, abs=TOL)
+        assert result["resumed"] == pytest.approx(result["losses"][2], abs=TOL)
+    # TP layers split over tp and dp, the rest (embeddings, norms, head) over dp: each rank well under half
+    assert max(r["local_params"] for r in results) < 0.4 * results[0]["total_params"]
+
+
+@pytest.mark.slow
+def test_pp2_dp2_vit_on_four_processes_matches(tmp_path):
+    results = run_dist("megatron_trainer.py", tmp_path, megatron(pipeline_parallel_size=2, microbatches=2), "vit",
+                       nproc=4)
+    for result in results:
+        assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+        assert result["val"] == pytest.approx(result["ref_val"], abs=TOL)
+    assert results[0]["export_diff"] <= TOL

@@ -1,0 +1,159 @@
+"""The planner on one process: structure read from configs (checked against models built on the meta device),
+memory arithmetic, the three industrial cases of the source article, bad input, and `disttrain plan`."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from disttrain.planner import Hardware, choose, estimate, hardware, model_spec, parse_bytes, table_placement
+from disttrain.planner.spec import meta_model
+
+# The three industrial cases' `model:` mappings (the recipes' YAML files carry the same keys).
+DIALOGUE_10B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 48,
+                "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
+                "tie_word_embeddings": False}
+VIT_2B = {"img_size": 224, "patch_size": 14, "in_chans": 3, "num_classes": 1000, "embed_dim": 1792, "depth": 48,
+          "num_heads": 16, "mlp_ratio": 4.5}
+DEEPFM_5B = {"embedding_dim": 128, "dense_in_features": 13, "bottom_mlp": [512, 256, 128], "deep_mlp": [1024, 1024, 512],
+             "num_embeddings_per_feature": [2_500_000] * 10 + [1_300_000] * 10 + [120_000] * 6}
+TINY_LLAMA = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, dict(TINY_LLAMA, tie_word_embeddings=True, attention_bias=True),
+                                    {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4,
+                                     "num_classes": 10}, VIT_2B, DIALOGUE_10B])
+def test_parameter_count_matches_meta_model(config):
+    model = meta_model(config)  # the meta device: even the 10B model allocates nothing
+    assert model_spec(config).params == sum(p.numel() for p in model.parameters())
+    assert model_spec(model).params == model_spec(config).params
+
+
+def test_case_sizes():
+    assert 9.5e9 < model_spec(DIALOGUE_10B).params < 10.5e9
+    assert 1.9e9 < model_spec(VIT_2B).params < 2.1e9
+    spec = model_spec(DEEPFM_5B)
+    assert 4.8e9 < spec.params < 5.2e9 and spec.table_params / spec.params > 0.99
+
+
+def test_yaml_and_recipe_dict(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model": DIALOGUE_10B, "train": {"lr": 1e-4}}))
+    assert model_spec(path) == model_spec(DIALOGUE_10B) == model_spec({"model": DIALOGUE_10B})
+
+
+def test_state_arithmetic():
+    P = model_spec(DIALOGUE_10B).params
+    ddp = estimate(DIALOGUE_10B, "disttrain_ddp", 8, precision="bf16-mixed")
+    assert ddp.states == 16 * P  # fp32 params, grads, two Adam moments
+    fsdp = estimate(DIALOGUE_10B, "disttrain_fsdp", 8)
+    assert fsdp.states == pytest.approx(16 * P / 8, rel=1e-6)
+    off = estimate(DIALOGUE_10B, "disttrain_zero3", 8, offload=True)
+    assert off.strategy == "disttrain_zero3_offload" and off.states == 0 and off.host == pytest.approx(2 * P, rel=1e-6)
+    tp = estimate(DIALOGUE_10B, "disttrain_megatron", 8, tensor_parallel_size=8)
+    assert tp.activations < fsdp.activations / 3  # heads and MLP split 8 ways; norms stay replicated
+    ac = estimate(DIALOGUE_10B, "disttrain_fsdp", 8, activation_checkpointing=True)
+    assert ac.activations < fsdp.activations / 5
+    eager = estimate(dict(DIALOGUE_10B, attn_implementation="eager"), "disttrain_fsdp", 8)
+    assert eager.activations > fsdp.activations  # eager attention keeps the a x s x s softmax
+
+
+def test_activation_formula_against_saved_tensors():
+    """The per-token coefficients against what autograd saves in a real forward of transformers' Llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from disttrain.planner import activation_bytes
+    from disttrain.planner.measure import SavedActivations
+
+    for attn in ("sdpa", "eager"):
+        config = dict(TINY_LLAMA, hidden_size=128, num_attention_heads=8, attn_implementation=attn)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**config, use_cache=False))
+        ids = torch.randint(0, 96, (3, 24))
+        with SavedActivations(model) as saved:
+            model(input_ids=ids, labels=ids).loss
+        predicted = activation_bytes(model_spec(config), 3, 24, 4)
+        assert abs(predicted - saved.bytes()) / saved.bytes() < 0.05, (attn, predicted, saved.bytes())
+
+
+def test_table_wise_placement_balances():
+    rows = (10, 9, 8, 1, 1, 1)
+    placement = table_placement(rows, 2)
+    assert sorted(i for r in placement for i in r) == list(range(6))  # every table on exactly one rank
+    assert sorted(sum(rows[i] for i in r) for r in placement) == [13, 17]  # largest first, onto the lightest
+
+
+def test_dialogue_10b_on_32_a100_40gb_chooses_zero3():
+    plan = choose(DIALOGUE_10B, 32, "A100-40GB")
+    assert plan.strategy == "disttrain_zero3", plan.report()
+    ddp = next(c for c in plan.candidates if c.label == "disttrain_ddp")
+    assert not ddp.fits
+
+
+def test_vit_2b_on_16_a100_chooses_head_split_tensor_parallel():
+    # The case's premise: the attention activations overflow a data-parallel rank (batch 64 of 224px images).
+    plan = choose(VIT_2B, 16, "A100-40GB", micro_batch=64)
+    assert plan.strategy == "disttrain_megatron", plan.report()
+    e = plan.choice.estimate
+    assert e.tensor_parallel_size > 1 and e.pipeline_parallel_size == 1 and not e.activation_checkpointing
+
+
+def test_deepfm_5b_on_8_t4_chooses_recsys():
+    plan = choose(DEEPFM_5B, 8, "T4-16GB", micro_batch=4096)
+    assert plan.strategy == "disttrain_recsys", plan.report()
+    assert not next(c for c in plan.candidates if c.label == "disttrain_ddp").fits
+
+
+def test_small_model_that_fits_gets_ddp():
+    assert choose(TINY_LLAMA, 4, "A100-80GB").strategy == "disttrain_ddp"
+
+
+def test_available_limits_the_choice():
+    plan = choose(VIT_2B, 16, "A100-40GB", micro_batch=64,
+                  available=["disttrain_ddp", "disttrain_fsdp", "disttrain_zero3"])
+    assert plan.choice.estimate.strategy in ("disttrain_fsdp", "disttrain_zero3")
+    assert plan.choice.estimate.activation_checkpointing
+
+
+def test_nothing_fits_is_reported():
+    plan = choose(DIALOGUE_10B, 2, hardware("T4-16GB"), available=["disttrain_ddp", "disttrain_fsdp"])
+    assert plan.choice is None
+    with pytest.raises(RuntimeError, match="no strategy fits"):
+        plan.strategy
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: estimate(TINY_LLAMA, "fsdp", 2), "disttrain_fsdp"),
+    (lambda: estimate(TINY_LLAMA, "disttrain_ddp", 0), "world_size=0"),
+    (lambda: estimate(TINY_LLAMA, "disttrain_megatron", 4, tensor_parallel_size=4), "choose one of 1, 2"),
+    (lambda: estimate(TINY_LLAMA, "disttrain_fsdp", 2, tensor_parallel_size=2), "disttrain_megatron"),
+    (lambda: estimate(TINY_LLAMA, "disttrain_recsys", 2), "embedding tables"),
+    (lambda: estimate(TINY_LLAMA, "disttrain_ddp", 2, precision="fp8"), "precision='fp8'"),
+    (lambda: model_spec({"layers": 3}), "cannot tell the model family"),
+    (lambda: model_spec("no/such.yaml"), "does not exist"),
+    (lambda: parse_bytes("40 gigs"), "40GiB"),
+    (lambda: hardware("B200"), "not a preset"),
+])
+def test_bad_input_is_one_clear_error(call, match):
+    with pytest.raises((ValueError, FileNotFoundError, TypeError), match=match):
+        call()
+
+
+def test_parse_bytes():
+    assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("16GB") == 16e9 and parse_bytes(80e9) == 80e9
+    assert isinstance(hardware("a100", "80GiB"), Hardware)
+
+
+def test_cli_plan(tmp_path):
+    path = tmp_path / "dialogue_10b.yaml"
+    path.write_text(yaml.safe_dump({"model": DIALOGUE_10B}))
+    out = subprocess.run([sys.executable, "-m", "disttrain.cli", "plan", "--model", str(path), "--gpus", "32",
+                          "--gpu-mem", "40GiB"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "recommendation: disttrain_zero3" in out.stdout and "disttrain_fsdp_offload" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "disttrain.cli", "plan", "--model", str(path), "--gpus", "32",
+                          "--gpu-mem", "lots"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "lots" in bad.stderr

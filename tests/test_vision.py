@@ -1,0 +1,230 @@
+"""The ViT trainer: configs (the 2B count on the meta device), digits data, the loss contract, the timm export,
+the strategy/config defaults, and multi-process runs through Fabric and the Trainer compared with one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from conftest import ROOT, child_env, free_port, launch
+from safetensors.torch import load_file
+
+from disttrain.vision import (ImageFolderData, TrainConfig, ViTClassifier, build_vit, count_parameters, data_config,
+                              default_config, default_strategy, export_timm, read_yaml, write_digits)
+from disttrain.vision.config import TIMM_ARCHITECTURE, train_config
+from disttrain.vision.export import PREFIX
+from vision_fabric import MODEL, batch, classifier, reference
+
+CONFIGS = ROOT / "configs" / "vision"
+BIN = Path(sys.executable).parent
+
+
+def test_vit2b_has_2b_parameters_counted_on_meta():
+    args = read_yaml(CONFIGS / "vit2b.yaml")["model"]
+    model = build_vit(args, device="meta")
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+    n = count_parameters(args)
+    assert abs(n - 2.0e9) <= 0.05 * 2.0e9, n
+    assert args["embed_dim"] // args["num_heads"] % 8 == 0  # FlashAttention-2 head size
+    assert args["num_heads"] % 2 == 0  # head-split tp=2
+
+
+def test_configs_are_fully_commented_and_well_formed():
+    for path in CONFIGS.glob("*.yaml"):
+        config = read_yaml(path)
+        train_config(config["train"])
+        data_config(config["data"])
+        for line in path.read_text().splitlines():
+            if line.startswith("  ") and ":" in line and not line.strip().startswith("#"):
+                assert "#" in line, f"{path.name}: uncommented key {line!r}"
+
+
+def test_bad_config_values_name_the_fix():
+    with pytest.raises(ValueError, match=r"\['embed_dims'\] are not VisionTransformer arguments"):
+        build_vit({"embed_dims": 64}, device="meta")
+    with pytest.raises(ValueError, match="embed_dim=66 is not divisible by num_heads=4"):
+        build_vit({"embed_dim": 66, "num_heads": 4}, device="meta")
+    with pytest.raises(TypeError, match="did you mean 'epochs'"):
+        train_config({"epoch": 3})
+    with pytest.raises(ValueError, match="batch_size=15 is odd"):
+        data_config({"batch_size": 15, "mixup": 0.8})
+    with pytest.raises(FileNotFoundError, match="vit_tiny.yaml"):
+        read_yaml(CONFIGS / "nope.yaml")
+
+
+def test_digits_tree_is_deterministic_and_atomic(tmp_path):
+    a, b = write_digits(tmp_path / "a"), write_digits(tmp_path / "b")
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*.png"))
+    assert files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*.png"))
+    assert len([f for f in files if f.startswith("train/")]) == 1437 and len(files) == 1797
+    assert len({f.split("/")[1] for f in files if f.startswith("val/")}) == 10  # stratified: every class in val
+    assert not list(tmp_path.glob(".*tmp"))  # the temporary tree was renamed into place
+    assert write_digits(a) == a  # a complete tree is kept
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a complete digits tree"):
+        write_digits(tmp_path / "other")
+
+
+def test_data_module_checks_class_folders(tmp_path):
+    root = write_digits(tmp_path / "digits")
+    data = ImageFolderData(data_config({"root": str(root)}), img_size=32, num_classes=10)
+    data.prepare_data()
+    data.setup()
+    images, target = next(iter(data.val_dataloader()))
+    assert images.shape == (32, 3, 32, 32) and target.dtype == torch.int64
+    with pytest.raises(ValueError, match="has 10 class folders but model.num_classes is 7"):
+        ImageFolderData(data_config({"root": str(root)}), img_size=32, num_classes=7).setup()
+    with pytest.raises(FileNotFoundError, match="has no train/ or val/ folder"):
+        ImageFolderData(data_config({"root": str(tmp_path / "none")}), img_size=32, num_classes=10).prepare_data()
+
+
+def test_training_step_is_loss_fn_of_model_output():
+    """The pipeline-parallel contract: training_step == loss_fn(model(images), target); soft targets (mixup)
+    use soft-target cross-entropy."""
+    vit = classifier()
+    images, target = batch(0)
+    assert vit.training_step((images, target), 0).item() == vit.loss_fn(vit.model(images), target).item()
+    logits = vit.model(images)
+    one_hot = F.one_hot(target, MODEL["num_classes"]).float()
+    assert vit.loss_fn(logits, one_hot).item() == pytest.approx(F.cross_entropy(logits, target).item(), rel=1e-6)
+    mixed = ViTClassifier(MODEL, data=data_config({"mixup": 0.8, "batch_size": 8}))
+    mixed.configure_model()
+    assert torch.isfinite(mixed.training_step((images, target), 0))
+
+
+def test_activation_checkpointing_and_sdpa_follow_the_config():
+    vit = ViTClassifier(MODEL, TrainConfig(activation_checkpointing=True, sdpa=True))
+    vit.configure_model()
+    assert vit.model.grad_checkpointing and all(b.attn.fused_attn for b in vit.model.blocks)
+    eager = ViTClassifier(MODEL, TrainConfig(sdpa=False))
+    eager.configure_model()
+    eager.model.load_state_dict(vit.model.state_dict())
+    images = batch(0)[0]
+    torch.testing.assert_close(vit.model(images), eager.model(images), rtol=1e-5, atol=1e-5)
+
+
+def test_export_loads_in_timm(tmp_path):
+    from disttrain.parallel.checkpoint import export_safetensors
+
+    vit = classifier()
+    out = export_timm(tmp_path / "export", MODEL, lambda p: export_safetensors(vit, p, prefix=PREFIX),
+                      data=data_config({}), class_names=[f"c{i}" for i in range(5)])
+    images = batch(3)[0]
+    vit.eval()
+    by_name = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    by_hand = timm.create_model(TIMM_ARCHITECTURE, **MODEL).eval()
+    by_hand.load_state_dict(load_file(out / "model.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(by_name(images), vit(images))
+        torch.testing.assert_close(by_hand(images), vit(images))
+    assert json.loads((out / "config.json").read_text())["label_names"] == [f"c{i}" for i in range(5)]
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_default_strategy_and_config(monkeypatch):
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
+    assert default_config(2, None).name == "vit_tiny.yaml"  # CPU: the tiny config
+    assert default_config(16, 80 * 2**30).name == "vit2b.yaml"  # 16 x 80 GiB: the 2B model fits
+    assert default_config(1, 16 * 2**30).name == "vit_tiny.yaml"  # one 16 GiB device: 32 GB of state does not
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_strategy(2, "gpu") == ("disttrain_fsdp", {})  # disttrain_megatron not registered yet
+    monkeypatch.setitem(STRATEGY_REGISTRY, "disttrain_megatron", {"strategy": object, "init_params": {}})
+    assert default_strategy(16, "gpu") == ("disttrain_megatron", {"tensor_parallel_size": 2})
+    assert default_strategy(1, "gpu") == ("disttrain_fsdp", {})  # tp=2 needs an even number of devices
+    assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict:
+    return reference()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,ac", [("disttrain_fsdp", "1"), ("disttrain_ddp", "0")])
+def test_fabric_run_matches_one_process_and_resumes(tmp_path_factory, single_process, spec, ac):
+    ranks = launch(tmp_path_factory, "vision_fabric.py", spec, ac)
+    result = ranks[0]
+    assert result["grad_checkpointing"] == (ac == "1")
+    assert result["losses"] == pytest.approx(single_process["losses"], rel=1e-5)
+    assert result["val_acc"] == pytest.approx(single_process["val_acc"], abs=1e-6)
+    assert result["val_loss"] == pytest.approx(single_process["val_loss"], rel=1e-5)
+    assert result["resumed_step"] == 3 and result["lr_after"] == pytest.approx(result["lr_before"])
+    assert result["resumed_losses"] == pytest.approx(result["losses"][3:], rel=1e-6)
+    assert "head.weight" in result["export_keys"] and "blocks.1.mlp.fc2.weight" in result["export_keys"]
+
+
+@pytest.mark.slow
+def test_trainer_fsdp_matches_one_process(tmp_path_factory, single_process):
+    result = launch(tmp_path_factory, "vision_trainer.py", "disttrain_fsdp")[0]
+    assert result["strategy"] == "FSDPStrategy"
+    assert result["losses"] == pytest.approx(single_process["losses"], rel=1e-5)
+    assert result["val_acc"] == pytest.approx(single_process["val_acc"], abs=1e-6)
+    assert result["val_loss"] == pytest.approx(single_process["val_loss"], rel=1e-5)
+    assert ".metadata" in result["checkpoint_files"]  # a sharded, resumable folder
+    model = timm.create_model(f"local-dir:{result['export']}", pretrained=True)
+    assert model.num_classes == MODEL["num_classes"]
+
+
+def run_recipe(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [str(BIN / "lightning"), "run", "model", "recipes/vision/vit2b.py", "--accelerator", "cpu", "--devices", "2",
+           "--main-port", str(free_port()), *args]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
+    return proc, time.perf_counter() - start
+
+
+def final_accuracy(stdout: str) -> float:
+    return float(stdout.split("final val_acc ")[1].split(";")[0])
+
+
+def accuracy_of_export(export: Path, data_root: Path) -> float:
+    model = timm.create_model(f"local-dir:{export}", pretrained=True).eval()
+    data = ImageFolderData(data_config({"root": str(data_root)}), img_size=32, num_classes=10)
+    data.setup()
+    correct = total = 0
+    with torch.no_grad():
+        for images, target in data.val_dataloader():
+            correct += (model(images).argmax(-1) == target).sum().item()
+            total += len(target)
+    return correct / total
+
+
+@pytest.mark.slow
+def test_recipe_learns_digits_under_fsdp_and_resumes(tmp_path):
+    """The README command on 2 CPU processes: the default (tiny) config passes 80% validation accuracy on the
+    digits within 3 minutes; the export is a timm model just as accurate; a resumed run continues."""
+    out, digits = tmp_path / "run", tmp_path / "digits"
+    proc, seconds = run_recipe("--strategy", "disttrain_fsdp", "--out", str(out), "--data-root", str(digits))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    accuracy = final_accuracy(proc.stdout)
+    print(f"\nvit_tiny, disttrain_fsdp, 2 CPU processes: val_acc {accuracy:.4f} in {seconds:.0f} s wall")
+    assert "vit_tiny.yaml" in proc.stdout and "FSDPStrategy on 2 x cpu" in proc.stdout
+    assert accuracy > 0.8
+    assert accuracy_of_export(out / "export", digits) == pytest.approx(accuracy, abs=0.01)
+
+    proc, _ = run_recipe("--strategy", "disttrain_fsdp", "--out", str(tmp_path / "more"), "--data-root", str(digits),
+                         "--resume", str(out / "ckpt"), "--epochs", "9")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout and "at epoch 8, step 352" in proc.stdout
+    assert "epoch 9 step 360" in proc.stdout and "epoch 1 " not in proc.stdout  # only the new epoch ran
+    assert final_accuracy(proc.stdout) > 0.8
+
+
+@pytest.mark.slow
+def test_recipe_runs_under_zero3_offload(tmp_path):
+    out, digits = tmp_path / "run", tmp_path / "digits"
+    proc, _ = run_recipe("--strategy", "disttrain_zero3_offload", "--config", "configs/vision/vit_tiny.yaml",
+                         "--out", str(out), "--data-root", str(digits), "--max-steps", "6")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ZeroStrategy on 2 x cpu" in proc.stdout and (out / "ckpt" / "latest").is_file()
+    assert accuracy_of_export(out / "export", digits) == pytest.approx(final_accuracy(proc.stdout), abs=0.01)
