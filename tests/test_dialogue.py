@@ -202,6 +202,10 @@ def test_hf_export_loads_and_generates(tmp_path, tokenizer):
     assert isinstance(greedy_reply(loaded, reloaded, "Hello"), str)
     generated = loaded.generate(input_ids=ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
     assert generated.shape == (1, 9)
+    finetune = DialogueLM(pretrained=str(out))  # the export is also a starting point for fine-tuning
+    finetune.configure_model()
+    with torch.no_grad():
+        assert torch.allclose(finetune.model.eval()(input_ids=ids).logits, loaded(input_ids=ids).logits, atol=1e-6)
 
 
 def test_build_datasets_counts(tokenizer, demo):
