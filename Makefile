@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lightning run model recipes/demo/tiny_llama.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
+	$(VENV)/bin/lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
@@ -31,4 +31,4 @@ bench: $(STAMP)
 	$(PY) bench/zero3_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf $(VENV) .pytest_cache runs data/dialogue

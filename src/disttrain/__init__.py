@@ -23,4 +23,6 @@ def register_strategies() -> list[str]:
 
 register_strategies()
 
+from disttrain import nlp  # noqa: E402  (domain trainers, after the names are registered)
+
 __all__ = ["CheckpointError", "STRATEGIES", "fabric", "parallel", "register_strategies", "strategies"]

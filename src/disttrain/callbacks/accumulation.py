@@ -126,10 +126,14 @@ class GradientAccumulation(L.Callback):
                                         _data_parallel_size(fabric.strategy, fabric.world_size))
         options = getattr(fabric.strategy, "zero_options", None)
         if options is not None:  # disttrain_zero3: DeepSpeed accumulates inside its engine, from its config
+            options.micro_batch_size, options.gradient_accumulation_steps = micro, self.steps
             if getattr(fabric.strategy, "_config_initialized", False) and \
                     fabric.strategy.config.get("gradient_accumulation_steps") != self.steps:
-                raise RuntimeError("GradientAccumulation.attach came after fabric.launch(); call it before")
-            options.micro_batch_size, options.gradient_accumulation_steps = micro, self.steps
+                # Under `lightning run model` Fabric() already built the config; the engine reads it only at
+                # fabric.setup(), so it can be rebuilt until then.
+                if getattr(fabric, "_models_setup", 0):
+                    raise RuntimeError("GradientAccumulation.attach came after fabric.setup(); call it before")
+                fabric.strategy._format_config()
         return self.steps
 
     def is_last(self, micro_step: int) -> bool:

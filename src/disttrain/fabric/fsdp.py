@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from disttrain._lightning import DEFAULT_TIMEOUT, DistributedPlumbing, fsdp2_mixed_precision_class, to_fsdp2_precision
 from disttrain.parallel.checkpoint import split_state
-from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.engine import FSDPEngine, reshard
 from disttrain.parallel.fsdp import FSDPOptions, set_gradient_sync
 from disttrain.parallel.options import build_options
 
@@ -119,6 +119,7 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         if storage_options is not None or filter is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
         path = self.broadcast(path)
+        reshard(_the_model(state))  # after a validation the last block may still hold its gathered parameters
         tensors, metadata = split_state(state, _the_model(state), full=not self.engine.sharded)
         self.engine.save(path, tensors, metadata)
 

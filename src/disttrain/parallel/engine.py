@@ -61,7 +61,9 @@ class FSDPEngine:
         if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
             raise TypeError("the model is wrapped in FSDP1 (FullyShardedDataParallel); disttrain_fsdp applies FSDP2"
                             " itself: pass the plain model")
-        if not isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule):
+            reshard(module)  # set up again (Trainer.validate, then fit): optimizers must see the sharded params
+        else:
             refuse_torchrec_tables(module, "disttrain_fsdp")
             for transform in self.module_transforms:
                 transform(module)
@@ -112,14 +114,27 @@ class FSDPEngine:
         return loader(path, targets, model, strict=strict, weights_only=weights_only is not False)
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
+        reshard(model)
         return ckpt.model_state(model, full=not self.sharded)
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        reshard(model)  # the optimizer's parameters are the sharded ones: map them by identity
         return ckpt.optimizer_state(model, optimizer, full=not self.sharded)
 
     @staticmethod
     def export(model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
+        reshard(model)
         return ckpt.export_safetensors(model, path, prefix=prefix)
+
+
+def reshard(module: nn.Module) -> None:
+    """Put every FSDP unit back in its sharded state. A forward without backward (validation) leaves the units that
+    do not reshard after forward (the last block) holding their gathered parameters, which then replace the sharded
+    ones as the module's parameters: an optimizer created then, or a state dict mapped by parameter identity,
+    would see the wrong tensors."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 def _named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -77,6 +78,10 @@ def _is_embedding_module(module: nn.Module) -> bool:
 
 def has_torchrec_tables(module: nn.Module) -> bool:
     """Whether ``module`` holds torchrec embedding tables (plain or already sharded)."""
+    if "torchrec" not in sys.modules:
+        # No table can exist without torchrec imported. Importing it here would also be wrong: under DeepSpeed it
+        # can run after zero.Init patched nn.Module subclassing, and torchrec's Generic modules then fail to build.
+        return False
     try:
         return any(_is_embedding_module(m) for m in module.modules())
     except ImportError:  # torchrec not installed: no module can hold its tables

@@ -1,0 +1,283 @@
+"""Dialogue LLM: chat SFT of a Llama-family model (disttrain.nlp.DialogueLM) with Lightning Fabric, under any
+disttrain strategy. Loss only on assistant turns; dialogues packed without attending to each other.
+
+    lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
+    lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_zero3
+    python recipes/nlp/dialogue_llm.py        # same defaults (tiny config, 2 CPU processes, disttrain_fsdp)
+    python recipes/nlp/dialogue_llm.py --accelerator gpu --devices 1 --config configs/nlp/dialogue_1b.yaml \
+        --data chats.jsonl --tokenizer /models/my-tokenizer
+
+Without --data/--tokenizer it trains on the chatterbot-corpus dialogues (English and Chinese), converted to JSONL
+with a BPE tokenizer trained on them, under data/dialogue/ on first use. Prints held-out loss and perplexity and
+tokens/s as it trains, exports a Hugging Face folder (--out/hf: config + safetensors + tokenizer) and prints the
+exported model's greedy reply to a sample prompt. --save-every N writes resumable checkpoints (model, optimizer,
+schedule and the data position) under --out/checkpoints; --resume PATH continues with the next unseen batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+import disttrain  # noqa: F401  (registers the disttrain_* names)
+from disttrain.callbacks import GradientAccumulation, Throughput, apply_fast_attention
+from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_datasets, export_hf, load_tokenizer, \
+    read_jsonl, read_recipe_config, reply_from_export
+from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
+from disttrain.nlp.data import collate
+from disttrain.nlp.module import lr_factor
+from disttrain.parallel.checkpoint import export_safetensors
+
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
+warnings.filterwarnings("ignore", message=".*all_gather is deprecated")  # Lightning's all_gather, once per rank
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs/nlp/dialogue_tiny.yaml"), help="recipe YAML")
+    p.add_argument("--data", default=None, help="chat JSONL (default: the config's data.train, else the demo)")
+    p.add_argument("--tokenizer", default=None, help="local HF tokenizer folder (default: config, else demo)")
+    p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSONL lines")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: train.steps)")
+    p.add_argument("--eval-every", type=int, default=None, help="default: train.eval_every")
+    p.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
+    p.add_argument("--global-batch", type=int, default=None, help="default: train.global_batch_size")
+    p.add_argument("--lr", type=float, default=None, help="default: train.lr")
+    p.add_argument("--out", default="runs/dialogue_llm", help="checkpoints and the HF export go here")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: none)")
+    p.add_argument("--log-every", type=int, default=0, help="print the train loss every N steps (0: at evals)")
+    p.add_argument("--resume", default=None, help="a checkpoint folder written by --save-every")
+    p.add_argument("--prompt", default=None, help="sample prompt answered after training (default: train.prompt)")
+    p.add_argument("--demo-root", default=str(ROOT / DEFAULT_DEMO_ROOT), help="where the demo data is built")
+    # Only for plain `python`: under `lightning run model` the launcher's own options decide.
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--strategy", default="disttrain_fsdp")
+    p.add_argument("--precision", default=None, help="default: train.precision")
+    return p.parse_args(argv)
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The config's sections with the command line's overrides applied."""
+    config = read_recipe_config(args.config)
+    train = dict(config.get("train", {}))
+    for key, value in (("steps", args.steps), ("eval_every", args.eval_every), ("micro_batch_size", args.micro_batch),
+                       ("global_batch_size", args.global_batch), ("lr", args.lr), ("prompt", args.prompt),
+                       ("precision", args.precision)):
+        if value is not None:
+            train[key] = value
+    data = dict(config.get("data", {}))
+    data["train"] = args.data or data.get("train")
+    data["tokenizer"] = args.tokenizer or data.get("tokenizer")
+    return {"model": config["model"], "data": data, "train": train}
+
+
+def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str, Any]]:
+    cfg = settings(args)
+    train = cfg["train"]
+    cli = bool(os.environ.get("LT_CLI_USED"))
+    precision = None if os.environ.get("LT_PRECISION") else train.get("precision", "32-true")
+    fabric = L.Fabric(precision=precision) if cli else L.Fabric(
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
+        precision=precision)
+    micro = int(train.get("micro_batch_size", 8))
+    dp = _sampler_kwargs(fabric)["num_replicas"]
+    accumulation = GradientAccumulation(global_batch_size=int(train.get("global_batch_size") or micro * dp))
+    accumulation.attach(fabric, micro)  # before launch: feeds disttrain_zero3's DeepSpeed config
+    if not cli:
+        fabric.launch()
+    fabric.seed_everything(int(cfg["data"].get("seed", 0)))
+
+    data = cfg["data"]
+    with fabric.rank_zero_first():  # rank 0 builds the demo data once; the others then read it
+        if not data["train"] or not data["tokenizer"]:
+            jsonl, tok_dir = demo_data(args.demo_root, vocab_size=int(cfg["model"]["vocab_size"]))
+            data["train"], data["tokenizer"] = data["train"] or str(jsonl), data["tokenizer"] or str(tok_dir)
+    tokenizer = load_tokenizer(data["tokenizer"])
+    dialogues, bad = read_jsonl(data["train"], skip_bad_lines=args.skip_bad_lines)
+    seq_len = int(data.get("seq_len", 256))
+    train_set, val_set, stats = build_datasets(tokenizer, dialogues, seq_len, float(data.get("val_fraction", 0.05)),
+                                               int(data.get("seed", 0)))
+    if len(tokenizer) > int(cfg["model"]["vocab_size"]):
+        raise DataError(f"the tokenizer has {len(tokenizer)} tokens but model.vocab_size is "
+                        f"{cfg['model']['vocab_size']}; set model.vocab_size >= {len(tokenizer)} in {args.config}")
+
+    steps = int(train.get("steps", 40))
+    module = DialogueLM(config={"model": cfg["model"]}, lr=float(train.get("lr", 3e-4)),
+                        weight_decay=float(train.get("weight_decay", 0.0)),
+                        warmup_steps=int(train.get("warmup_steps", 0)), max_steps=steps)
+    with fabric.init_module(empty_init=True):  # meta device / zero.Init: shards only, for any model size
+        module.configure_model()
+    attention = apply_fast_attention(module, device=fabric.device)
+    # The schedule is applied by hand each step (set_lr): DeepSpeed's ZeRO-3 optimizer regroups the parameters, so
+    # a torch LR scheduler bound to the optimizer before setup would no longer match its param groups.
+    optimizer = module.configure_optimizers()["optimizer"]
+    model, optimizer = fabric.setup(module, optimizer)
+
+    sampler_kwargs = _sampler_kwargs(fabric)
+    sampler = ResumableSampler(train_set, seed=int(data.get("seed", 0)), **sampler_kwargs)
+    val_sampler = ResumableSampler(val_set, shuffle=False, drop_last=False, **sampler_kwargs)
+    train_loader, val_loader = fabric.setup_dataloaders(
+        torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=True),
+        torch.utils.data.DataLoader(val_set, batch_size=micro, sampler=val_sampler, collate_fn=collate),
+        use_distributed_sampler=False)
+    if len(train_loader) == 0:
+        raise DataError(f"{len(train_set)} packed rows make no batch of {micro} per rank on {dp} ranks; use more"
+                        " data or a smaller train.micro_batch_size")
+
+    state = {"model": model, "optimizer": optimizer, "sampler": sampler, "step": 0}
+    if args.resume:
+        fabric.load(args.resume, state)
+    run = {"args": args, "cfg": cfg, "tokenizer": tokenizer, "accumulation": accumulation, "steps": steps,
+           "train_loader": train_loader, "val_loader": val_loader, "sampler": sampler, "module": module,
+           "stats": stats, "bad_lines": bad, "attention": attention, "seq_len": seq_len}
+    return fabric, state, run
+
+
+def _sampler_kwargs(fabric: L.Fabric) -> dict[str, int]:
+    """Data-parallel size and rank (ranks of one tensor/pipeline group share data). Before the processes are set
+    up (plain `python`, ahead of fabric.launch) the strategy cannot say yet: every rank is then data-parallel."""
+    try:
+        kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {}
+    except (AssertionError, RuntimeError):
+        kwargs = {}
+    return {"num_replicas": int(kwargs.get("num_replicas", fabric.world_size)),
+            "rank": int(kwargs.get("rank", fabric.global_rank))}
+
+
+def batches(loader: Any, sampler: ResumableSampler) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches; each epoch reshuffles. A resumed sampler starts at its saved position."""
+    while True:
+        yield from loader
+        sampler.set_epoch(sampler.epoch + 1)
+
+
+def validate(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> dict[str, float]:
+    """Held-out loss and perplexity, token-weighted over every rank (all ranks take part)."""
+    model, module = state["model"], run["module"]
+    model.eval()
+    module.reset_validation()
+    with torch.no_grad():
+        for i, batch in enumerate(run["val_loader"]):
+            model.validation_step(batch, i)
+    model.train()
+    return module.validation_metrics()
+
+
+def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
+    model, optimizer, sampler = state["model"], state["optimizer"], state["sampler"]
+    acc: GradientAccumulation = run["accumulation"]
+    cfg, steps = run["cfg"], run["steps"]
+    eval_every = int(cfg["train"].get("eval_every", 10))
+    save_every = run["args"].save_every
+    # Report the rate at the evaluations (or at the end of a run shorter than eval_every); a rate needs 2 steps.
+    every = max(2, min(eval_every, steps - state["step"]))
+    throughput = Throughput(transformer=run["module"].config, every_n_steps=every, seq_len=run["seq_len"])
+    data = batches(run["train_loader"], sampler)
+    state["losses"] = {}
+    start = time.perf_counter()
+    for step in range(state["step"] + 1, steps + 1):
+        set_lr(optimizer, run["module"].hparams, step - 1)
+        step_loss, tokens, samples = torch.zeros((), device=fabric.device), 0, 0
+        for micro in range(acc.steps):
+            batch = next(data)
+            with acc.micro_step(fabric, model, micro):
+                loss = model.training_step(batch, micro)
+                fabric.backward(acc.scale(fabric, loss))
+            sampler.advance(batch["input_ids"].shape[0])  # trained on: a checkpoint from now on skips it
+            step_loss += loss.detach() / acc.steps
+            tokens, samples = tokens + batch["input_ids"].numel(), samples + batch["input_ids"].shape[0]
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step"] = step
+        rates = throughput.step(fabric, tokens=tokens, samples=samples)
+        if rates:
+            state["tokens_per_s"] = rates["throughput/tokens_per_s"]
+        loss_value = fabric.all_reduce(step_loss, reduce_op="mean").item()
+        state["losses"][step] = loss_value
+        if run["args"].log_every and step % run["args"].log_every == 0:
+            fabric.print(f"step {step:4d}  train loss {loss_value:.6f}")
+        if step % eval_every == 0 or step == steps:
+            held_out = validate(fabric, state, run)
+            tps = f"{state['tokens_per_s']:,.0f}" if "tokens_per_s" in state else "-"
+            fabric.print(f"step {step:4d}  train loss {loss_value:.3f}  held-out loss {held_out['val/loss']:.3f}"
+                         f"  held-out perplexity {held_out['val/ppl']:.1f}  {tps} tokens/s")
+            state["held_out"] = held_out
+        if save_every and step % save_every == 0:
+            path = Path(run["args"].out) / "checkpoints" / f"step-{step:06d}"
+            fabric.save(path, state_to_save(state))
+            fabric.print(f"saved {path}")
+    state["seconds"] = time.perf_counter() - start
+
+
+def set_lr(optimizer: Any, hparams: Any, step: int) -> None:
+    """Warm-up then cosine decay (DialogueLM's schedule) for 0-based optimizer ``step``."""
+    lr = hparams.lr * lr_factor(step, hparams.warmup_steps, hparams.max_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def state_to_save(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: state[k] for k in ("model", "optimizer", "sampler", "step")}
+
+
+def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> Path:
+    """The HF folder: the strategy gathers the full weights of DialogueLM.model (prefix "model.")."""
+    model = state["model"]
+    strategy_export = getattr(fabric.strategy, "export_full", None)
+
+    def write_weights(path: Path) -> None:
+        if strategy_export is not None:
+            strategy_export(model, path, prefix="model.")
+        else:  # single-device strategies: the module is whole already
+            export_safetensors(run["module"], path, prefix="model.")
+
+    return export_hf(Path(run["args"].out) / "hf", write_weights, run["module"].config, run["tokenizer"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        fabric, state, run = setup(args)
+    except (DataError, FileNotFoundError) as e:  # bad data or paths: the message says what to fix
+        raise SystemExit(f"dialogue_llm: error: {e}") from None
+    module, stats = run["module"], run["stats"]
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    fabric.print(f"{type(fabric.strategy).__name__} on {fabric.world_size} x {fabric.device.type}: Llama with "
+                 f"{n_params / 1e6:.2f}M parameters; {stats['dialogues']} dialogues ({run['bad_lines']} bad lines "
+                 f"skipped) -> {stats['train_rows']} packed rows of {run['seq_len']} tokens, {stats['val_rows']} "
+                 f"held out; {run['accumulation'].steps} micro-step(s) per optimizer step")
+    attention = sorted(set(run["attention"].values()))
+    fabric.print(f"attention: {', '.join(attention) or 'unchanged'}")
+    if state["step"]:
+        fabric.print(f"resumed at step {state['step']} (epoch {state['sampler'].epoch}, "
+                     f"sample {state['sampler'].position} of this rank's share)")
+    before = validate(fabric, state, run)
+    fabric.print(f"held-out loss before training {before['val/loss']:.3f}  held-out perplexity before training "
+                 f"{before['val/ppl']:.1f}  (chance: {math.log(len(run['tokenizer'])):.3f})")
+    fit(fabric, state, run)
+    out = export(fabric, state, run)
+    fabric.print(f"done: {state['step']} steps in {state['seconds']:.1f}s; exported {out}")
+    if fabric.is_global_zero:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        prompt = run["cfg"]["train"].get("prompt", "Hello, how are you?")
+        print(f"sample  user: {prompt}\n        assistant: {reply_from_export(out, prompt)}", flush=True)
+    fabric.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The dialogue LLM trainer: assistant-only labels, packing without cross-attention, bad JSONL, config sizes, the
+resumable sampler, the HF export, and 2-process runs of the recipe (Fabric) and of DialogueLM under the Trainer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, child_env, free_port, run_dist
+from disttrain.nlp import (
+    DataError,
+    DialogueLM,
+    ResumableSampler,
+    build_datasets,
+    count_parameters,
+    encode_dialogue,
+    export_hf,
+    llama_config,
+    load_tokenizer,
+    pack,
+    read_jsonl,
+)
+from disttrain.nlp.corpus import demo_data
+from disttrain.nlp.data import IGNORE_INDEX
+from disttrain.nlp.module import build_model
+from disttrain.parallel.checkpoint import export_safetensors
+
+BIN = Path(sys.executable).parent
+TINY = ROOT / "configs/nlp/dialogue_tiny.yaml"
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dialogue_demo")
+    jsonl, tokenizer = demo_data(root)
+    return root, jsonl, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer(demo):
+    return load_tokenizer(demo[2])
+
+
+def test_demo_corpus_has_english_and_chinese(demo):
+    dialogues, bad = read_jsonl(demo[1])
+    assert bad == 0 and len(dialogues) > 2000
+    text = " ".join(m["content"] for d in dialogues for m in d)
+    assert "Artificial Intelligence" in text and "你好" in text
+    assert all(d[0]["role"] == "user" and d[1]["role"] == "assistant" for d in dialogues)
+
+
+def test_assistant_only_labels_on_a_hand_made_dialogue(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello! How can I help?"},
+                {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}]
+    ids, labels = encode_dialogue(tokenizer, messages)
+    assert len(ids) == len(labels)
+    kept = [t for t, label in enumerate(labels) if label != IGNORE_INDEX]
+    assert all(labels[t] == ids[t] for t in kept)
+    runs, start = [], kept[0]  # contiguous runs of labelled positions: one per assistant turn
+    for a, b in zip(kept, kept[1:] + [None]):
+        if b != a + 1:
+            runs.append(tokenizer.decode(ids[start:a + 1]))
+            start = b
+    eos = tokenizer.eos_token
+    assert runs == [f"Hello! How can I help?{eos}", f"It is 4.{eos}"]
+    masked = tokenizer.decode([i for i, label in zip(ids, labels) if label == IGNORE_INDEX])
+    for text in ("Be brief.", "Hi there", "What is 2+2?", "<|assistant|>", "<|user|>"):
+        assert text in masked
+
+
+def test_pack_layout(tokenizer):
+    a = ([5, 6, 7], [IGNORE_INDEX, 6, 7])
+    b = ([8, 9], [8, 9])  # a dialogue whose first label is set: packing must drop it (it would predict across)
+    packed = pack([a, b, a], seq_len=6, pad_id=0)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [5, 6, 7, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 0, 1, 2]]
+    assert packed.labels.tolist() == [[-100, 6, 7, -100, 9, -100], [-100, 6, 7, -100, -100, -100]]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packing_keeps_dialogues_independent(demo, tokenizer, attn):
+    dialogues, _ = read_jsonl(demo[1])
+    examples = [encode_dialogue(tokenizer, d) for d in dialogues[:8]]
+    packed = pack(examples, seq_len=256, pad_id=tokenizer.pad_token_id)
+    assert len(packed) < len(examples)  # several dialogues do share a row
+    torch.manual_seed(0)
+    model = build_model(llama_config(TINY), attn).eval()
+    with torch.no_grad():
+        packed_loss = model(input_ids=packed.input_ids, labels=packed.labels, position_ids=packed.position_ids,
+                            use_cache=False).loss
+        total, tokens = 0.0, 0
+        for ids, labels in examples:  # each dialogue alone, weighted by its loss tokens
+            labels = torch.tensor([[IGNORE_INDEX] + labels[1:]])
+            n = int((labels[:, 1:] != IGNORE_INDEX).sum())
+            total += model(input_ids=torch.tensor([ids]), labels=labels, use_cache=False).loss.item() * n
+            tokens += n
+        # Without position ids the row is one causal sequence: dialogues see each other and the loss moves.
+        leaky = model(input_ids=packed.input_ids, labels=packed.labels, use_cache=False).loss
+    assert packed_loss.item() == pytest.approx(total / tokens, rel=1e-5)
+    assert abs(leaky.item() - total / tokens) > 1e-3
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+GOOD = json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})
+
+
+@pytest.mark.parametrize("bad,why", [
+    ("{not json", "Expecting property name"),
+    (json.dumps({"msgs": []}), '{"messages": [...]}'),
+    (json.dumps({"messages": [{"role": "user", "content": "only a question"}]}), "no assistant message"),
+    (json.dumps({"messages": [{"role": "bot", "content": "x"}]}), "role 'bot'"),
+    (json.dumps({"messages": [{"role": "user", "content": 3}]}), "message 0 must be"),
+])
+def test_bad_jsonl_is_rejected_with_file_and_line(tmp_path, bad, why):
+    path = write_lines(tmp_path / "chats.jsonl", [GOOD, "", bad, GOOD])
+    with pytest.raises(DataError) as e:
+        read_jsonl(path)
+    assert f"{path}:3:" in str(e.value) and why in str(e.value) and "--skip-bad-lines" in str(e.value)
+    dialogues, skipped = read_jsonl(path, skip_bad_lines=True)
+    assert (len(dialogues), skipped) == (2, 1)
+
+
+def test_missing_file_and_all_bad_are_clear(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="no usable dialogue"):
+        read_jsonl(write_lines(tmp_path / "bad.jsonl", ["[]"]), skip_bad_lines=True)
+
+
+def test_recipe_names_the_bad_line(tmp_path, demo):
+    path = write_lines(tmp_path / "chats.jsonl", [GOOD] * 3 + ["oops"])
+    cmd = [sys.executable, "recipes/nlp/dialogue_llm.py", "--devices", "1", "--strategy", "auto",
+           "--data", str(path), "--tokenizer", str(demo[2]), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"{path}:4: bad dialogue line" in proc.stderr
+
+
+def test_config_sizes_on_the_meta_device():
+    assert count_parameters(llama_config(ROOT / "configs/nlp/dialogue_10b.yaml")) == pytest.approx(10e9, rel=0.05)
+    assert count_parameters(llama_config(ROOT / "configs/nlp/dialogue_1b.yaml")) == pytest.approx(1.1e9, rel=0.05)
+    assert count_parameters(llama_config(TINY)) < 2e6
+
+
+def test_config_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match=r"\['hiden_size'\] are not LlamaConfig arguments"):
+        llama_config({"model": {"hiden_size": 64}})
+    with pytest.raises(FileNotFoundError, match="configs/nlp/dialogue_tiny.yaml"):
+        DialogueLM(config=str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match="exactly one"):
+        DialogueLM()
+
+
+def test_sampler_resumes_mid_epoch():
+    data = list(range(50))
+    full = ResumableSampler(data, num_replicas=2, rank=1, seed=3)
+    epoch0, epoch1 = list(full), None
+    full.set_epoch(1)
+    epoch1 = list(full)
+    assert sorted(epoch0) != epoch0 and epoch0 != epoch1  # shuffled, differently per epoch
+
+    first = ResumableSampler(data, num_replicas=2, rank=1, seed=3)
+    first.advance(10)  # ten samples trained on, then a checkpoint
+    state = first.state_dict()
+    resumed = ResumableSampler(data, num_replicas=2, rank=1, seed=3)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)  # what Lightning calls on resume: the same epoch keeps the position
+    assert list(resumed) == epoch0[10:]
+    resumed.set_epoch(1)
+    assert list(resumed) == epoch1
+    assert len(resumed) == len(epoch0)  # the full epoch, as Lightning's epoch loop expects
+    with pytest.raises(ValueError, match="same number of data-parallel ranks"):
+        ResumableSampler(data, num_replicas=4, rank=1, seed=3).load_state_dict(state)
+
+
+def test_hf_export_loads_and_generates(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from disttrain.nlp import greedy_reply
+
+    module = DialogueLM(config=TINY)
+    module.configure_model()
+    out = export_hf(tmp_path / "hf", lambda p: export_safetensors(module, p, prefix="model."), module.config,
+                    tokenizer)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, module.model.eval()(input_ids=ids).logits, atol=1e-5)
+    reloaded = AutoTokenizer.from_pretrained(str(out))
+    assert reloaded.chat_template == tokenizer.chat_template
+    assert isinstance(greedy_reply(loaded, reloaded, "Hello"), str)
+    generated = loaded.generate(input_ids=ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert generated.shape == (1, 9)
+    finetune = DialogueLM(pretrained=str(out))  # the export is also a starting point for fine-tuning
+    finetune.configure_model()
+    with torch.no_grad():
+        assert torch.allclose(finetune.model.eval()(input_ids=ids).logits, loaded(input_ids=ids).logits, atol=1e-6)
+
+
+def test_build_datasets_counts(tokenizer, demo):
+    dialogues, _ = read_jsonl(demo[1])
+    train, val, stats = build_datasets(tokenizer, dialogues[:200], seq_len=128, val_fraction=0.1, seed=0)
+    assert stats["train_rows"] == len(train) and stats["val_rows"] == len(val) > 0
+    row = train[0]
+    assert set(row) == {"input_ids", "labels", "position_ids"} and row["input_ids"].shape == (128,)
+
+
+# ---- multi-process runs ----
+
+def recipe(strategy: str, tmp_path: Path, demo_root: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "lightning"), "run", "model", "recipes/nlp/dialogue_llm.py", "--accelerator", "cpu",
+           "--devices", "2", "--strategy", strategy, "--main-port", str(free_port()),
+           "--demo-root", str(demo_root), "--out", str(tmp_path / "out"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def held_out(out: str) -> tuple[float, float]:
+    before = float(out.split("held-out loss before training")[1].split()[0])
+    after = float(out.rsplit("held-out loss", 1)[1].split()[0])
+    return before, after
+
+
+@pytest.mark.slow
+def test_recipe_fsdp_lowers_held_out_loss_and_exports(tmp_path, demo):
+    from transformers import AutoModelForCausalLM
+
+    proc = recipe("disttrain_fsdp", tmp_path, demo[0], "--steps", "20", "--eval-every", "10")
+    out = proc.stdout
+    before, after = held_out(out)
+    assert after < 0.85 * before, (before, after)
+    assert "held-out perplexity" in out and "tokens/s" in out and "assistant:" in out
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "hf")) is not None
+
+
+@pytest.mark.slow
+def test_recipe_resumes_with_the_next_unseen_batch(tmp_path, demo):
+    def losses(out: str) -> dict[int, float]:
+        return {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines()
+                if line.startswith("step") and line.split()[2:4] == ["train", "loss"] and len(line.split()) == 5}
+
+    full = recipe("disttrain_fsdp", tmp_path / "a", demo[0], "--steps", "6", "--eval-every", "100",
+                  "--log-every", "1", "--save-every", "3")
+    ckpt = tmp_path / "a" / "out" / "checkpoints" / "step-000003"
+    resumed = recipe("disttrain_fsdp", tmp_path / "b", demo[0], "--steps", "6", "--eval-every", "100",
+                     "--log-every", "1", "--resume", str(ckpt))
+    assert "resumed at step 3" in resumed.stdout
+    a, b = losses(full.stdout), losses(resumed.stdout)
+    assert sorted(a) == [1, 2, 3, 4, 5, 6] and sorted(b) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert b[step] == pytest.approx(a[step], abs=2e-6), (step, a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["disttrain_ddp", "disttrain_zero3"])
+def test_recipe_runs_under_other_strategies(tmp_path, demo, strategy):
+    proc = recipe(strategy, tmp_path, demo[0], "--steps", "4", "--eval-every", "4", "--global-batch", "32")
+    assert "2 micro-step(s) per optimizer step" in proc.stdout  # 32 rows = 2 ranks x 8 x 2 micro-steps
+    before, after = held_out(proc.stdout)
+    assert after < before
+    assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_trainer_fsdp_lowers_held_out_loss_and_resumes_mid_epoch(tmp_path, demo):
+    results = run_dist("dialogue_trainer.py", tmp_path, str(demo[0]))
+    r = results[0]
+    assert r["after"] < 0.9 * r["before"], r
+    assert results[1]["after"] == pytest.approx(r["after"])  # every rank reports the same held-out loss
+    assert r["reply_is_text"]
+    for rank in results:  # 12 batches of 8 rows, then 3 more after the resume, all inside epoch 0
+        assert (rank["sampler_position"], rank["resumed_position"]) == (96, 120)
+        assert rank["resumed_batches"] == rank["expected_batches"] and rank["first_batches_differ"]
