@@ -3,6 +3,7 @@ memory arithmetic, the three industrial cases of the source article, bad input, 
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +154,20 @@ def test_bad_input_is_one_clear_error(call, match):
 def test_parse_bytes():
     assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("16GB") == 16e9 and parse_bytes(80e9) == 80e9
     assert isinstance(hardware("a100", "80GiB"), Hardware)
+
+
+@pytest.mark.parametrize("config, gpus, args, expected", [
+    ("configs/nlp/dialogue_10b.yaml", "32", ["--gpu-mem", "40GiB"], "recommendation: disttrain_zero3"),
+    ("configs/vision/vit2b.yaml", "16", ["--gpu", "A100", "--micro-batch", "64"],
+     "recommendation: disttrain_megatron tp=2"),
+    ("configs/recsys/deepfm_5b.yaml", "8", ["--gpu", "T4", "--micro-batch", "4096"], "recommendation: disttrain_recsys"),
+])
+def test_cli_plan_reproduces_the_articles_cases_from_the_recipe_configs(config, gpus, args, expected):
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "disttrain.cli", "plan", "--model", str(root / config), "--gpus", gpus,
+                          *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert expected in out.stdout, out.stdout
 
 
 def test_cli_plan(tmp_path):
