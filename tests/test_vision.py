@@ -135,11 +135,13 @@ def test_default_strategy_and_config(monkeypatch):
     assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
     assert default_config(2, None).name == "vit_tiny.yaml"  # CPU: the tiny config
     assert default_config(16, 80 * 2**30).name == "vit2b.yaml"  # 16 x 80 GiB: the 2B model fits
-    assert default_config(1, 16 * 2**30).name == "vit_tiny.yaml"  # one 16 GiB device: 32 GB of state does not
+    # one 16 GiB device under disttrain_fsdp (no offload): the planner says 32 GB of state does not fit
+    assert default_config(1, 16 * 2**30).name == "vit_tiny.yaml"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert default_strategy(2, "gpu") == ("disttrain_fsdp", {})  # disttrain_megatron not registered yet
-    monkeypatch.setitem(STRATEGY_REGISTRY, "disttrain_megatron", {"strategy": object, "init_params": {}})
     assert default_strategy(16, "gpu") == ("disttrain_megatron", {"tensor_parallel_size": 2})
+    assert default_strategy(1, "gpu") == ("disttrain_fsdp", {})  # tp=2 needs two devices
+    monkeypatch.delitem(STRATEGY_REGISTRY, "disttrain_megatron")
+    assert default_strategy(2, "gpu") == ("disttrain_fsdp", {})
     assert default_strategy(1, "gpu") == ("disttrain_fsdp", {})  # tp=2 needs an even number of devices
     assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
 

@@ -6,7 +6,7 @@
     python recipes/vision/vit2b.py --config configs/vision/vit_tiny.yaml      # launches its own processes
 
 Defaults: the largest configs/vision/vit*.yaml whose training state fits this machine's devices (the tiny config
-on CPU; the planner will make this choice once it exists), and the source document's set-up for the 2B ViT,
+on CPU; the planner decides what fits), and the source document's set-up for the 2B ViT,
 head-split tensor parallel (tp=2) x data parallel (``disttrain_megatron``), on an even number of CUDA devices;
 ``disttrain_fsdp`` otherwise. ``--strategy`` overrides it with any registered name.
 

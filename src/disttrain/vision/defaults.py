@@ -1,6 +1,6 @@
 """What the ViT recipe runs when the user does not say: the config and the strategy for this machine.
 
-Both are small stand-ins for the planner (``disttrain_auto``): once it exists it replaces them.
+The config is the planner's call (what fits); the strategy follows the source document's set-up for the 2B ViT.
 """
 
 from __future__ import annotations
@@ -13,20 +13,29 @@ import torch
 from disttrain.vision.config import CONFIG_DIR, count_parameters, read_yaml
 
 TINY = CONFIG_DIR / "vit_tiny.yaml"
-# fp32 parameter + gradient + AdamW's two moments, sharded over the ranks; the rest of the device is left for
-# activations (checkpointed at 2B), the gathered block and the allocator.
-BYTES_PER_PARAMETER = 16
-MEMORY_FRACTION = 0.6
 
 
-def default_config(world_size: int, device_memory: Optional[int]) -> Path:
-    """The largest configs/vision/vit*.yaml whose training state fits ``device_memory`` bytes per device when
-    sharded over ``world_size`` ranks; the tiny config on CPU (``device_memory=None``)."""
+def default_config(world_size: int, device_memory: Optional[int], micro_batch: Optional[int] = None) -> Path:
+    """The largest configs/vision/vit*.yaml that the planner (:func:`disttrain.planner.choose`) fits on
+    ``world_size`` devices of ``device_memory`` bytes each under the recipe's default strategy
+    (:func:`default_strategy`; activations of the config's own micro batch included); the tiny config on CPU
+    (``device_memory=None``)."""
     if device_memory is None:
         return TINY
+    from disttrain.planner import choose
+
+    strategy = default_strategy(world_size, "cuda")[0]
+
     sizes = sorted((count_parameters(read_yaml(p)["model"]), p) for p in CONFIG_DIR.glob("vit*.yaml"))
-    fitting = [p for n, p in sizes if n * BYTES_PER_PARAMETER / world_size <= MEMORY_FRACTION * device_memory]
-    return fitting[-1] if fitting else TINY
+    for _, path in reversed(sizes):
+        config = read_yaml(path)
+        batch = micro_batch or int(config.get("data", {}).get("batch_size", 1))
+        plan = choose(path, world_size, device_memory=device_memory, micro_batch=batch,
+                      precision=config.get("train", {}).get("precision", "bf16-mixed"),
+                      available=[strategy])
+        if plan.choice is not None:
+            return path
+    return TINY
 
 
 def default_strategy(devices: int, accelerator: str = "auto") -> tuple[str, dict[str, Any]]:
