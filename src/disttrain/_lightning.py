@@ -99,6 +99,11 @@ class DistributedPlumbing:
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return self._reduce_tensor(tensor, group, reduce_op)
+
+    all_reduce = reduce  # Fabric's name for it
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             return

@@ -109,9 +109,6 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         stack.enter_context(self.precision.module_init_context())
         return stack
 
-    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._reduce_tensor(tensor, group, reduce_op)
-
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, path: Any, state: dict[str, Union[nn.Module, Optimizer, Any]],
                         storage_options: Optional[Any] = None,

@@ -69,9 +69,6 @@ class RecsysStrategy(DistributedPlumbing, ParallelStrategy):
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         return nullcontext()
 
-    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._reduce_tensor(tensor, group, reduce_op)
-
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, path: Any, state: dict[str, Union[nn.Module, Optimizer, Any]],
                         storage_options: Optional[Any] = None,

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 
+from disttrain.recsys.publish import fsync_dir
+
 DAY_FILE = re.compile(r"^day_(\d{4}-\d{2}-\d{2})\.tsv(\.gz)?$")
 COLUMNS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 CACHE_VERSION = 1
@@ -123,14 +125,6 @@ def _source_stamp(path: Path) -> dict:
     return {"version": CACHE_VERSION, "source": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def convert_day(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path:
     """Convert a day file once to ``cache_root/<name>/{labels,dense,sparse}.npy`` + ``meta.json`` (written to a
     temporary folder and renamed, so a crash never leaves a half-converted day); reused while the source file's
@@ -157,7 +151,7 @@ def convert_day(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path:
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     return out
 
 

@@ -115,9 +115,6 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         finally:
             set_gradient_sync(self.model, True)
 
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._reduce_tensor(tensor, group, reduce_op)
-
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()

@@ -83,9 +83,6 @@ class RecsysStrategy(DistributedPlumbing, ParallelStrategy):
     def model_to_device(self) -> None:
         pass  # setup() placed the dense part and DMP placed the shards
 
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._reduce_tensor(tensor, group, reduce_op)
-
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
