@@ -3,6 +3,7 @@ disttrain strategy. Loss only on assistant turns; dialogues packed without atten
 
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_zero3
+    lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_auto
     python recipes/nlp/dialogue_llm.py        # same defaults (tiny config, 2 CPU processes, disttrain_fsdp)
     python recipes/nlp/dialogue_llm.py --accelerator gpu --devices 1 --config configs/nlp/dialogue_1b.yaml \
         --data chats.jsonl --tokenizer /models/my-tokenizer
@@ -29,7 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 
-import disttrain  # noqa: F401  (registers the disttrain_* names)
+import disttrain  # registers the disttrain_* names
 from disttrain.callbacks import GradientAccumulation, Throughput, apply_fast_attention
 from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_datasets, export_hf, load_tokenizer, \
     read_jsonl, read_recipe_config, reply_from_export
@@ -89,10 +90,19 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     train = cfg["train"]
     cli = bool(os.environ.get("LT_CLI_USED"))
     precision = None if os.environ.get("LT_PRECISION") else train.get("precision", "32-true")
-    fabric = L.Fabric(precision=precision) if cli else L.Fabric(
-        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
-        precision=precision)
     micro = int(train.get("micro_batch_size", 8))
+    strategy: Any = os.environ.get("LT_STRATEGY") if cli else args.strategy
+    if strategy == "disttrain_auto":
+        # The planner needs the model before Fabric starts processes: this recipe knows it from its config. Fabric
+        # refuses a strategy object next to the launcher's LT_STRATEGY, so the recipe takes the name over.
+        os.environ.pop("LT_STRATEGY", None)
+        strategy = disttrain.fabric.AutoStrategy(model=cfg["model"], micro_batch=micro)
+        cli_kwargs: dict[str, Any] = {"strategy": strategy}
+    else:
+        cli_kwargs = {}
+    fabric = L.Fabric(precision=precision, **cli_kwargs) if cli else L.Fabric(
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+        precision=precision)
     dp = _sampler_kwargs(fabric)["num_replicas"]
     accumulation = GradientAccumulation(global_batch_size=int(train.get("global_batch_size") or micro * dp))
     accumulation.attach(fabric, micro)  # before launch: feeds disttrain_zero3's DeepSpeed config
