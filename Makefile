@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
