@@ -85,6 +85,26 @@ def split_state(state: Mapping[str, Any], model: nn.Module,
     return tensors, metadata
 
 
+def the_model(state: Mapping[str, Any]) -> nn.Module:
+    models = [v for v in state.values() if isinstance(v, nn.Module)]
+    if len(models) != 1:
+        raise ValueError(f"checkpoint state must hold exactly one model, found {len(models)} in keys {sorted(state)}")
+    return models[0]
+
+
+def restore_rest(state: dict[str, Any], targets: Mapping[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """After the tensors are loaded: give stateful objects of ``state`` their saved state and plain entries their
+    saved value (in place); returns what ``state`` did not ask for."""
+    for key, value in state.items():
+        if key in targets or key not in metadata:
+            continue
+        if callable(getattr(value, "load_state_dict", None)):
+            value.load_state_dict(metadata.pop(key))
+        else:
+            state[key] = metadata.pop(key)
+    return metadata
+
+
 def _replace_atomically(tmp: Path, path: Path) -> None:
     """Rank 0 swaps a finished temporary file/folder into place; an old checkpoint is removed only afterwards."""
     old = path.with_name(f".{path.name}.old")
@@ -294,8 +314,15 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
     ``key`` picks the model's entry ("state_dict" for Trainer checkpoints); by default the one entry that is
     not an optimizer state. ``prefix`` keeps only the keys under it, stripped (``"model."``).
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path = Path(checkpoint)
+    output = Path(output)
+    write_safetensors(select_prefix(full_model_state(path, key), prefix), output)
+    return output
 
+
+def full_model_state(checkpoint: str | os.PathLike, key: str | None = None) -> dict[str, torch.Tensor]:
+    """Offline, one process: the model's full state dict (FQN -> tensor) from a checkpoint folder of any
+    strategy (our DCP layout, or a DeepSpeed ZeRO folder: its fp32 master weights). ``key`` as in consolidate."""
     from disttrain.parallel.zero import is_zero_checkpoint, zero_fp32_state_dict
 
     path = Path(checkpoint)
@@ -310,13 +337,7 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
             raise CheckpointError(f"ZeRO checkpoint {str(path)!r} is corrupt: {e}") from e
         key = "model"
     else:
-        with tempfile.TemporaryDirectory() as tmpdir:
-            flat = Path(tmpdir) / "full.pt"
-            try:
-                dcp_to_torch_save(path, flat)
-                state = torch.load(flat, map_location="cpu", weights_only=True)
-            except (Exception, CheckpointException) as e:
-                raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
+        state = read_full(path)
     if key is None:
         models = [k for k, v in state.items() if isinstance(v, Mapping) and "state" not in v]
         if len(models) != 1:
@@ -324,6 +345,54 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
         key = models[0]
     if key not in state:
         raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}; it holds {sorted(state)}")
-    output = Path(output)
-    write_safetensors(select_prefix(state[key], prefix), output)
-    return output
+    return dict(state[key])
+
+
+def read_full(path: str | os.PathLike, keys: set[str] | None = None) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint folder (or only the top-level ``keys``), full size, in this process, in
+    the nested form it was saved in (``{"model": {fqn: tensor}, "optimizer": {"state": ..., ...}}``). No
+    collective: each rank reads for itself (for strategies that keep full tensors while loading, like ZeRO-3)."""
+    # dcp.load only fills keys the caller already has; the empty-dict planner (what dcp_to_torch_save uses) builds
+    # the nested dict from the checkpoint's own metadata.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(Path(path)),
+                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
+    return state
+
+
+def read_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+    """The non-tensor part of a complete DCP checkpoint folder (step, loop state, user metadata)."""
+    path = check_checkpoint(path)
+    metadata = _read_meta(path, weights_only)
+    metadata.pop(FORMAT_KEY, None)
+    return metadata
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a finished checkpoint folder (DCP metadata and our meta.pt, which is written last)."""
+    path = Path(path)
+    return path.is_dir() and not _missing_parts(path, "dcp")
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint folder under ``folder`` (by its name's trailing number, e.g. step-000012,
+    then modification time), skipping the hidden ``.NAME.tmp`` folders an interrupted save leaves behind and any
+    incomplete folder. None when there is none (a fresh start)."""
+    import re
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+
+    def order(p: Path) -> tuple[int, float]:
+        number = re.search(r"(\d+)$", p.name)
+        return (int(number.group(1)) if number else -1, p.stat().st_mtime)
+
+    done = [p for p in folder.iterdir() if not p.name.startswith(".") and is_complete(p)]
+    return max(done, key=order) if done else None

@@ -1,0 +1,56 @@
+"""Checkpoints that move between strategies and world sizes (Fabric, CPU/gloo).
+Usage: moves.py OUT SPEC MODE CKPT STEP
+
+The global batch is fixed (``global_batch(step, 2)``: 4 samples) whatever the world size; each data-parallel rank
+trains on its share, so every layout computes the same loss as one process on the whole batch.
+MODE "save": train steps 0..STEP-1, then save {"model", "optimizer", "step"} at CKPT.
+MODE "resume": a fresh model (other seed) and optimizer, load CKPT, train step STEP (the next one).
+"""
+
+import os
+import sys
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+import disttrain  # noqa: F401  (registers the strategy names)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import global_batch, strategy_from_spec, tiny_llama, write_result  # noqa: E402
+
+spec, mode, ckpt, step_arg = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+GLOBAL_WORLD = 2  # global_batch(step, 2): 4 samples per step, split over however many dp ranks there are
+
+fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy_from_spec(spec, "fabric"))
+fabric.launch()
+engine = getattr(fabric.strategy, "engine", None)
+dp_group = engine.mesh["dp"].get_group() if engine is not None else None  # megatron/fsdp; else all ranks
+dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+
+model = tiny_llama(seed=0 if mode == "save" else 5)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, optimizer = fabric.setup(model, optimizer)
+
+
+def train_step(i: int) -> float:
+    ids = global_batch(i, GLOBAL_WORLD)[dp_rank::dp_size]
+    loss = model(input_ids=ids, labels=ids).loss
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    value = loss.detach().clone()  # every dp rank has an equal share: the global loss is the dp mean
+    if dist.is_initialized():
+        dist.all_reduce(value, group=dp_group)
+    return value.item() / dp_size
+
+
+if mode == "save":
+    losses = [train_step(i) for i in range(step_arg)]
+    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": step_arg})
+    write_result({"losses": losses})
+else:
+    state = {"model": model, "optimizer": optimizer, "step": -1}
+    fabric.load(ckpt, state)
+    write_result({"step": state["step"], "resumed": train_step(state["step"])})
