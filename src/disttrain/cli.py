@@ -32,6 +32,9 @@ def _launcher_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--main-address", "--main_address", dest="main_address", default="127.0.0.1")
     parser.add_argument("--main-port", "--main_port", dest="main_port", type=int, default=29400)
     parser.add_argument("--precision", default=None, choices=PRECISIONS)
+    parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                        help="restart all processes this many times when one fails (torchrun's elastic restarts);"
+                             " the script resumes from its newest complete checkpoint")
     return parser
 
 
@@ -85,6 +88,7 @@ def launch(argv: list[str], prog: str = "disttrain run") -> int:
     torchrun.main([
         f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", f"--node_rank={args.node_rank}",
         f"--master_addr={args.main_address}", f"--master_port={args.main_port}",
+        f"--max-restarts={args.max_restarts}",
         str(BOOTSTRAP), args.script, *script_args,
     ])
     return 0
@@ -117,7 +121,8 @@ def _strategies(argv: list[str]) -> int:
 USAGE = """usage: disttrain COMMAND ...
 
 commands:
-  run SCRIPT [--strategy NAME --devices N --accelerator cpu|gpu --precision P --num-nodes N ...] [script args]
+  run SCRIPT [--strategy NAME --devices N --accelerator cpu|gpu --precision P --num-nodes N
+             --max-restarts N ...] [script args]
                  launch a Fabric script on N processes per node (same as `lightning run model`)
   export CHECKPOINT OUTPUT.safetensors [--key state_dict] [--prefix model.]
                  consolidate a sharded checkpoint folder into one safetensors file

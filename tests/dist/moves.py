@@ -1,10 +1,10 @@
 """Checkpoints that move between strategies and world sizes (Fabric, CPU/gloo).
-Usage: moves.py OUT SPEC MODE CKPT STEP
+Usage: moves.py OUT SPEC LOAD STEPS SAVE
 
 The global batch is fixed (``global_batch(step, 2)``: 4 samples) whatever the world size; each data-parallel rank
 trains on its share, so every layout computes the same loss as one process on the whole batch.
-MODE "save": train steps 0..STEP-1, then save {"model", "optimizer", "step"} at CKPT.
-MODE "resume": a fresh model (other seed) and optimizer, load CKPT, train step STEP (the next one).
+LOAD: a checkpoint folder to resume from into a fresh model (another seed) and optimizer, or "-" to start at step 0.
+Then train STEPS steps and, unless SAVE is "-", save {"model", "optimizer", "step"} at SAVE.
 """
 
 import os
@@ -19,7 +19,7 @@ import disttrain  # noqa: F401  (registers the strategy names)
 sys.path.insert(0, os.path.dirname(__file__))
 from common import global_batch, strategy_from_spec, tiny_llama, write_result  # noqa: E402
 
-spec, mode, ckpt, step_arg = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+spec, load, steps, save = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 GLOBAL_WORLD = 2  # global_batch(step, 2): 4 samples per step, split over however many dp ranks there are
 
 fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy_from_spec(spec, "fabric"))
@@ -29,7 +29,7 @@ dp_group = engine.mesh["dp"].get_group() if engine is not None else None  # mega
 dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
 dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
 
-model = tiny_llama(seed=0 if mode == "save" else 5)
+model = tiny_llama(seed=0 if load == "-" else 5)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 model, optimizer = fabric.setup(model, optimizer)
 
@@ -46,11 +46,11 @@ def train_step(i: int) -> float:
     return value.item() / dp_size
 
 
-if mode == "save":
-    losses = [train_step(i) for i in range(step_arg)]
-    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": step_arg})
-    write_result({"losses": losses})
-else:
-    state = {"model": model, "optimizer": optimizer, "step": -1}
-    fabric.load(ckpt, state)
-    write_result({"step": state["step"], "resumed": train_step(state["step"])})
+state = {"model": model, "optimizer": optimizer, "step": 0}
+if load != "-":
+    fabric.load(load, state)
+start = state["step"]
+losses = [train_step(i) for i in range(start, start + steps)]
+if save != "-":
+    fabric.save(save, {**state, "step": start + steps})
+write_result({"start": start, "losses": losses})
