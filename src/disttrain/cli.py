@@ -95,16 +95,23 @@ def launch(argv: list[str], prog: str = "disttrain run") -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from disttrain.parallel.checkpoint import consolidate
+    from disttrain.parallel.export import FORMATS, export_checkpoint
 
     parser = argparse.ArgumentParser(prog="disttrain export", description="Consolidate a sharded checkpoint folder"
-                                     " into one safetensors file of the model's full weights (one process).")
+                                     " of any disttrain strategy into the model's full weights (one process).")
     parser.add_argument("checkpoint", help="checkpoint folder written by a disttrain strategy")
-    parser.add_argument("output", help="the .safetensors file to write")
+    parser.add_argument("output", help="what to write: a .safetensors file, an HF directory (--to hf), a state dict"
+                                       " file (--to timm / torch)")
+    parser.add_argument("--to", default="safetensors", choices=FORMATS,
+                        help="hf: config.json + model.safetensors; timm: a state dict timm loads (.safetensors or"
+                             " .pth); torch: a torch.save state dict; safetensors (default): one file")
+    parser.add_argument("--config", default=None, help="--to hf: the model's config.json or a directory holding it"
+                                                       " (default: the 'hf_config' saved in the checkpoint)")
     parser.add_argument("--key", default=None, help="the model's entry (Trainer checkpoints: 'state_dict')")
     parser.add_argument("--prefix", default="", help="keep only keys under this prefix and strip it, e.g. 'model.'")
     args = parser.parse_args(argv)
-    out = consolidate(args.checkpoint, args.output, key=args.key, prefix=args.prefix)
+    out = export_checkpoint(args.checkpoint, args.to, args.output, key=args.key, prefix=args.prefix,
+                            config=args.config)
     print(f"wrote {out}")
     return 0
 
@@ -124,8 +131,9 @@ commands:
   run SCRIPT [--strategy NAME --devices N --accelerator cpu|gpu --precision P --num-nodes N
              --max-restarts N ...] [script args]
                  launch a Fabric script on N processes per node (same as `lightning run model`)
-  export CHECKPOINT OUTPUT.safetensors [--key state_dict] [--prefix model.]
-                 consolidate a sharded checkpoint folder into one safetensors file
+  export CHECKPOINT OUTPUT [--to safetensors|hf|timm|torch] [--config CONFIG] [--key state_dict] [--prefix model.]
+                 consolidate a checkpoint folder of any strategy into one safetensors file, an HF directory,
+                 a timm or a plain torch state dict
   strategies     list the registered disttrain strategy names
 """
 

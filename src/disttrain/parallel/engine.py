@@ -34,7 +34,15 @@ class FSDPEngine:
 
     # -- processes ------------------------------------------------------------------------------------------
     def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
-        self.dims = ParallelDims(world_size=world_size)
+        replicate = 1
+        if self.options.hybrid_shard:
+            # torchrun sets LOCAL_WORLD_SIZE: the processes of this node form one shard group.
+            shard = self.options.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            if shard < 1 or world_size % shard:
+                raise ValueError(f"shard_size={shard} does not divide world_size={world_size}; pass shard_size= the"
+                                 " processes per node (a divisor of the world size)")
+            replicate = world_size // shard
+        self.dims = ParallelDims(world_size=world_size, dp_replicate=replicate)
         self.mesh = self.dims.build_mesh(device.type)
         return self.mesh
 
@@ -56,14 +64,14 @@ class FSDPEngine:
         ``forward_methods`` are methods called instead of ``forward`` (a LightningModule's ``training_step``):
         FSDP2 gathers the root's parameters around them as it does around ``forward``.
         """
-        assert self.mesh is not None, "setup_mesh() first"
+        assert self.mesh is not None and self.dims is not None, "setup_mesh() first"
         if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
             raise TypeError("the model is wrapped in FSDP1 (FullyShardedDataParallel); disttrain_fsdp applies FSDP2"
                             " itself: pass the plain model")
         if not isinstance(module, FSDPModule):
             for transform in self.module_transforms:
                 transform(module)
-            apply_fsdp(module, self.mesh, self.options, precision, device)
+            apply_fsdp(module, self.dims.fsdp_mesh(self.mesh), self.options, precision, device)
             for name in forward_methods:
                 if callable(getattr(module, name, None)):
                     register_fsdp_forward_method(module, name)

@@ -67,6 +67,9 @@ class MegatronEngine(FSDPEngine):
         self._target_prefix = ""
 
     def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
+        if self.options.hybrid_shard:
+            raise ValueError("hybrid_shard=True is a disttrain_fsdp option; under disttrain_megatron the data-parallel"
+                             " dimension is fully sharded: remove hybrid_shard or use strategy='disttrain_fsdp'")
         self.dims = ParallelDims(world_size=world_size, tp=self.options.tensor_parallel_size,
                                  pp=self.options.pipeline_parallel_size)
         self.mesh = self.dims.build_mesh(device.type)
