@@ -179,3 +179,15 @@ def test_export_torch_state_dict_loads_in_a_plain_module(tmp_path):
     fresh = net()
     fresh.load_state_dict(torch.load(out, weights_only=True))
     assert _same(fresh, model)
+
+
+def test_deploy_files_parse_and_name_the_llm_recipe():
+    import yaml
+
+    job = yaml.safe_load((ROOT / "deploy/kubernetes/dialogue-llm-pytorchjob.yaml").read_text())
+    assert job["kind"] == "PyTorchJob" and job["spec"]["elasticPolicy"]["maxRestarts"] >= 1
+    container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert container["args"][0] == "recipes/nlp/dialogue_llm.py"
+    sbatch = ROOT / "deploy/slurm/dialogue_llm.sbatch"
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    assert "--max-restarts" in sbatch.read_text() and "recipes/nlp/dialogue_llm.py" in sbatch.read_text()
