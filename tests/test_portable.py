@@ -41,6 +41,21 @@ def test_checkpoint_moves_across_strategies_and_world_sizes(tmp_path):
     assert close(losses, reference), (losses, reference)
 
 
+@pytest.mark.slow
+def test_vit_checkpoint_keeps_timm_qkv_order_across_tensor_parallel_sizes(tmp_path):
+    """A timm ViT's fused qkv rows are rank-major under TP; checkpoints store timm's order, so megatron tp=2 ->
+    fsdp -> megatron tp=2 continues exactly."""
+    from common import vit_reference_losses
+
+    losses = []
+    for name, spec, load, save in (("tp2", "disttrain_megatron:tensor_parallel_size=2", "-", "a"),
+                                   ("fsdp", "disttrain_fsdp", "a", "b"),
+                                   ("tp2b", "disttrain_megatron:tensor_parallel_size=2", "b", "-")):
+        args = [spec, "-" if load == "-" else str(tmp_path / load), "1", "-" if save == "-" else str(tmp_path / save)]
+        losses += run_dist("moves.py", tmp_path / name, *args, "vit")[0]["losses"]
+    assert close(losses, vit_reference_losses(3)), losses
+
+
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     ckpts = tmp_path / "ckpts"
     proc = subprocess.run([sys.executable, str(ROOT / "tests/dist/crash_save.py"), str(tmp_path / "out"), str(ckpts)],

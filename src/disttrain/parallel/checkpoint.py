@@ -202,12 +202,28 @@ def _read_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
                               " resume from an earlier checkpoint") from e
 
 
+class StorageLayout:
+    """How a strategy's in-memory tensors differ from the one checkpoint layout (timm's qkv rows under TP): it
+    rewrites the state before saving and the load targets around ``dcp.load``. The default changes nothing."""
+
+    def before_save(self, tensors: dict[str, Any]) -> None:
+        pass
+
+    def before_load(self, tensors: dict[str, Any]) -> None:
+        pass
+
+    def after_load(self, tensors: dict[str, Any]) -> None:
+        pass
+
+
 def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
-                 strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
+                 strict: bool = True, weights_only: bool = True,
+                 layout: StorageLayout | None = None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``targets`` (``{key: module | optimizer}``); returns the metadata.
 
     Works at any world size: DCP reshards on load.
     """
+    layout = layout or StorageLayout()
     path = check_checkpoint(path)
     error, metadata = None, {}
     try:
@@ -222,10 +238,12 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
                               " pass the same state keys that were saved")
     tensors = {key: (model_state(obj) if isinstance(obj, nn.Module) else optimizer_state(model, obj))
                for key, obj in targets.items()}
+    layout.before_load(tensors)
     try:
         dcp.load(tensors, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
+    layout.after_load(tensors)
     for key, obj in targets.items():
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, tensors[key], options=StateDictOptions(strict=strict))

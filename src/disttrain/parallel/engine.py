@@ -105,6 +105,7 @@ class FSDPEngine:
     def save(self, path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
         """``tensors`` come from :func:`checkpoint.model_state`/``optimizer_state`` (sharded or full per option)."""
         if self.sharded:
+            self.storage_layout().before_save(tensors)
             return ckpt.save_sharded(path, tensors, metadata)
         return ckpt.save_full(path, {**tensors, **metadata})
 
@@ -113,8 +114,14 @@ class FSDPEngine:
         """Restore ``targets`` (``{key: module | optimizer}``) in place; returns the rest. Non-tensor state is
         unpickled safely (``weights_only``) unless the caller explicitly passes False."""
         # Each loader checks the path (a missing one goes to load_full, which names it).
-        loader = ckpt.load_sharded if ckpt.is_sharded_checkpoint(path) else ckpt.load_full
-        return loader(path, targets, model, strict=strict, weights_only=weights_only is not False)
+        if ckpt.is_sharded_checkpoint(path):
+            return ckpt.load_sharded(path, targets, model, strict=strict, weights_only=weights_only is not False,
+                                     layout=self.storage_layout())
+        return ckpt.load_full(path, targets, model, strict=strict, weights_only=weights_only is not False)
+
+    def storage_layout(self) -> ckpt.StorageLayout:
+        """What differs between this engine's sharded tensors and the one checkpoint layout (nothing for FSDP)."""
+        return ckpt.StorageLayout()
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         return ckpt.model_state(model, full=not self.sharded)
