@@ -206,3 +206,15 @@ def test_deploy_files_parse_and_name_the_llm_recipe():
     sbatch = ROOT / "deploy/slurm/dialogue_llm.sbatch"
     assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
     assert "--max-restarts" in sbatch.read_text() and "recipes/nlp/dialogue_llm.py" in sbatch.read_text()
+
+
+def test_latest_checkpoint_skips_leftovers_and_incomplete_folders(tmp_path):
+    from disttrain.parallel.checkpoint import model_state, save_sharded
+
+    assert latest_checkpoint(tmp_path / "none") is None
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2, 10):
+        save_sharded(tmp_path / f"step-{step:06d}", {"model": model_state(model)}, {"step": step})
+    (tmp_path / ".step-000011.tmp").mkdir()         # an interrupted save
+    (tmp_path / "step-000012").mkdir()              # a folder without meta.pt (copied by hand, say)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000010"

@@ -33,11 +33,12 @@ class FSDPEngine:
         self.module_transforms: list[Callable[[nn.Module], None]] = []
 
     # -- processes ------------------------------------------------------------------------------------------
-    def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
+    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh:
+        """``local_size``: processes per node (the adapters pass Lightning's count; else torchrun's
+        LOCAL_WORLD_SIZE): under hybrid sharding the processes of one node form one shard group."""
         replicate = 1
         if self.options.hybrid_shard:
-            # torchrun sets LOCAL_WORLD_SIZE: the processes of this node form one shard group.
-            shard = self.options.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            shard = self.options.shard_size or local_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             if shard < 1 or world_size % shard:
                 raise ValueError(f"shard_size={shard} does not divide world_size={world_size}; pass shard_size= the"
                                  " processes per node (a divisor of the world size)")

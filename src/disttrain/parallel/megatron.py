@@ -66,7 +66,7 @@ class MegatronEngine(FSDPEngine):
         self.tp_result = TPResult()
         self._target_prefix = ""
 
-    def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
+    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh:
         if self.options.hybrid_shard:
             raise ValueError("hybrid_shard=True is a disttrain_fsdp option; under disttrain_megatron the data-parallel"
                              " dimension is fully sharded: remove hybrid_shard or use strategy='disttrain_fsdp'")
