@@ -24,20 +24,22 @@ def close(a: list[float], b: list[float]) -> bool:
 
 @pytest.mark.slow
 def test_checkpoint_moves_across_strategies_and_world_sizes(tmp_path):
-    """zero3@2 -> fsdp@4 -> megatron tp=2 -> megatron pp=2 -> ddp@1, one step each after a resume (plus two
-    before the first save): every step's loss equals the uninterrupted one-process run."""
-    reference = reference_losses(6, world_size=2)  # global_batch(step, 2): the same 4 samples per step everywhere
+    """zero3@2 -> fsdp@4 -> megatron tp=2 -> megatron pp=2 -> ddp@1 -> zero3@2, one step each after a resume (two
+    before the first save and two at the end, so restored optimizer state shows): every step's loss equals the
+    uninterrupted one-process run."""
+    reference = reference_losses(8, world_size=2)  # global_batch(step, 2): the same 4 samples per step everywhere
     chain = [("disttrain_zero3", 2, "-", 2), ("disttrain_fsdp", 4, "zero3", 1),
              ("disttrain_megatron:tensor_parallel_size=2", 2, "fsdp", 1),
-             ("disttrain_megatron:pipeline_parallel_size=2", 2, "tp2", 1), ("disttrain_ddp", 1, "pp2", 1)]
-    names = ["zero3", "fsdp", "tp2", "pp2", "ddp"]
+             ("disttrain_megatron:pipeline_parallel_size=2", 2, "tp2", 1), ("disttrain_ddp", 1, "pp2", 1),
+             ("disttrain_zero3", 2, "ddp", 2)]
+    names = ["zero3", "fsdp", "tp2", "pp2", "ddp", "zero3b"]
     losses, starts = [], []
     for (spec, nproc, load, steps), name in zip(chain, names):
         load_arg = "-" if load == "-" else str(tmp_path / load)
         ranks = run_dist("moves.py", tmp_path / name, spec, load_arg, str(steps), str(tmp_path / name), nproc=nproc)
         starts.append(ranks[0]["start"])
         losses += ranks[0]["losses"]
-    assert starts == [0, 2, 3, 4, 5]
+    assert starts == [0, 2, 3, 4, 5, 6]
     assert close(losses, reference), (losses, reference)
 
 

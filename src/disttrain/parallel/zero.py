@@ -311,13 +311,17 @@ def load_zero3_state(module: torch.nn.Module, optimizer: Any, model_state: dict[
     zero_opt = _zero_optimizer(optimizer)
     saved = optim_state["state"]
     for i, group_params in enumerate(zero_opt.fp16_groups):
-        flat = _flat_state(zero_opt, i)
+        fp32_flat = zero_opt.fp32_partitioned_groups_flat[i]
+        # torch optimizers create their state at the first step: before it, make room for the saved moments.
+        flat = zero_opt.optimizer.state[fp32_flat]
         names = [n for p in group_params for n, q in params.items() if q is p]
         for param, fqn in zip(group_params, names):
             for key, value in saved.get(fqn, {}).items():
-                if key in flat and torch.is_tensor(flat[key]) and flat[key].numel() > 1:
+                if torch.is_tensor(value) and value.dim() > 0:  # a moment, one value per element
+                    if key not in flat:
+                        flat[key] = torch.zeros_like(fp32_flat)
                     safe_set_full_optimizer_state(param, value.to(torch.float32).reshape(param.ds_shape), key)
-                elif key in flat:
+                else:  # a scalar shared by the flat group ("step")
                     flat[key] = value.clone() if torch.is_tensor(value) else value
         group = zero_opt.optimizer.param_groups[i]
         for saved_group in optim_state["param_groups"]:
