@@ -35,8 +35,10 @@ def test_checkpoint_moves_across_strategies_and_world_sizes(tmp_path):
     names = ["zero3", "fsdp", "tp2", "pp2", "ddp", "zero3b"]
     losses, starts = [], []
     for (spec, nproc, load, steps), name in zip(chain, names):
-        load_arg = "-" if load == "-" else str(tmp_path / load)
-        ranks = run_dist("moves.py", tmp_path / name, spec, load_arg, str(steps), str(tmp_path / name), nproc=nproc)
+        load_arg = "-" if load == "-" else str(tmp_path / f"ckpt-{load}")
+        (tmp_path / name).mkdir()
+        ranks = run_dist("moves.py", tmp_path / name, spec, load_arg, str(steps), str(tmp_path / f"ckpt-{name}"),
+                         nproc=nproc)
         starts.append(ranks[0]["start"])
         losses += ranks[0]["losses"]
     assert starts == [0, 2, 3, 4, 5, 6]
@@ -54,6 +56,7 @@ def test_vit_checkpoint_keeps_timm_qkv_order_across_tensor_parallel_sizes(tmp_pa
                                    ("fsdp", "disttrain_fsdp", "a", "b"),
                                    ("tp2b", "disttrain_megatron:tensor_parallel_size=2", "b", "-")):
         args = [spec, "-" if load == "-" else str(tmp_path / load), "1", "-" if save == "-" else str(tmp_path / save)]
+        (tmp_path / name).mkdir()
         losses += run_dist("moves.py", tmp_path / name, *args, "vit")[0]["losses"]
     assert close(losses, vit_reference_losses(3)), losses
 

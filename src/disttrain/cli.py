@@ -85,10 +85,16 @@ def launch(argv: list[str], prog: str = "disttrain run") -> int:
 
     from torch.distributed import run as torchrun
 
+    if args.max_restarts > 0:
+        # Restarts need a rendezvous that every node's agent can join again after a failure: c10d (the static one
+        # only fits a fixed set of processes). The bootstrap gives each restarted attempt a fresh store.
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.main_address}:{args.main_port}",
+                      f"--rdzv-id=disttrain-{args.main_port}", f"--max-restarts={args.max_restarts}"]
+    else:
+        rendezvous = [f"--node_rank={args.node_rank}", f"--master_addr={args.main_address}",
+                      f"--master_port={args.main_port}"]
     torchrun.main([
-        f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", f"--node_rank={args.node_rank}",
-        f"--master_addr={args.main_address}", f"--master_port={args.main_port}",
-        f"--max-restarts={args.max_restarts}",
+        f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", *rendezvous,
         str(BOOTSTRAP), args.script, *script_args,
     ])
     return 0
