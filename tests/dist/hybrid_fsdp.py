@@ -23,3 +23,6 @@ local = sum(p.to_local().numel() for p in model.parameters())
 losses = fabric_train(fabric, model, optimizer, steps)
 write_result({"losses": losses, "mesh": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "local": local,
               "total": total, "node": int(os.environ["GROUP_RANK"])})
+# Leave together: a node whose processes exit while the other's still use the gloo pairs aborts at exit.
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
