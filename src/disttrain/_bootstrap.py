@@ -1,12 +1,43 @@
 """Started by torchrun in every process of ``disttrain run`` / ``lightning run model``: register the disttrain
 strategy names in this process, then run the user's script as ``__main__`` with its own arguments."""
 
+import os
 import runpy
+import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import disttrain  # noqa: F401
 
+
+def _fresh_store_after_restart() -> None:
+    """After an elastic restart, give the new process group a store of its own.
+
+    The workers' process group normally lives in torchrun's agent store, which outlives a failed attempt together
+    with the dead attempt's keys: a restarted rank can read a dead peer's gloo/nccl address from it ("Connection
+    refused"). Rank 0 picks a free port and announces it under a key of this attempt; every rank then creates the
+    process group on a new store that rank 0 hosts there.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    from torch.distributed import TCPStore
+
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(minutes=5))
+    key = f"disttrain/attempt_{attempt}/master_port"
+    if os.environ.get("RANK") == "0":
+        with socket.socket() as s:
+            s.bind((os.environ["MASTER_ADDR"], 0))
+            port = s.getsockname()[1]
+        agent.set(key, str(port))
+    port = int(agent.get(key))
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+
+_fresh_store_after_restart()
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, str(Path(script).resolve().parent))

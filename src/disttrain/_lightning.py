@@ -91,7 +91,7 @@ class DistributedPlumbing:
 
     def _setup_processes_and_mesh(self) -> Any:
         self._init_process_group()
-        return self.engine.setup_mesh(self.world_size, self.root_device)
+        return self.engine.setup_mesh(self.world_size, self.root_device, local_size=self.num_processes)
 
     @staticmethod
     def _reduce_tensor(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:

@@ -32,6 +32,9 @@ def _launcher_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--main-address", "--main_address", dest="main_address", default="127.0.0.1")
     parser.add_argument("--main-port", "--main_port", dest="main_port", type=int, default=29400)
     parser.add_argument("--precision", default=None, choices=PRECISIONS)
+    parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                        help="restart all processes this many times when one fails (torchrun's elastic restarts);"
+                             " the script resumes from its newest complete checkpoint")
     return parser
 
 
@@ -82,25 +85,39 @@ def launch(argv: list[str], prog: str = "disttrain run") -> int:
 
     from torch.distributed import run as torchrun
 
+    if args.max_restarts > 0:
+        # Restarts need a rendezvous that every node's agent can join again after a failure: c10d (the static one
+        # only fits a fixed set of processes). The bootstrap gives each restarted attempt a fresh store.
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.main_address}:{args.main_port}",
+                      f"--rdzv-id=disttrain-{args.main_port}", f"--max-restarts={args.max_restarts}"]
+    else:
+        rendezvous = [f"--node_rank={args.node_rank}", f"--master_addr={args.main_address}",
+                      f"--master_port={args.main_port}"]
     torchrun.main([
-        f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", f"--node_rank={args.node_rank}",
-        f"--master_addr={args.main_address}", f"--master_port={args.main_port}",
+        f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", *rendezvous,
         str(BOOTSTRAP), args.script, *script_args,
     ])
     return 0
 
 
 def _export(argv: list[str]) -> int:
-    from disttrain.parallel.checkpoint import consolidate
+    from disttrain.parallel.export import FORMATS, export_checkpoint
 
     parser = argparse.ArgumentParser(prog="disttrain export", description="Consolidate a sharded checkpoint folder"
-                                     " into one safetensors file of the model's full weights (one process).")
+                                     " of any disttrain strategy into the model's full weights (one process).")
     parser.add_argument("checkpoint", help="checkpoint folder written by a disttrain strategy")
-    parser.add_argument("output", help="the .safetensors file to write")
+    parser.add_argument("output", help="what to write: a .safetensors file, an HF directory (--to hf), a state dict"
+                                       " file (--to timm / torch)")
+    parser.add_argument("--to", default="safetensors", choices=FORMATS,
+                        help="hf: config.json + model.safetensors; timm: a state dict timm loads (.safetensors or"
+                             " .pth); torch: a torch.save state dict; safetensors (default): one file")
+    parser.add_argument("--config", default=None, help="--to hf: the model's config.json or a directory holding it"
+                                                       " (default: the 'hf_config' saved in the checkpoint)")
     parser.add_argument("--key", default=None, help="the model's entry (Trainer checkpoints: 'state_dict')")
     parser.add_argument("--prefix", default="", help="keep only keys under this prefix and strip it, e.g. 'model.'")
     args = parser.parse_args(argv)
-    out = consolidate(args.checkpoint, args.output, key=args.key, prefix=args.prefix)
+    out = export_checkpoint(args.checkpoint, args.to, args.output, key=args.key, prefix=args.prefix,
+                            config=args.config)
     print(f"wrote {out}")
     return 0
 
@@ -180,10 +197,12 @@ def _recsys(argv: list[str]) -> int:
 USAGE = """usage: disttrain COMMAND ...
 
 commands:
-  run SCRIPT [--strategy NAME --devices N --accelerator cpu|gpu --precision P --num-nodes N ...] [script args]
+  run SCRIPT [--strategy NAME --devices N --accelerator cpu|gpu --precision P --num-nodes N
+             --max-restarts N ...] [script args]
                  launch a Fabric script on N processes per node (same as `lightning run model`)
-  export CHECKPOINT OUTPUT.safetensors [--key state_dict] [--prefix model.]
-                 consolidate a sharded checkpoint folder into one safetensors file
+  export CHECKPOINT OUTPUT [--to safetensors|hf|timm|torch] [--config CONFIG] [--key state_dict] [--prefix model.]
+                 consolidate a checkpoint folder of any strategy into one safetensors file, an HF directory,
+                 a timm or a plain torch state dict
   strategies     list the registered disttrain strategy names
   plan --model CONFIG.yaml --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
                  per-rank memory of every strategy, whether it fits, and the recommended one

@@ -186,3 +186,32 @@ def strategy_from_spec(spec: str, entry: str):
     options = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in opts.split(","))}
     row = (StrategyRegistry if entry == "trainer" else STRATEGY_REGISTRY)[name]
     return row["strategy"](**{**row["init_params"], **options})
+
+
+def tiny_vit(seed: int = 0):
+    """A 2-block timm ViT on 32x32 images (4 heads, so tensor parallel 2 splits them)."""
+    import timm
+
+    torch.manual_seed(seed)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=64,
+                             depth=2, num_heads=4, num_classes=10)
+
+
+def vit_batch(step: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of images and labels at ``step`` (the same whatever the world size)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(size, 3, 32, 32, generator=g), torch.randint(0, 10, (size,), generator=g)
+
+
+def vit_reference_losses(steps: int, lr: float = 1e-2) -> list[float]:
+    model = tiny_vit()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        images, labels = vit_batch(step)
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from disttrain._lightning import DEFAULT_TIMEOUT, DistributedPlumbing, fsdp2_mixed_precision_class, to_fsdp2_precision
-from disttrain.parallel.checkpoint import split_state
+from disttrain.parallel.checkpoint import restore_rest, split_state, the_model
 from disttrain.parallel.engine import FSDPEngine, reshard
 from disttrain.parallel.fsdp import FSDPOptions, set_gradient_sync
 from disttrain.parallel.options import build_options
@@ -116,8 +116,8 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         if storage_options is not None or filter is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
         path = self.broadcast(path)
-        reshard(_the_model(state))  # after a validation the last block may still hold its gathered parameters
-        tensors, metadata = split_state(state, _the_model(state), full=not self.engine.sharded)
+        reshard(the_model(state))  # after a validation the last block may still hold its gathered parameters
+        tensors, metadata = split_state(state, the_model(state), full=not self.engine.sharded)
         self.engine.save(path, tensors, metadata)
 
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -130,23 +130,10 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
             raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
         path = self.broadcast(path)
         targets = {k: v for k, v in state.items() if isinstance(v, (nn.Module, Optimizer))}
-        metadata = self.engine.load(path, targets, _the_model(state), strict=strict, weights_only=weights_only)
-        for key, value in state.items():
-            if key in targets or key not in metadata:
-                continue
-            if callable(getattr(value, "load_state_dict", None)):
-                value.load_state_dict(metadata.pop(key))
-            else:
-                state[key] = metadata.pop(key)
-        return metadata
+        metadata = self.engine.load(path, targets, the_model(state), strict=strict, weights_only=weights_only)
+        return restore_rest(state, targets, metadata)
 
     def export_full(self, module: nn.Module, path: Any, prefix: str = "") -> Path:
         """Write the full model as one safetensors file (rank 0) that loads into the unwrapped model."""
         return self.engine.export(getattr(module, "module", module), path, prefix=prefix)
 
-
-def _the_model(state: dict[str, Any]) -> nn.Module:
-    models = [v for v in state.values() if isinstance(v, nn.Module)]
-    if len(models) != 1:
-        raise ValueError(f"checkpoint state must hold exactly one model, found {len(models)} in keys {sorted(state)}")
-    return models[0]

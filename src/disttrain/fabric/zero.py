@@ -12,10 +12,17 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
 from disttrain._lightning import ZeroPlumbing, register_names
-from disttrain.parallel.checkpoint import atomic_folder, check_checkpoint
+from disttrain.parallel.checkpoint import check_checkpoint
 from disttrain.parallel.options import build_options
 from disttrain.parallel.recsys import refuse_torchrec_tables
-from disttrain.parallel.zero import ZeroOptions, export_zero3, set_extensions_dir
+from disttrain.parallel.zero import (
+    ZeroOptions,
+    export_zero3,
+    is_zero_checkpoint,
+    load_zero3_checkpoint,
+    save_zero3_checkpoint,
+    set_extensions_dir,
+)
 
 
 class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
@@ -58,12 +65,22 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
 
     def save_checkpoint(self, path: Any, state: dict, storage_options: Optional[Any] = None,
                         filter: Optional[dict] = None) -> None:
-        with atomic_folder(self.broadcast(path)) as tmp:
-            super().save_checkpoint(tmp, state, storage_options, filter)
+        """Writes the one disttrain layout (a DCP folder, parameters and optimizer state by FQN) that every
+        disttrain strategy reads at any world size; see :func:`disttrain.parallel.zero.zero3_model_state`."""
+        if storage_options is not None or filter is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
+        save_zero3_checkpoint(self.broadcast(path), state)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return super().load_checkpoint(check_checkpoint(self.broadcast(path), layout="zero"), state, strict, weights_only)
+        """Restores a disttrain checkpoint of any strategy and world size; a DeepSpeed folder (written by
+        disttrain before 0.2 or by DeepSpeed itself) is still read by DeepSpeed, at the world size it was saved."""
+        path = Path(self.broadcast(path))
+        if is_zero_checkpoint(path):
+            return super().load_checkpoint(check_checkpoint(path, layout="zero"), state, strict, weights_only)
+        if isinstance(state, nn.Module):
+            state = {"model": state}
+        return load_zero3_checkpoint(path, state or {}, strict=strict, weights_only=weights_only is not False)
 
     def export_full(self, module: nn.Module, path: Any, prefix: str = "") -> Path:
         """The full model (in its training dtype) as one safetensors file (rank 0)."""

@@ -72,6 +72,37 @@ def model_state(model: nn.Module, full: bool = False) -> dict[str, Any]:
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def flatten_optimizer(nested: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn]}]}`` (FQN-keyed, as torch's
+    ``get_optimizer_state_dict`` gives by default) -> the flattened form every disttrain checkpoint stores."""
+    flat = {f"state.{fqn}.{name}": value for fqn, moments in nested.get("state", {}).items()
+            for name, value in moments.items()}
+    for group in nested.get("param_groups", []):
+        for fqn in group["params"]:
+            flat.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
+    return flat
+
+
+def unflatten_optimizer(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`flatten_optimizer` (parameters with equal hyperparameters share a group)."""
+    if "state" in flat or "param_groups" in flat:
+        return dict(flat)  # already nested
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        kind, rest = key.split(".", 1)
+        fqn, name = rest.rsplit(".", 1)
+        (state if kind == "state" else hyper).setdefault(fqn, {})[name] = value
+    groups: list[dict[str, Any]] = []
+    for fqn, settings in hyper.items():
+        group = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == settings), None)
+        if group is None:
+            groups.append({**settings, "params": [fqn]})
+        else:
+            group["params"].append(fqn)
+    return {"state": state, "param_groups": groups}
+
+
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False) -> dict[str, Any]:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True) if full else _FLAT
     return get_optimizer_state_dict(model, optimizer, options=options)
@@ -90,6 +121,26 @@ def split_state(state: Mapping[str, Any], model: nn.Module,
             metadata[key] = value.state_dict() if hasattr(value, "state_dict") and callable(value.state_dict) \
                 else value
     return tensors, metadata
+
+
+def the_model(state: Mapping[str, Any]) -> nn.Module:
+    models = [v for v in state.values() if isinstance(v, nn.Module)]
+    if len(models) != 1:
+        raise ValueError(f"checkpoint state must hold exactly one model, found {len(models)} in keys {sorted(state)}")
+    return models[0]
+
+
+def restore_rest(state: dict[str, Any], targets: Mapping[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """After the tensors are loaded: give stateful objects of ``state`` their saved state and plain entries their
+    saved value (in place); returns what ``state`` did not ask for."""
+    for key, value in state.items():
+        if key in targets or key not in metadata:
+            continue
+        if callable(getattr(value, "load_state_dict", None)):
+            value.load_state_dict(metadata.pop(key))
+        else:
+            state[key] = metadata.pop(key)
+    return metadata
 
 
 def _replace_atomically(tmp: Path, path: Path) -> None:
@@ -189,12 +240,28 @@ def _read_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
                               " resume from an earlier checkpoint") from e
 
 
+class StorageLayout:
+    """How a strategy's in-memory tensors differ from the one checkpoint layout (timm's qkv rows under TP): it
+    rewrites the state before saving and the load targets around ``dcp.load``. The default changes nothing."""
+
+    def before_save(self, tensors: dict[str, Any]) -> None:
+        pass
+
+    def before_load(self, tensors: dict[str, Any]) -> None:
+        pass
+
+    def after_load(self, tensors: dict[str, Any]) -> None:
+        pass
+
+
 def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
-                 strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
+                 strict: bool = True, weights_only: bool = True,
+                 layout: StorageLayout | None = None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``targets`` (``{key: module | optimizer}``); returns the metadata.
 
     Works at any world size: DCP reshards on load.
     """
+    layout = layout or StorageLayout()
     path = check_checkpoint(path)
     error, metadata = None, {}
     try:
@@ -209,10 +276,12 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
                               " pass the same state keys that were saved")
     tensors = {key: (model_state(obj) if isinstance(obj, nn.Module) else optimizer_state(model, obj))
                for key, obj in targets.items()}
+    layout.before_load(tensors)
     try:
         dcp.load(tensors, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
+    layout.after_load(tensors)
     for key, obj in targets.items():
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, tensors[key], options=StateDictOptions(strict=strict))
@@ -301,8 +370,15 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
     ``key`` picks the model's entry ("state_dict" for Trainer checkpoints); by default the one entry that is
     not an optimizer state. ``prefix`` keeps only the keys under it, stripped (``"model."``).
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path = Path(checkpoint)
+    output = Path(output)
+    write_safetensors(select_prefix(full_model_state(path, key), prefix), output)
+    return output
 
+
+def full_model_state(checkpoint: str | os.PathLike, key: str | None = None) -> dict[str, torch.Tensor]:
+    """Offline, one process: the model's full state dict (FQN -> tensor) from a checkpoint folder of any
+    strategy (our DCP layout, or a DeepSpeed ZeRO folder: its fp32 master weights). ``key`` as in consolidate."""
     from disttrain.parallel.zero import is_zero_checkpoint, zero_fp32_state_dict
 
     path = Path(checkpoint)
@@ -317,13 +393,7 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
             raise CheckpointError(f"ZeRO checkpoint {str(path)!r} is corrupt: {e}") from e
         key = "model"
     else:
-        with tempfile.TemporaryDirectory() as tmpdir:
-            flat = Path(tmpdir) / "full.pt"
-            try:
-                dcp_to_torch_save(path, flat)
-                state = torch.load(flat, map_location="cpu", weights_only=True)
-            except (Exception, CheckpointException) as e:
-                raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
+        state = read_full(path)
     if key is None:
         models = [k for k, v in state.items() if isinstance(v, Mapping) and not _is_optimizer_state(v)]
         if len(models) != 1:
@@ -331,11 +401,59 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
         key = models[0]
     if key not in state:
         raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}; it holds {sorted(state)}")
-    output = Path(output)
-    write_safetensors(select_prefix(state[key], prefix), output)
-    return output
+    return dict(state[key])
 
 
 def _is_optimizer_state(state: Mapping[str, Any]) -> bool:
     """Nested ({"state", "param_groups"}) or flattened ("state.<fqn>.<name>", "param_groups.<fqn>.<name>")."""
     return any(k in ("state", "param_groups") or k.startswith(("state.", "param_groups.")) for k in state)
+
+
+def read_full(path: str | os.PathLike, keys: set[str] | None = None) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint folder (or only the top-level ``keys``), full size, in this process, in
+    the nested form it was saved in (``{"model": {fqn: tensor}, "optimizer": {"state": ..., ...}}``). No
+    collective: each rank reads for itself (for strategies that keep full tensors while loading, like ZeRO-3)."""
+    # dcp.load only fills keys the caller already has; the empty-dict planner (what dcp_to_torch_save uses) builds
+    # the nested dict from the checkpoint's own metadata.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(Path(path)),
+                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
+    return state
+
+
+def read_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+    """The non-tensor part of a complete DCP checkpoint folder (step, loop state, user metadata)."""
+    path = check_checkpoint(path)
+    metadata = _read_meta(path, weights_only)
+    metadata.pop(FORMAT_KEY, None)
+    return metadata
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a finished checkpoint folder (DCP metadata and our meta.pt, which is written last)."""
+    path = Path(path)
+    return path.is_dir() and not _missing_parts(path, "dcp")
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint folder under ``folder`` (by its name's trailing number, e.g. step-000012,
+    then modification time), skipping the hidden ``.NAME.tmp`` folders an interrupted save leaves behind and any
+    incomplete folder. None when there is none (a fresh start)."""
+    import re
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+
+    def order(p: Path) -> tuple[int, float]:
+        number = re.search(r"(\d+)$", p.name)
+        return (int(number.group(1)) if number else -1, p.stat().st_mtime)
+
+    done = [p for p in folder.iterdir() if not p.name.startswith(".") and is_complete(p)]
+    return max(done, key=order) if done else None

@@ -34,8 +34,17 @@ class FSDPEngine:
         self.module_transforms: list[Callable[[nn.Module], None]] = []
 
     # -- processes ------------------------------------------------------------------------------------------
-    def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
-        self.dims = ParallelDims(world_size=world_size)
+    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh:
+        """``local_size``: processes per node (the adapters pass Lightning's count; else torchrun's
+        LOCAL_WORLD_SIZE): under hybrid sharding the processes of one node form one shard group."""
+        replicate = 1
+        if self.options.hybrid_shard:
+            shard = self.options.shard_size or local_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            if shard < 1 or world_size % shard:
+                raise ValueError(f"shard_size={shard} does not divide world_size={world_size}; pass shard_size= the"
+                                 " processes per node (a divisor of the world size)")
+            replicate = world_size // shard
+        self.dims = ParallelDims(world_size=world_size, dp_replicate=replicate)
         self.mesh = self.dims.build_mesh(device.type)
         return self.mesh
 
@@ -57,7 +66,7 @@ class FSDPEngine:
         ``forward_methods`` are methods called instead of ``forward`` (a LightningModule's ``training_step``):
         FSDP2 gathers the root's parameters around them as it does around ``forward``.
         """
-        assert self.mesh is not None, "setup_mesh() first"
+        assert self.mesh is not None and self.dims is not None, "setup_mesh() first"
         if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
             raise TypeError("the model is wrapped in FSDP1 (FullyShardedDataParallel); disttrain_fsdp applies FSDP2"
                             " itself: pass the plain model")
@@ -67,7 +76,7 @@ class FSDPEngine:
             refuse_torchrec_tables(module, "disttrain_fsdp")
             for transform in self.module_transforms:
                 transform(module)
-            apply_fsdp(module, self.mesh, self.options, precision, device)
+            apply_fsdp(module, self.dims.fsdp_mesh(self.mesh), self.options, precision, device)
             for name in forward_methods:
                 if callable(getattr(module, name, None)):
                     register_fsdp_forward_method(module, name)
@@ -102,6 +111,7 @@ class FSDPEngine:
     def save(self, path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
         """``tensors`` come from :func:`checkpoint.model_state`/``optimizer_state`` (sharded or full per option)."""
         if self.sharded:
+            self.storage_layout().before_save(tensors)
             return ckpt.save_sharded(path, tensors, metadata)
         return ckpt.save_full(path, {**tensors, **metadata})
 
@@ -110,8 +120,14 @@ class FSDPEngine:
         """Restore ``targets`` (``{key: module | optimizer}``) in place; returns the rest. Non-tensor state is
         unpickled safely (``weights_only``) unless the caller explicitly passes False."""
         # Each loader checks the path (a missing one goes to load_full, which names it).
-        loader = ckpt.load_sharded if ckpt.is_sharded_checkpoint(path) else ckpt.load_full
-        return loader(path, targets, model, strict=strict, weights_only=weights_only is not False)
+        if ckpt.is_sharded_checkpoint(path):
+            return ckpt.load_sharded(path, targets, model, strict=strict, weights_only=weights_only is not False,
+                                     layout=self.storage_layout())
+        return ckpt.load_full(path, targets, model, strict=strict, weights_only=weights_only is not False)
+
+    def storage_layout(self) -> ckpt.StorageLayout:
+        """What differs between this engine's sharded tensors and the one checkpoint layout (nothing for FSDP)."""
+        return ckpt.StorageLayout()
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         reshard(model)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -27,6 +27,10 @@ class FSDPOptions:
     empty_init: build the model on the meta device when the Trainer/Fabric does not say (``configure_model`` /
         ``init_module()``), so no rank ever holds the whole model; shards are initialised after sharding.
     save_distributed_checkpoint: sharded (torch.distributed.checkpoint) checkpoints; False writes one full file.
+    hybrid_shard: HSDP on a 2D mesh: shard within a group of ``shard_size`` ranks (default: the processes of one
+        node), replicate across groups (nodes): all-gathers stay on the fast intra-node links, only the gradient
+        all-reduce crosses nodes.
+    shard_size: ranks per shard group under ``hybrid_shard``; must divide the world size.
     """
 
     wrap_classes: BlockSpec = None
@@ -35,6 +39,8 @@ class FSDPOptions:
     reshard_after_forward: Union[bool, int] = True
     empty_init: bool = False
     save_distributed_checkpoint: bool = True
+    hybrid_shard: bool = False
+    shard_size: Optional[int] = None
 
 
 def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:

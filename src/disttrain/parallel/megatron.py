@@ -66,7 +66,10 @@ class MegatronEngine(FSDPEngine):
         self.tp_result = TPResult()
         self._target_prefix = ""
 
-    def setup_mesh(self, world_size: int, device: torch.device) -> DeviceMesh:
+    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh:
+        if self.options.hybrid_shard:
+            raise ValueError("hybrid_shard=True is a disttrain_fsdp option; under disttrain_megatron the data-parallel"
+                             " dimension is fully sharded: remove hybrid_shard or use strategy='disttrain_fsdp'")
         self.dims = ParallelDims(world_size=world_size, tp=self.options.tensor_parallel_size,
                                  pp=self.options.pipeline_parallel_size)
         self.mesh = self.dims.build_mesh(device.type)
@@ -137,6 +140,9 @@ class MegatronEngine(FSDPEngine):
                         **({"mp_policy": root_policy} if root_policy else {}))
 
     # -- checkpoints and export -----------------------------------------------------------------------------
+    def storage_layout(self) -> ckpt.StorageLayout:
+        return QKVRowsLayout(self.tp_result.reordered, prefixes=("", self._target_prefix))
+
     def export(self, model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         """The full model in its own layout (qkv rows restored) as one safetensors file on rank 0, gathered from
         every pipeline stage. Collective: call on every rank."""
@@ -175,3 +181,57 @@ def _rank() -> int:
 
 
 __all__ = ["MegatronEngine", "MegatronOptions"]
+
+
+class QKVRowsLayout(ckpt.StorageLayout):
+    """Checkpoints keep timm's [q | k | v] row order of a fused ``attn.qkv`` whatever the tensor-parallel size, so a
+    ViT saved at tp=2 loads under FSDP, DDP or another tp. Under TP the rows live rank-major (``qkv_rank_major``);
+    these few tensors (weights, biases and their optimizer moments) are gathered, put back in timm's order and saved
+    whole, and on load read whole, reordered and sharded again. Every other tensor stays sharded."""
+
+    def __init__(self, reordered: dict[str, torch.Tensor], prefixes: tuple[str, ...] = ("",)) -> None:
+        self.orders = {f"{prefix}{path}.{suffix}": order for path, order in reordered.items()
+                       for prefix in set(prefixes) for suffix in ("weight", "bias")}
+        self.placements: dict[tuple[str, str, str], Any] = {}
+
+    def _entries(self, tensors: dict[str, Any]):
+        """(where, key, holder) for every reordered tensor: model entries and optimizer moments alike."""
+        for top, value in tensors.items():
+            if not isinstance(value, dict):
+                continue
+            if "state" in value and isinstance(value["state"], dict):  # an optimizer state dict by FQN
+                for fqn, moments in value["state"].items():
+                    if fqn in self.orders:
+                        for name, tensor in moments.items():
+                            if torch.is_tensor(tensor) and tensor.dim() > 0:
+                                yield (top, fqn, name), moments, name, self.orders[fqn]
+            else:
+                for key in value:
+                    if key in self.orders:  # a model entry
+                        yield (top, key, ""), value, key, self.orders[key]
+                    elif key.startswith("state.") and key[6:].rsplit(".", 1)[0] in self.orders:  # a flat moment
+                        tensor = value[key]
+                        if torch.is_tensor(tensor) and tensor.dim() > 0:
+                            yield (top, key, ""), value, key, self.orders[key[6:].rsplit(".", 1)[0]]
+
+    def before_save(self, tensors: dict[str, Any]) -> None:
+        for _, holder, name, order in list(self._entries(tensors)):
+            full = holder[name].full_tensor() if hasattr(holder[name], "full_tensor") else holder[name]
+            holder[name] = full.detach()[torch.argsort(order)].cpu()  # replicated: DCP writes it once
+
+    def before_load(self, tensors: dict[str, Any]) -> None:
+        for where, holder, name, _ in list(self._entries(tensors)):
+            tensor = holder[name]
+            if hasattr(tensor, "device_mesh"):
+                self.placements[where] = (tensor.device_mesh, tensor.placements, tensor.device)
+            holder[name] = torch.empty(tensor.shape, dtype=tensor.dtype)  # read whole (DCP reshards into it)
+
+    def after_load(self, tensors: dict[str, Any]) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        for where, holder, name, order in list(self._entries(tensors)):
+            rows = holder[name][order]
+            if where in self.placements:
+                mesh, placements, device = self.placements[where]
+                rows = distribute_tensor(rows.to(device), mesh, placements)
+            holder[name] = rows

@@ -12,6 +12,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from disttrain.parallel.checkpoint import flatten_optimizer, unflatten_optimizer
+
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 
 
@@ -209,3 +211,194 @@ def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix:
         if _rank() == 0:
             state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
     return write_from_rank0(state, path, prefix)
+
+
+# -- the one checkpoint layout (DCP, parameters by fully qualified name) -----------------------------------------
+# Why this way: a DeepSpeed folder holds flat per-rank fp32 partitions whose boundaries depend on the world size
+# and on DeepSpeed's sub-groups, so nothing else can read it. Here every parameter is gathered one at a time
+# (DeepSpeed's safe_get_full_* API, a collective) and written under its FQN, exactly as FSDP/Megatron/DDP write
+# theirs (torch.distributed.checkpoint state dicts from get_model_state_dict / get_optimizer_state_dict). Rank 0
+# holds the gathered tensors and writes them; the cost is one full copy of model + optimizer state in rank 0's
+# host memory while saving, which is what zero_to_fp32 costs too. Loading reads each full tensor on every rank and
+# keeps only this rank's partition (safe_set_full_*), so a checkpoint from any strategy and world size loads.
+
+def _zero_optimizer(optimizer: Any) -> Any:
+    if not hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        raise TypeError(f"{type(optimizer).__name__} is not DeepSpeed's ZeRO-3 optimizer; pass the optimizer that"
+                        " fabric.setup returned for the disttrain_zero3 model")
+    return optimizer
+
+
+def _flat_state(zero_opt: Any, group: int) -> dict[str, Any]:
+    return zero_opt.optimizer.state.get(zero_opt.fp32_partitioned_groups_flat[group], {})
+
+
+def zero3_model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full fp32 weights (the master copy) and persistent buffers by FQN, on rank 0 (empty elsewhere).
+    Collective: call on every rank."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    params = dict(module.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        param = params.get(name)
+        if param is None:  # a buffer: not partitioned
+            value = tensor.detach()
+        elif param.requires_grad and getattr(param, "_z3_optimizer", None) is not None:
+            value = safe_get_full_fp32_param(param)
+        else:  # frozen, or no optimizer yet: the (low-precision) weights themselves
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                value = param.detach().clone()
+        if rank0:
+            state[name] = value.to("cpu", copy=True)
+    return state
+
+
+def zero3_optimizer_state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer state by FQN in the flattened form every disttrain checkpoint stores
+    (``checkpoint.flatten_optimizer``: ``"state.<fqn>.exp_avg"``, ``"param_groups.<fqn>.lr"``), on rank 0 (``{}``
+    elsewhere). Collective."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    zero_opt = _zero_optimizer(optimizer)
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    names = {id(p): n for n, p in module.named_parameters()}
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for i, params in enumerate(zero_opt.fp16_groups):
+        flat = _flat_state(zero_opt, i)
+        hyper = {k: v for k, v in zero_opt.optimizer.param_groups[i].items() if k != "params"}
+        fqns = [names[id(p)] for p in params]
+        same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+        if same is None:  # DeepSpeed splits one torch group into sub-groups: merge them back
+            groups.append({**hyper, "params": fqns})
+        else:
+            same["params"].extend(fqns)
+        for param, fqn in zip(params, fqns):
+            entry: dict[str, Any] = {}
+            for key, value in flat.items():
+                if torch.is_tensor(value) and value.numel() == zero_opt.fp32_partitioned_groups_flat[i].numel():
+                    full = safe_get_full_optimizer_state(param, key)  # collective
+                    if full is not None:
+                        entry[key] = full.reshape(param.ds_shape).to("cpu", copy=True)
+                else:  # scalars shared by the flat group ("step")
+                    entry[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+            if entry:
+                state[fqn] = entry
+    return flatten_optimizer({"state": state, "param_groups": groups}) if rank0 else {}  # the one stored form
+
+
+@torch.no_grad()
+def load_zero3_state(module: torch.nn.Module, optimizer: Any, model_state: dict[str, torch.Tensor],
+                     optim_state: Optional[dict[str, Any]]) -> None:
+    """Put full tensors by FQN (read from a checkpoint of any strategy) into a ZeRO-3 model and optimizer: every
+    rank keeps its own partition. ``optim_state=None`` leaves the optimizer as it is. Collective."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    for name, value in model_state.items():
+        if name in params:
+            param = params[name]
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(value.to(param.dtype).reshape(param.shape))
+            if optimizer is not None and param.requires_grad:
+                safe_set_full_fp32_param(param, value.to(torch.float32).reshape(param.ds_shape))
+        elif name in buffers:
+            buffers[name].copy_(value)
+    if optimizer is None or optim_state is None:
+        return
+    zero_opt = _zero_optimizer(optimizer)
+    optim_state = unflatten_optimizer(optim_state)
+    saved = optim_state["state"]
+    for i, group_params in enumerate(zero_opt.fp16_groups):
+        fp32_flat = zero_opt.fp32_partitioned_groups_flat[i]
+        # torch optimizers create their state at the first step: before it, make room for the saved moments.
+        flat = zero_opt.optimizer.state[fp32_flat]
+        names = [n for p in group_params for n, q in params.items() if q is p]
+        for param, fqn in zip(group_params, names):
+            for key, value in saved.get(fqn, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:  # a moment, one value per element
+                    if key not in flat:
+                        flat[key] = torch.zeros_like(fp32_flat)
+                    safe_set_full_optimizer_state(param, value.to(torch.float32).reshape(param.ds_shape), key)
+                else:  # a scalar shared by the flat group ("step")
+                    flat[key] = value.clone() if torch.is_tensor(value) else value
+        group = zero_opt.optimizer.param_groups[i]
+        for saved_group in optim_state["param_groups"]:
+            if names and names[0] in saved_group["params"]:
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+    # The low-precision partitions the model computes with follow the fp32 master partitions.
+    for i in range(len(zero_opt.fp16_groups)):
+        zero_opt._reassign_or_swap_out_partitioned_parameters(i)
+
+
+def _split_zero_state(state: dict[str, Any]) -> tuple[Optional[tuple[str, torch.nn.Module]], Optional[tuple[str, Any]],
+                                                       dict[str, Any]]:
+    model = optimizer = None
+    rest: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            if model is not None:
+                raise ValueError(f"checkpoint state must hold exactly one model, found {model[0]!r} and {key!r}")
+            model = (key, value)
+        elif hasattr(value, "fp32_partitioned_groups_flat") or isinstance(value, torch.optim.Optimizer):
+            optimizer = (key, value)
+        else:
+            rest[key] = value
+    return model, optimizer, rest
+
+
+def save_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any]) -> Path:
+    """Fabric-style ``{"model": engine, "optimizer": opt, "step": 3}`` -> one DCP checkpoint folder in the layout
+    every disttrain strategy reads (written atomically). Collective."""
+    from disttrain.parallel.checkpoint import save_sharded
+
+    model, optimizer, rest = _split_zero_state(state)
+    if model is None:
+        raise ValueError(f"checkpoint state must hold the model; it holds {sorted(state)}")
+    module = getattr(model[1], "module", model[1])  # DeepSpeedEngine -> the user's model
+    tensors: dict[str, Any] = {model[0]: zero3_model_state(module)}
+    if optimizer is not None:
+        tensors[optimizer[0]] = zero3_optimizer_state(module, optimizer[1])
+    metadata = {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for k, v in rest.items()}
+    return save_sharded(path, tensors, metadata)
+
+
+def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], strict: bool = True,
+                          weights_only: bool = True) -> dict[str, Any]:
+    """Restore a ZeRO-3 model/optimizer (and stateful objects of ``state``) from a disttrain DCP checkpoint of any
+    strategy and world size; returns the metadata ``state`` did not ask for. Collective."""
+    from disttrain.parallel.checkpoint import CheckpointError, check_checkpoint, read_full, read_meta
+
+    model, optimizer, rest = _split_zero_state(state)
+    if model is None:
+        raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
+    path = check_checkpoint(path)
+    metadata = read_meta(path, weights_only)
+    keys = {model[0]} | ({optimizer[0]} if optimizer else set())
+    full = read_full(path, keys=keys)
+    for key in sorted(keys):
+        if key not in full:
+            raise CheckpointError(f"checkpoint {str(path)!r} has no {key!r} (it holds {sorted(full)}); pass the"
+                                  " same state keys that were saved")
+    module = getattr(model[1], "module", model[1])
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - set(full[model[0]])), sorted(set(full[model[0]]) - expected)
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match the model: missing {missing[:5]},"
+                              f" unexpected {unexpected[:5]}; pass strict=False to load the common keys")
+    load_zero3_state(module, optimizer[1] if optimizer else None,
+                     {k: v for k, v in full[model[0]].items() if k in expected},
+                     full[optimizer[0]] if optimizer else None)
+    for key, value in rest.items():
+        if key not in metadata:
+            continue
+        if callable(getattr(value, "load_state_dict", None)):
+            value.load_state_dict(metadata.pop(key))
+        else:
+            state[key] = metadata.pop(key)
+    return metadata
