@@ -263,8 +263,9 @@ class RecsysEngine:
         self.world_size = 1
         self.rank = 0
 
-    def setup_mesh(self, world_size: int, device: torch.device) -> None:
-        # No device mesh: DMP shards over the default process group and DDP uses it for the dense part.
+    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> None:
+        # No device mesh: DMP shards over the default process group and DDP uses it for the dense part (and
+        # torchrec's planner reads the topology itself, so ``local_size`` is not needed here).
         self.world_size, self.rank = world_size, dist.get_rank() if dist.is_initialized() else 0
         return None
 
