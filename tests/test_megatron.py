@@ -82,7 +82,7 @@ TRAINER_CASES = {  # name: (model, strategy, processes); llama-gpipe also saves 
     "llama-gpipe": ("llama", megatron(pipeline_parallel_size=2, microbatches=2, pipeline_schedule="gpipe"), 2),
     "llama-interleaved": ("llama", megatron(pipeline_parallel_size=2, microbatches=2,
                                             pipeline_schedule="interleaved_1f1b"), 2),
-    "vit-1f1b-loss-hook": ("vit", megatron(pipeline_parallel_size=2, microbatches=4), 2),
+    "vit-1f1b-loss-hook": ("vit", megatron(pipeline_parallel_size=2, microbatches=2), 2),
     "vit-tp2": ("vit", megatron(tensor_parallel_size=2), 2),
     "llama-tp2-ac": ("llama", megatron(tensor_parallel_size=2, activation_checkpointing=True), 2),
     "llama-tp2-pp2": ("llama", megatron(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2), 4),
