@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from disttrain.parallel.checkpoint import flatten_optimizer, unflatten_optimizer
+from disttrain.parallel.checkpoint import flatten_optimizer, restore_rest, unflatten_optimizer
 
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 
@@ -394,11 +394,5 @@ def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], 
     load_zero3_state(module, optimizer[1] if optimizer else None,
                      {k: v for k, v in full[model[0]].items() if k in expected},
                      full[optimizer[0]] if optimizer else None)
-    for key, value in rest.items():
-        if key not in metadata:
-            continue
-        if callable(getattr(value, "load_state_dict", None)):
-            value.load_state_dict(metadata.pop(key))
-        else:
-            state[key] = metadata.pop(key)
-    return metadata
+    loaded = {model[0]} | ({optimizer[0]} if optimizer else set())
+    return restore_rest(state, loaded, metadata)
