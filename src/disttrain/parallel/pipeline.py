@@ -146,23 +146,20 @@ class ViTStage(nn.Module):
         return x
 
 
-def _prune_llama(lm: nn.Module, keep: set[int], first: bool, last: bool) -> list[int]:
+def _prune_llama(lm: nn.Module, keep: set[int], first: bool, last: bool) -> None:
     base = lm.model
     if getattr(lm.config, "tie_word_embeddings", False):
         raise ValueError("pipeline parallelism cannot split a model with tie_word_embeddings=True (the embedding"
                          " and the LM head live on different stages); set tie_word_embeddings=False")
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
     base.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers) if i in keep})
     if not first:
         base.embed_tokens = None
     if not last:
         base.norm = None
         lm.lm_head = None
-    return sizes
 
 
-def _prune_vit(vit: nn.Module, keep: set[int], first: bool, last: bool) -> list[int]:
-    sizes = [sum(p.numel() for p in block.parameters()) for block in vit.blocks]
+def _prune_vit(vit: nn.Module, keep: set[int], first: bool, last: bool) -> None:
     vit.blocks = nn.ModuleDict({str(i): block for i, block in enumerate(vit.blocks) if i in keep})
     if not first:
         vit.patch_embed = None
@@ -173,7 +170,6 @@ def _prune_vit(vit: nn.Module, keep: set[int], first: bool, last: bool) -> list[
         for name in ("norm", "attn_pool", "fc_norm", "head"):
             if isinstance(getattr(vit, name, None), nn.Module):
                 setattr(vit, name, nn.Identity() if name != "attn_pool" else None)
-    return sizes
 
 
 def block_sizes(model: nn.Module) -> tuple[list[int], int, int]:
