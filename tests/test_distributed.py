@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import launch, relative_diff
+from conftest import launch, relative_diff, run_dist
 from safetensors.torch import load_file
 
 from common import probe_input, reference_losses, tiny_llama, validation_loss
@@ -127,3 +127,30 @@ def test_fsdp_bf16_true(tmp_path_factory, reference):
     result = launch(tmp_path_factory, "trainer_options.py", "disttrain_fsdp", "bf16-true")[0]
     assert result["param_dtype"] == "torch.bfloat16"  # the module itself was converted before sharding
     assert relative_diff(result["losses"], reference) <= 5e-2
+
+
+# -- leaving the process: exit status 0 after a collective right before the end ---------------------------------
+@pytest.mark.parametrize("strategy", ["disttrain_ddp", "disttrain_fsdp"])
+def test_processes_exit_cleanly_right_after_a_collective(tmp_path, strategy):
+    """Without the exit handler about 3 in 10 two-process runs ended with SIGABRT on some rank; 4 processes here."""
+    results = run_dist("clean_exit.py", tmp_path, strategy, nproc=4)  # fails on any non-zero exit status
+    assert [r["total"] for r in results] == [50 * 4.0] * 4
+
+
+def test_exit_handler_leaves_process_groups_alone_after_an_uncaught_exception(monkeypatch):
+    """Other ranks may wait in a collective for the one that died; destroying the groups could then hang."""
+    import sys
+
+    from disttrain import _lightning
+
+    destroyed = []
+    monkeypatch.setattr(_lightning.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(_lightning.dist, "destroy_process_group", lambda: destroyed.append(True))
+    monkeypatch.setattr(_lightning, "_EXIT_GRACE_S", 0.0)
+    monkeypatch.setattr(_lightning, "_gloo_workers_alive", lambda: False)
+    monkeypatch.setattr(sys, "last_value", RuntimeError("rank 1 died"), raising=False)
+    _lightning.destroy_process_groups_on_clean_exit()
+    assert destroyed == []
+    monkeypatch.delattr(sys, "last_value")
+    _lightning.destroy_process_groups_on_clean_exit()
+    assert destroyed == [True]
