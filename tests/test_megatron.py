@@ -101,6 +101,39 @@ def test_trainer_matches_one_process(tmp_path, case):
             assert result["resumed"] == pytest.approx(result["ref_losses"][3:], abs=TOL)
         assert result["val"] == pytest.approx(result["ref_val"], abs=TOL)  # validation under PP/TP
     assert results[0]["export_diff"] <= TOL  # the exported full model = the one-process model's state dict
+    # gradient_clip_val clipped every step, by the whole model's norm (not one stage's, not one mesh's)
+    assert min(results[0]["ref_norms"]) > results[0]["clip"]
+
+
+# -- gradient clipping by the whole model's norm: FSDP shards, TP's two meshes, pipeline stages ----------------
+@pytest.mark.parametrize("spec", ["disttrain_fsdp", megatron(tensor_parallel_size=2),
+                                  megatron(pipeline_parallel_size=2, microbatches=2)])
+def test_fabric_clip_gradients_uses_the_whole_model_norm(tmp_path, spec):
+    """Before: TP failed ("operands ... must have the same mesh") and each pipeline stage clipped by its own norm."""
+    for result in run_dist("megatron_fabric.py", tmp_path, spec, "clip"):
+        assert min(result["ref_norms"]) > result["max_norm"]  # clipping was active every step
+        assert result["norms"] == pytest.approx(result["ref_norms"], rel=1e-5)
+        assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_equals_torch_in_one_process_and_refuses_nonfinite_norms(norm_type):
+    from disttrain.parallel.clip import clip_grad_norm_
+
+    def model_with_grads() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        return model
+
+    ours, theirs = model_with_grads(), model_with_grads()
+    norm = clip_grad_norm_(ours.parameters(), 0.1, norm_type)
+    assert norm.item() == pytest.approx(torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1, norm_type).item())
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    next(ours.parameters()).grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="nan or inf; pass error_if_nonfinite=False"):
+        clip_grad_norm_(ours.parameters(), 0.1, norm_type)
 
 
 # -- pipeline parallel through Fabric: 1F1B, memory per rank, DCP save and resume -------------------------------

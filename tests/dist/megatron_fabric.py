@@ -2,6 +2,8 @@
 
 MODE "train": a tiny Llama (LAYERS decoder layers) trains 3 steps on the data-parallel share of the global batch;
     writes the losses, this rank's parameter count, the loss after a save/resume round trip and an export.
+MODE "clip": 3 steps with ``fabric.clip_gradients(max_norm=0.05)``; writes the losses and gradient norms and the
+    same from one process clipping with torch.
 MODE "grads-llama" / "grads-vit": one forward and backward of a tiny Llama / timm ViT; writes the largest
     difference of logits and of every parameter's gradient from the same model run whole in this process.
 """
@@ -113,6 +115,37 @@ def train(fabric: L.Fabric) -> dict:
             "total_params": total_params}
 
 
+def clip(fabric: L.Fabric, max_norm: float = 0.05) -> dict:
+    dp_mesh = fabric.strategy.engine.mesh["dp"]
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+
+    def run(model, optimizer, clip_fn, shard: slice) -> tuple[list[float], list[float]]:
+        losses, norms = [], []
+        for i in range(3):
+            ids = global_batch(i, dp_size)[shard]
+            loss = model(input_ids=ids, labels=ids).loss
+            fabric.backward(loss) if clip_fn is None else loss.backward()
+            norm = fabric.clip_gradients(model, optimizer, max_norm=max_norm) if clip_fn is None else clip_fn(model)
+            optimizer.step()
+            optimizer.zero_grad()
+            value = loss.detach().clone()
+            if clip_fn is None:  # the global batch's loss: the mean over the data-parallel ranks
+                torch.distributed.all_reduce(value, group=dp_mesh.get_group())
+                value /= dp_size
+            losses.append(value.item())
+            norms.append(norm.item())
+        return losses, norms
+
+    reference = tiny_llama(layers=layers)
+    ref = run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2),
+              lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm), slice(None))
+    model = tiny_llama(layers=layers)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses, norms = run(model, optimizer, None, slice(dp_rank, None, dp_size))
+    return {"losses": losses, "norms": norms, "ref_losses": ref[0], "ref_norms": ref[1], "max_norm": max_norm}
+
+
 fabric = make_fabric()
-result = train(fabric) if mode == "train" else grads_check(fabric, mode.split("-")[1])
+result = {"train": train, "clip": clip}[mode](fabric) if mode in ("train", "clip") \
+    else grads_check(fabric, mode.split("-")[1])
 write_result(result)

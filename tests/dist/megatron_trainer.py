@@ -80,6 +80,10 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)  # SGD: exports comparable to 1e-6
 
 
+CLIP = 0.1  # gradient_clip_val, below every step's gradient norm: the whole model's norm must be used
+ref_norms: list[float] = []
+
+
 def reference(model: Module, dp: int) -> tuple[list[float], float, dict]:
     """One process, the global batches of ``dp`` data-parallel ranks: losses, the validation loss as the Trainer
     logs it, the trained weights. (The Trainer's DistributedSampler shuffles training data with seed 0 even for an
@@ -95,6 +99,7 @@ def reference(model: Module, dp: int) -> tuple[list[float], float, dict]:
     def train(batch) -> None:
         loss = model.step_loss(batch)
         loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -116,7 +121,8 @@ initial = copy.deepcopy(module)
 
 def make_trainer(steps: int) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=steps,
-                     strategy=strategy_from_spec(spec, "trainer"), logger=False, enable_checkpointing=False,
+                     strategy=strategy_from_spec(spec, "trainer"), gradient_clip_val=CLIP, logger=False,
+                     enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 
 
@@ -142,4 +148,4 @@ if resume:
     make_trainer(STEPS + 1).fit(again, train_dataloaders=DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt)
     resumed = again.losses
 write_result({"resumed": resumed, "losses": module.losses, "ref_losses": ref_losses, "val": val, "ref_val": ref_val,
-              "export_diff": diff, "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in module.parameters())})
+              "export_diff": diff, "ref_norms": ref_norms, "clip": CLIP, "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in module.parameters())})

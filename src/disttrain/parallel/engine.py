@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from disttrain.parallel import checkpoint as ckpt
+from disttrain.parallel.clip import clip_grad_norm_
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
@@ -102,6 +103,16 @@ class FSDPEngine:
                     raise RuntimeError("the optimizer holds a parameter that is not in the model given to setup")
                 group["params"] = [after[n] for n in names if n in after]
         return module
+
+    # -- training -------------------------------------------------------------------------------------------
+    def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
+        """The group of ranks holding different parts of the model (none under FSDP)."""
+        return None
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradients (every shard, tp rank and pipeline stage)."""
+        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pp_group=self.pipeline_group())
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     @property

@@ -75,6 +75,9 @@ class MegatronEngine(FSDPEngine):
         self.mesh = self.dims.build_mesh(device.type)
         return self.mesh
 
+    def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.pipeline is not None and self.mesh is not None else None
+
     def _target(self, module: nn.Module) -> tuple[str, nn.Module]:
         """The model to split and shard: the module itself when it is a known model (HF Llama family / timm ViT),
         else the LightningModule's ``pipeline_module`` attribute, else the outermost known model inside."""

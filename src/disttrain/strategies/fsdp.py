@@ -95,6 +95,14 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
             self._reset_optimizers_and_schedulers()  # a re-setup must not keep optimizers of the old parameters
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._route_gradient_clipping()
+
+    def _route_gradient_clipping(self) -> None:
+        """``gradient_clip_val`` clips by the whole model's norm. The Trainer asks the precision plugin, never the
+        strategy, and torch's clip sees only this rank's pipeline stage (or fails on TP's two meshes)."""
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), clip_val)
 
     def model_to_device(self) -> None:
         assert self.model is not None
