@@ -73,6 +73,19 @@ class DistributedPlumbing:
     _process_group_backend: Optional[str]
     _timeout: Optional[timedelta]
     _launcher_cls: type  # the Trainer's or Fabric's _SubprocessScriptLauncher
+    _num_nodes: int = 1  # Fabric's connector sets _num_nodes, the Trainer's num_nodes
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]  (the Lightning strategy after this mixin)
+        self._setup_processes_and_mesh()
 
     @property
     def root_device(self) -> torch.device:

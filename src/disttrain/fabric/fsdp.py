@@ -63,7 +63,6 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
                          cluster_environment=cluster_environment, precision=precision)
         self._init_common(self._engine_cls(build_options(self._options_cls, self.strategy_name, options)),
                           process_group_backend, timeout)
-        self._num_nodes = 1
         self._backward_sync_control = _GradientSyncControl()
 
     @property
@@ -73,18 +72,6 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
         self._precision = to_fsdp2_precision(precision, MixedPrecision, FSDP2MixedPrecision)
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._setup_processes_and_mesh()
 
     @property
     def device_mesh(self) -> Any:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from disttrain._lightning import DEFAULT_TIMEOUT, DistributedPlumbing
+from disttrain.parallel.checkpoint import restore_rest, the_model
 from disttrain.parallel.options import build_options
 from disttrain.parallel.recsys import RecsysEngine, RecsysOptions, dense_parameters
 
@@ -36,19 +37,6 @@ class RecsysStrategy(DistributedPlumbing, ParallelStrategy):
                          cluster_environment=cluster_environment, precision=precision)
         self._init_common(RecsysEngine(build_options(RecsysOptions, self.strategy_name, options)),
                           process_group_backend, timeout)
-        self._num_nodes = 1
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._setup_processes_and_mesh()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         return self.engine.parallelize(module, self.root_device, whole=True)
@@ -75,9 +63,9 @@ class RecsysStrategy(DistributedPlumbing, ParallelStrategy):
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         if storage_options is not None or filter is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
-        model, key = _the_model(state)
+        model = the_model(state)
         metadata = {k: (v.state_dict() if callable(getattr(v, "state_dict", None)) else v)
-                    for k, v in state.items() if k != key}
+                    for k, v in state.items() if v is not model}
         self.engine.save(self.broadcast(path), model, metadata)
 
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -88,20 +76,7 @@ class RecsysStrategy(DistributedPlumbing, ParallelStrategy):
             state = {"model": state}
         if not state:
             raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
-        model, key = _the_model(state)
+        model = the_model(state)
         metadata = self.engine.load(self.broadcast(path), model, strict=strict)
-        for name, value in state.items():
-            if name == key or name not in metadata:
-                continue
-            if callable(getattr(value, "load_state_dict", None)):
-                value.load_state_dict(metadata.pop(name))
-            else:
-                state[name] = metadata.pop(name)
-        return metadata
+        return restore_rest(state, {k: v for k, v in state.items() if v is model}, metadata)
 
-
-def _the_model(state: dict[str, Any]) -> tuple[nn.Module, str]:
-    models = [(v, k) for k, v in state.items() if isinstance(v, nn.Module)]
-    if len(models) != 1:
-        raise ValueError(f"checkpoint state must hold exactly one model, found {len(models)} in keys {sorted(state)}")
-    return models[0]

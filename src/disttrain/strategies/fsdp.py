@@ -55,7 +55,6 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
         self._init_common(self._engine_cls(build_options(self._options_cls, self.strategy_name, options)),
                           process_group_backend, timeout)
-        self.num_nodes = 1
 
     # Lightning picks an autocast plugin for "*-mixed"; FSDP2 casts by itself.
     @property
@@ -80,9 +79,8 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        mesh = self._setup_processes_and_mesh()
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = mesh  # available in configure_model as self.device_mesh
+            self.lightning_module._device_mesh = self.engine.mesh  # in configure_model as self.device_mesh
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None

@@ -43,7 +43,6 @@ class RecsysStrategy(DistributedPlumbing, ParallelStrategy):
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
         self._init_common(RecsysEngine(build_options(RecsysOptions, self.strategy_name, options)),
                           process_group_backend, timeout)
-        self.num_nodes = 1
 
     @property
     def is_distributed(self) -> bool:
@@ -52,10 +51,6 @@ class RecsysStrategy(DistributedPlumbing, ParallelStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the shards exist only after setup
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._setup_processes_and_mesh()
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
