@@ -96,13 +96,13 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         stack.enter_context(self.precision.module_init_context())
         return stack
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         return self.engine.clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type,
                                            error_if_nonfinite)
 
+    # -- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, path: Any, state: dict[str, Union[nn.Module, Optimizer, Any]],
                         storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -99,8 +99,11 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         """``gradient_clip_val`` clips by the whole model's norm. The Trainer asks the precision plugin, never the
         strategy, and torch's clip sees only this rank's pipeline stage (or fails on TP's two meshes)."""
         plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(  # type: ignore[method-assign]
-            plugin.main_params(optimizer), clip_val)
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
+            self.engine.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     def model_to_device(self) -> None:
         assert self.model is not None
