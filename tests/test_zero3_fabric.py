@@ -61,3 +61,11 @@ def test_unsupported_clipping_is_refused_with_the_fix(loop):
     assert refused["clip_val"].startswith("NotImplementedError: disttrain_zero3 clips with DeepSpeed, by norm only")
     assert "max_norm=1.0" in refused["clip_val"]
     assert refused["norm_type"].startswith("ValueError: norm_type=inf") and "norm_type=2" in refused["norm_type"]
+
+
+def test_setup_optimizers_keeps_fabrics_checks_and_needs_the_model_first(loop):
+    refused = loop["separate"]["refused"]
+    assert refused["setup_optimizers_none"] == "ValueError: `setup_optimizers` requires at least one optimizer as input."
+    assert refused["setup_optimizers_twice"].startswith("ValueError: An optimizer should be passed only once")
+    assert loop["optimizer_before_model"].startswith("RuntimeError: disttrain_zero3: fabric.setup_optimizers needs the"
+                                                     " model first; call model = fabric.setup_module(model)")

@@ -129,4 +129,5 @@ result = {
 if spec == "disttrain_fsdp":
     result["trainer_cnn_own_buffers"] = fit(cnn, "disttrain_fsdp:broadcast_buffers=false")
     result["trainer_cnn_megatron"] = fit(cnn, "disttrain_megatron")
+    result["megatron_sync_batchnorm"] = refusal(lambda: fit(cnn, "disttrain_megatron", sync_batchnorm=True))
 write_result(result)

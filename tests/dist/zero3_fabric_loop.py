@@ -47,11 +47,27 @@ def train(strategy: str, separate: bool) -> dict:
             fabric.clip_gradients(model, optimizer, **kwargs)
         except (ValueError, NotImplementedError) as e:
             refused[name] = f"{type(e).__name__}: {e}"
+    if separate:  # Fabric's own checks of setup_optimizers still run
+        for name, args in (("none", ()), ("twice", (optimizer,))):
+            try:
+                fabric.setup_optimizers(*args)
+            except (ValueError, RuntimeError) as e:
+                refused[f"setup_optimizers_{name}"] = f"{type(e).__name__}: {e}"
     return {"losses": losses, "norms": norms, "refused": refused}
+
+
+def optimizer_before_model() -> str:
+    fabric = launched("disttrain_zero3")
+    try:
+        fabric.setup_optimizers(torch.optim.SGD(tiny_llama().parameters(), lr=LR))
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
 
 
 write_result({
     "separate": train("disttrain_zero3", separate=True),
     "joint": train("disttrain_zero3", separate=False),
     "offload_separate": train("disttrain_zero3_offload", separate=True),
+    "optimizer_before_model": optimizer_before_model(),
 })
