@@ -170,6 +170,17 @@ class DistributedPlumbing:
     register_strategies = classmethod(register_names)
 
 
+def layer_sync_request(layer_sync: Any) -> tuple[bool, Optional[Any]]:
+    """The Trainer's layer sync (``sync_batchnorm=True``) as (asked, convert): Lightning's own SyncBatchNorm plugin
+    is torch's conversion, which the engines make over their data-parallel group (``convert=None``); another
+    plugin converts with its own ``apply``."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    if layer_sync is None:
+        return False, None
+    return True, None if isinstance(layer_sync, TorchSyncBatchNorm) else layer_sync.apply
+
+
 def fsdp2_mixed_precision_class(mixed_cls: type) -> type:
     """A subclass of Lightning's (Trainer or Fabric) ``MixedPrecision`` that keeps loss scaling but drops autocast:
     FSDP2's MixedPrecisionPolicy already runs each block in half precision and reduces gradients in fp32."""
@@ -233,6 +244,26 @@ class ZeroPlumbing:
         if optimizer is not None and self.zero_options.use_cpu_adam(self.root_device.type):
             return to_cpu_adam(optimizer)
         return optimizer
+
+    # -- buffers: BatchNorm statistics as DDP keeps them ----------------------------------------------------
+    def _prepare_batchnorm(self, module: Any, training: bool, asked: bool = False, convert: Any = None) -> Any:
+        """Before the engine: SyncBatchNorm when the option or the Trainer asks (see
+        :meth:`disttrain.parallel.engine.FSDPEngine.convert_batchnorm`), refused on CPU for training as ``ddp``
+        refuses it. Returns the module to hand to DeepSpeed."""
+        from disttrain.parallel.buffers import convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
+
+        if self.zero_options.sync_batchnorm or asked:
+            module = convert(module) if convert is not None else convert_sync_batchnorm(module)
+        if training:
+            refuse_sync_batchnorm_on_cpu(module, self.root_device, self.strategy_name)  # type: ignore[attr-defined]
+        return module
+
+    def _broadcast_buffers(self, module: Any) -> None:
+        """Rank 0's buffers to every rank (option ``broadcast_buffers``, on by default), as DDP does."""
+        if self.zero_options.broadcast_buffers:
+            from disttrain.parallel.buffers import broadcast_buffers
+
+            broadcast_buffers(module)
 
     def _validate_devices(self) -> None:
         if self.root_device.type == "cuda":  # Lightning's index check is for GPUs only

@@ -78,14 +78,22 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         return self.engine.mesh
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self.engine.parallelize(module, self.root_device, self.precision.precision,
-                                       forward_methods=_STEP_METHODS)
+        module = self.engine.parallelize(self.engine.convert_batchnorm(module), self.root_device,
+                                         self.precision.precision, forward_methods=_STEP_METHODS)
+        return self._keep_buffers_in_sync(module)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
-        module = self.engine.parallelize_with_optimizers(module, optimizers, self.root_device,
-                                                         self.precision.precision, _STEP_METHODS)
-        return module, optimizers, scheduler
+        module = self.engine.parallelize_with_optimizers(self.engine.convert_batchnorm(module), optimizers,
+                                                         self.root_device, self.precision.precision, _STEP_METHODS)
+        return self._keep_buffers_in_sync(module), optimizers, scheduler
+
+    def _keep_buffers_in_sync(self, module: nn.Module) -> nn.Module:
+        """BatchNorm statistics as DDP keeps them: every rank starts from and, after each training forward, holds
+        the first data-parallel rank's buffers."""
+        self.engine.settle_buffers(module, self.root_device, self.strategy_name)
+        self.engine.broadcast_buffers_after_forward(module)
+        return module
 
     def module_to_device(self, module: nn.Module) -> None:
         pass  # setup_module placed the shards

@@ -17,6 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from disttrain.parallel import checkpoint as ckpt
+from disttrain.parallel.buffers import (
+    broadcast_buffers,
+    convert_sync_batchnorm,
+    has_plain_batchnorm,
+    refuse_sync_batchnorm_on_cpu,
+    sync_buffers_after_forward,
+)
 from disttrain.parallel.clip import clip_grad_norm_
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp
 from disttrain.parallel.init import materialize
@@ -103,6 +110,50 @@ class FSDPEngine:
                     raise RuntimeError("the optimizer holds a parameter that is not in the model given to setup")
                 group["params"] = [after[n] for n in names if n in after]
         return module
+
+    def is_parallelized(self, module: nn.Module) -> bool:
+        """Whether ``module`` was set up before (a Trainer's validate, then fit): it is not sharded again."""
+        return isinstance(module, FSDPModule)
+
+    # -- buffers: BatchNorm statistics as DDP keeps them ------------------------------------------------------
+    def data_parallel_group(self) -> torch.distributed.ProcessGroup:
+        """The ranks that hold the same part of the model and see different samples."""
+        assert self.mesh is not None, "setup_mesh() first"
+        return self.mesh["dp"].get_group()
+
+    def convert_batchnorm(self, module: nn.Module, asked: bool = False,
+                          convert: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+        """Before sharding: BatchNorm layers as SyncBatchNorm over the data-parallel ranks when the option
+        ``sync_batchnorm`` or the Trainer (``asked``: ``Trainer(sync_batchnorm=True)``) asks, with torch's
+        conversion (Lightning's), or with ``convert`` (a user's own Lightning layer-sync plugin). Returns the module
+        to shard."""
+        if not (self.options.sync_batchnorm or asked):
+            return module
+        if self.is_parallelized(module):  # converted (or not asked) when it was set up first
+            if has_plain_batchnorm(module):
+                raise RuntimeError("sync_batchnorm=True, but the model was already sharded without it (an earlier"
+                                   " fit, validate or fabric.setup); ask for it at the model's first setup")
+            return module
+        if convert is not None:
+            return convert(module)
+        return convert_sync_batchnorm(module, self.data_parallel_group())
+
+    def settle_buffers(self, module: nn.Module, device: torch.device, strategy: str, training: bool = True) -> None:
+        """After sharding: refuse SyncBatchNorm on CPU for training (as ``ddp`` does) and start every rank from the
+        first rank's buffers (DDP broadcasts them when it wraps a model)."""
+        if training:
+            refuse_sync_batchnorm_on_cpu(module, device, strategy)
+        self.broadcast_buffers(module)
+
+    def broadcast_buffers(self, module: nn.Module) -> None:
+        """The first data-parallel rank's buffers to the others (option ``broadcast_buffers``, on by default)."""
+        if self.options.broadcast_buffers:
+            broadcast_buffers(module, self.data_parallel_group())
+
+    def broadcast_buffers_after_forward(self, module: nn.Module) -> None:
+        """Fabric calls the model's forward: broadcast the buffers after each one that can change them."""
+        if self.options.broadcast_buffers:
+            sync_buffers_after_forward(module, self.data_parallel_group())
 
     # -- training -------------------------------------------------------------------------------------------
     def pipeline_group(self) -> torch.distributed.ProcessGroup | None:

@@ -31,6 +31,11 @@ class FSDPOptions:
         node), replicate across groups (nodes): all-gathers stay on the fast intra-node links, only the gradient
         all-reduce crosses nodes.
     shard_size: ranks per shard group under ``hybrid_shard``; must divide the world size.
+    broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the data-parallel ranks: the first
+        rank's after every training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep
+        its own.
+    sync_batchnorm: BatchNorm layers as SyncBatchNorm over the data-parallel ranks (GPU only, as under DDP); the
+        Trainer's ``sync_batchnorm=True`` does the same.
     """
 
     wrap_classes: BlockSpec = None
@@ -41,6 +46,8 @@ class FSDPOptions:
     save_distributed_checkpoint: bool = True
     hybrid_shard: bool = False
     shard_size: Optional[int] = None
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
 
 
 def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:

@@ -78,6 +78,9 @@ class MegatronEngine(FSDPEngine):
     def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
         return self.mesh["pp"].get_group() if self.pipeline is not None and self.mesh is not None else None
 
+    def is_parallelized(self, module: nn.Module) -> bool:
+        return bool(getattr(module, "_disttrain_megatron", False))
+
     def _target(self, module: nn.Module) -> tuple[str, nn.Module]:
         """The model to split and shard: the module itself when it is a known model (HF Llama family / timm ViT),
         else the LightningModule's ``pipeline_module`` attribute, else the outermost known model inside."""
@@ -95,7 +98,7 @@ class MegatronEngine(FSDPEngine):
     def parallelize(self, module: nn.Module, device: torch.device, precision: str,
                     forward_methods: tuple[str, ...] = ()) -> nn.Module:
         assert self.mesh is not None and self.dims is not None, "setup_mesh() first"
-        if getattr(module, "_disttrain_megatron", False):  # set up before (a Trainer re-setup): only materialise
+        if self.is_parallelized(module):  # set up before (a Trainer re-setup): only materialise
             materialize(module, device)
             return module
         module._disttrain_megatron = True

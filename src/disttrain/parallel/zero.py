@@ -32,6 +32,10 @@ class ZeroOptions:
     extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build once.
     micro_batch_size, gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and
         ``accumulate_grad_batches``).
+    broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the ranks: rank 0's after every
+        training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
+    sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's
+        ``sync_batchnorm=True`` does the same.
     """
 
     offload_optimizer: Optional[str] = None
@@ -42,6 +46,8 @@ class ZeroOptions:
     extensions_dir: Optional[str] = None
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("offload_optimizer", "offload_parameters"):
@@ -185,6 +191,43 @@ def zero_partition_numel(module: torch.nn.Module) -> tuple[int, int]:
             local += p.numel()
             total += p.numel()
     return local, total
+
+
+def attach_zero3_optimizer(engine: Any, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> Any:
+    """Give an engine made without an optimizer (``deepspeed.initialize(model=...)``: ZeRO-3 partitioned the
+    parameters and hooked the module for forward only) its ZeRO-3 optimizer over those partitioned parameters, as
+    ``deepspeed.initialize(model=, optimizer=)`` would have made it; the engine stays the same object. Returns the
+    ZeRO-3 optimizer.
+
+    DeepSpeed has no public call for this; these are the steps its engine constructor takes when it is given an
+    optimizer (``_configure_optimizer`` builds the ZeRO-3 optimizer, which hooks the module itself), after the
+    forward-only hooks are removed and every parameter is back in its partition."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.utils import check_internal_apis_for_count_used_parameters
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    forward_only = engine.optimizer
+    if not isinstance(forward_only, DeepSpeedZeRoOffload):
+        raise RuntimeError(f"the DeepSpeed engine already has an optimizer ({type(forward_only).__name__}); DeepSpeed"
+                           " trains one optimizer per model: set up one optimizer for it")
+    forward_only.partition_all_parameters()
+    forward_only.destroy()
+    engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler
+    engine._configure_optimizer(optimizer, [p for p in engine.module.parameters() if p.requires_grad])
+    engine._configure_lr_scheduler()
+    engine._configure_checkpointing()
+    if isinstance(engine.optimizer, ZeROOptimizer) and check_internal_apis_for_count_used_parameters():
+        engine._support_torch_style_backward = True
+        engine.optimizer.register_grad_acc_post_hook(engine._backward_post_hook)
+    return engine.optimizer
+
+
+def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
+    """The 2-norm of the whole model's gradients (every rank's partitions, unscaled by the fp16 loss scale), computed
+    as DeepSpeed computes it when it clips in ``step()``; inf when a gradient is not finite. Collective."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    return combine_grad_norm_groups(zero_optimizer._get_norm_groups()) / zero_optimizer.loss_scale
 
 
 def is_zero_checkpoint(path: Path) -> bool:

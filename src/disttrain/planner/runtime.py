@@ -152,6 +152,8 @@ class AutoProxy:
         new.parallel_devices = devices
         new.cluster_environment = inner.cluster_environment
         new.num_nodes = inner.num_nodes
+        if hasattr(new, "_layer_sync"):
+            new._layer_sync = getattr(inner, "_layer_sync", None)  # the Trainer's sync_batchnorm=True
         plugin = getattr(inner, self._precision_attr)
         base, deepspeed_precision = self._deepspeed
         if isinstance(new, base) and not isinstance(plugin, deepspeed_precision):

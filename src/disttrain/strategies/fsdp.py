@@ -16,8 +16,15 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
-from disttrain._lightning import DEFAULT_TIMEOUT, DistributedPlumbing, fsdp2_mixed_precision_class, to_fsdp2_precision
+from disttrain._lightning import (
+    DEFAULT_TIMEOUT,
+    DistributedPlumbing,
+    fsdp2_mixed_precision_class,
+    layer_sync_request,
+    to_fsdp2_precision,
+)
 from disttrain.parallel.engine import FSDPEngine
 from disttrain.parallel.fsdp import FSDPOptions, set_gradient_sync
 from disttrain.parallel.options import build_options
@@ -86,14 +93,24 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self.engine.convert_batchnorm(self.model, *layer_sync_request(self._layer_sync))
         self.engine.parallelize(self.model, self.root_device, self.precision_plugin.precision,
                                 forward_methods=_STEP_METHODS)
+        self.engine.settle_buffers(self.model, self.root_device, self.strategy_name,
+                                   training=trainer.state.fn == TrainerFn.FITTING)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()  # a re-setup must not keep optimizers of the old parameters
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._route_gradient_clipping()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        assert self.model is not None
+        self.engine.broadcast_buffers(self.model)  # rank 0's BatchNorm statistics, as under ddp
+        return output
 
     def _route_gradient_clipping(self) -> None:
         """``gradient_clip_val`` clips by the whole model's norm. The Trainer asks the precision plugin, never the

@@ -9,8 +9,10 @@ from typing import Any, Optional
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeed
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
-from disttrain._lightning import ZeroPlumbing, register_names
+from disttrain._lightning import ZeroPlumbing, layer_sync_request, register_names
 from disttrain.parallel.checkpoint import check_checkpoint, save_sharded
 from disttrain.parallel.options import build_options
 from disttrain.parallel.recsys import refuse_torchrec_tables
@@ -54,6 +56,20 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None
+        self.model = self._prepare_batchnorm(self.model, trainer.state.fn == TrainerFn.FITTING,
+                                             *layer_sync_request(self._layer_sync))
+        super().setup(trainer)
+        self._broadcast_buffers(self.lightning_module)  # DDP starts every rank from rank 0's buffers too
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        self._broadcast_buffers(self.lightning_module)  # rank 0's BatchNorm statistics, as under ddp
+        return output
 
     def _format_config(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
