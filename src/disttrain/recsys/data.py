@@ -32,6 +32,7 @@ CACHE_VERSION = 2
 STATS_FILE = "stats.json"
 TOP_IDS = 1000  # most frequent ids kept per categorical column in a day's statistics (vocabulary overlap)
 _HEX = re.compile(r"^[0-9a-fA-F]{1,16}$")
+_HEX_IDS = re.compile(rf"^[0-9a-fA-F]{{0,16}}(?:\t[0-9a-fA-F]{{0,16}}){{{CAT_FEATURE_COUNT - 1}}}$")
 _INT64_MAX = 2 ** 63 - 1
 MISSING_INT = -2 ** 63  # a missing integer field as parsed (the transform maps it to 0, as any negative value)
 _BAD_EXAMPLES = 3
@@ -109,29 +110,41 @@ def _open_text(path: Path):
         else open(path, encoding="utf-8", errors="replace")
 
 
-def _parse_row(fields: list[str]) -> tuple[int, list[int], list[int]] | str:
-    """One row's (label, 13 ints, 26 ids), or why the row is malformed."""
+def _parse_row(line: str) -> tuple[int, list[int], list[int]] | str:
+    """One row's (label, 13 ints, 26 ids), or why the row is malformed (:func:`_why_malformed`)."""
+    head = line.split("\t", 1 + INT_FEATURE_COUNT)  # label, 13 integers, then the 26 ids as one string
+    # One regular expression over the 26 ids is several times faster than one match per id.
+    if len(head) != 2 + INT_FEATURE_COUNT or head[0] not in ("0", "1") or not _HEX_IDS.match(head[-1]):
+        return _why_malformed(line.split("\t"))
+    try:
+        ints = [int(x) if x else MISSING_INT for x in head[1:-1]]
+    except ValueError:
+        return _why_malformed(line.split("\t"))
+    if max(ints) > _INT64_MAX or min(ints) < MISSING_INT:
+        return _why_malformed(line.split("\t"))
+    ids = [int(x, 16) if x else 0 for x in head[-1].split("\t")]
+    if max(ids) > _INT64_MAX:  # 64-bit hashed ids keep their 64 bits in an int64; hashing reads them unsigned
+        ids = [x - 2 ** 64 if x > _INT64_MAX else x for x in ids]
+    return int(head[0]), ints, ids
+
+
+def _why_malformed(fields: list[str]) -> str:
+    """The first thing wrong with a row (the slow path of :func:`_parse_row`, taken for malformed rows only)."""
     if len(fields) != COLUMNS:
         return f"{len(fields)} tab-separated fields instead of {COLUMNS}"
     if fields[0] not in ("0", "1"):
         return f"label {fields[0][:20]!r} is not 0 or 1"
-    ints = []
     for name, text in zip(COLUMN_NAMES, fields[1:1 + INT_FEATURE_COUNT]):
         try:
             value = int(text) if text else MISSING_INT
         except ValueError:
             return f"{name} holds {text[:20]!r}, not an integer"
-        if text and not MISSING_INT < value <= _INT64_MAX:
+        if not MISSING_INT <= value <= _INT64_MAX:
             return f"{name} value {text[:24]} is beyond int64"
-        ints.append(value)
-    ids = []
     for name, text in zip(COLUMN_NAMES[INT_FEATURE_COUNT:], fields[1 + INT_FEATURE_COUNT:]):
         if text and not _HEX.match(text):
             return f"{name} holds {text[:20]!r}, not 1-16 hex digits"
-        value = int(text, 16) if text else 0
-        # 64-bit hashed ids keep their 64 bits in an int64 (two's complement); hashing reads them back unsigned.
-        ids.append(value - 2 ** 64 if value > _INT64_MAX else value)
-    return int(fields[0]), ints, ids
+    return "malformed"
 
 
 def parse_day_file(path: str | os.PathLike) -> ParsedDay:
@@ -146,7 +159,7 @@ def parse_day_file(path: str | os.PathLike) -> ParsedDay:
                 line = line.rstrip("\n").rstrip("\r")
                 if not line:
                     continue
-                row = _parse_row(line.split("\t"))
+                row = _parse_row(line)
                 if isinstance(row, str):
                     bad += 1
                     if len(examples) < _BAD_EXAMPLES:
