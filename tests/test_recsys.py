@@ -622,6 +622,7 @@ def test_job_stops_on_a_day_that_fails_validation(published, tmp_path):
                         r" change is real, loosen daily.validation or rerun with --skip-validation", error), error
     record = records(models)["2026-11-03"]
     assert record["status"] == "invalid" and record["reason"] == error
+    assert record["finding"]["statistic"] == "label_rate" and record["baseline_days"] == ["2026-11-01", "2026-11-02"]
     assert os.readlink(models / "current") == "versions/000001"
     run = run_daily(data, models, "--skip-validation")  # the operator knows the change is real
     assert run.returncode in (0, 3) and "2026-11-03: trained on 900 rows" in run.stdout

@@ -258,24 +258,9 @@ class DailyJob:
             current_metrics = self.evaluate(module, newest)  # the current model, on the gate's data
             _log(f"current model {current.name} on {plan.days[-1]} held-out rows: {_fmt(current_metrics)}")
 
-        diverged: Optional[tuple[str, dict]] = None
-        trained = list(plan.trained)
-        for d in plan.days:
-            if d in trained:
-                continue
-            rows = self._fit_day(module, loaded[d])
-            bad = self._nonfinite(module)
-            if bad:  # a diverged model is neither saved for a resume nor trained further
-                diverged = (d, bad)
-                _log(f"{d}: training diverged: {bad}")
-                break
-            trained.append(d)
-            progress = {"base_version": current.name if current else None, "plan": plan.days, "trained": trained,
-                        "current_metrics": current_metrics, "run_date": run_date, **plan.notes()}
-            engine.save(self.store.staging, module, {"progress": progress,
-                                                     "dense_optimizer": module.configure_optimizers().state_dict()})
-            _log(f"{d}: trained on {rows} rows")
-            _crash_point(f"after-day-{d}")
+        progress = {"base_version": current.name if current else None, "plan": plan.days,
+                    "current_metrics": current_metrics, "run_date": run_date, **plan.notes()}
+        trained, diverged = self._train(engine, module, plan, loaded, progress)
 
         metrics = self.evaluate(module, newest)
         tolerance, min_auc = float(self.daily["auc_tolerance"]), float(self.daily["min_auc"])
@@ -359,9 +344,10 @@ class DailyJob:
             self._write_note(d, run_date, "skipped", "no data file when the run started (skip_missing_days)")
         return missing
 
-    def _write_note(self, day: str, run_date: str, status: str, reason: str) -> None:
+    def _write_note(self, day: str, run_date: str, status: str, reason: str, **details: Any) -> None:
+        """The record of a day this run did not train (skipped, late, invalid) and why."""
         _rank0(self.store.write_record, day, {"day": day, "status": status, "reason": reason, "run_date": run_date,
-                                              "version": None, "finished_at": _now(time.time())})
+                                              "version": None, "finished_at": _now(time.time()), **details})
 
     def _staging_progress(self) -> Optional[dict[str, Any]]:
         if not (self.store.staging / ckpt.META_FILE).is_file():
@@ -407,7 +393,7 @@ class DailyJob:
                 message = (f"{days[d].name}: {finding.statistic} {finding.value:.4f} is beyond its bound"
                            f" {finding.bound}; the day's data changed: fix the export, or if the change is real,"
                            " loosen daily.validation or rerun with --skip-validation")
-                self._write_note(d, run_date, "invalid", message)
+                self._write_note(d, run_date, "invalid", message, finding=finding.as_dict(), baseline_days=before)
                 raise DailyError(message)
             summary[d] = {"baseline_days": before, "label_rate": round(stats[d]["label_rate"], 6)}
             accepted.add(d)
@@ -443,6 +429,27 @@ class DailyJob:
         return describe_nonfinite(nonfinite_values(module, self.device))
 
     # -- training, evaluation, publishing ----------------------------------------------------------------------
+    def _train(self, engine: Any, module: Any, plan: Plan, loaded: dict[str, Day],
+               progress: dict[str, Any]) -> tuple[list[str], Optional[tuple[str, str]]]:
+        """Train the plan's days not trained yet, saving the model to work/staging after each; returns the days
+        trained and, when the weights went non-finite, (the day, what went non-finite): a diverged model is neither
+        saved for a resume nor trained further."""
+        trained = list(plan.trained)
+        for d in plan.days:
+            if d in trained:
+                continue
+            rows = self._fit_day(module, loaded[d])
+            bad = self._nonfinite(module)
+            if bad:
+                _log(f"{d}: training diverged: {bad}")
+                return trained, (d, bad)
+            trained.append(d)
+            engine.save(self.store.staging, module, {"progress": {**progress, "trained": trained},
+                                                     "dense_optimizer": module.configure_optimizers().state_dict()})
+            _log(f"{d}: trained on {rows} rows")
+            _crash_point(f"after-day-{d}")
+        return trained, None
+
     def _fit_day(self, module: Any, day: Day) -> int:
         """One epoch over the day's training rows (all but the held-out tail); returns their number."""
         import lightning as L
