@@ -153,7 +153,7 @@ def test_config_sizes_on_the_meta_device():
 
 
 def test_config_errors_are_clear(tmp_path):
-    with pytest.raises(ValueError, match=r"\['hiden_size'\] are not LlamaConfig arguments"):
+    with pytest.raises(ValueError, match=r"unknown key 'hiden_size' in model:; did you mean 'hidden_size'\?"):
         llama_config({"model": {"hiden_size": 64}})
     with pytest.raises(FileNotFoundError, match="configs/nlp/dialogue_tiny.yaml"):
         DialogueLM(config=str(tmp_path / "missing.yaml"))

@@ -7,6 +7,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,12 @@ import torch
 
 from conftest import ROOT, child_env, run_dist
 
-from disttrain.recsys.data import BadDataError, DayBatches, list_days, load_day, parse_day_file
+from disttrain.recsys.data import BadDataError, DayBatches, day_stats, list_days, load_day, parse_day_file
 from disttrain.recsys.metrics import ClickMetrics
 from disttrain.recsys.model import DeepFMNet, fm_interaction
+from disttrain.recsys.publish import ModelStore
 from disttrain.recsys.synthetic import make_days
+from disttrain.recsys.validate import ValidationBounds, check_day
 
 RECIPE = ROOT / "recipes" / "recsys" / "deepfm_daily.py"
 
@@ -49,11 +52,13 @@ def test_model_config_errors_name_the_fix():
 
 def test_day_files_bad_rows_and_hashing(tmp_path):
     [path] = make_days(tmp_path, 1, 2000, bad_rows=10)
-    labels, ints, cats, bad = parse_day_file(path)
-    assert bad == 10 and len(labels) == 1990 and ints.shape == (1990, 13) and cats.shape == (1990, 26)
+    parsed = parse_day_file(path)
+    assert parsed.bad_rows == 10 and len(parsed.labels) == 1990 and parsed.ints.shape == (1990, 13)
+    assert parsed.cats.shape == (1990, 26) and len(parsed.bad_examples) == 3
     day = load_day(path, tmp_path / "cache", max_bad_fraction=0.01)
     assert (day.rows, day.bad_rows) == (1990, 10)
-    with pytest.raises(BadDataError, match=r"day_2026-11-01.tsv: 10 of 2000 rows are malformed"):
+    with pytest.raises(BadDataError, match=r"day_2026-11-01.tsv: 10 of 2000 rows are malformed .*; line \d+: 37"
+                                           r" tab-separated fields instead of 40; line \d+: C26 holds 'not-hex!'"):
         load_day(path, tmp_path / "cache", max_bad_fraction=0.001)
     # gzip days read the same; hashing maps raw ids into each table
     gz = tmp_path / "gz" / "day_2026-11-02.tsv.gz"
@@ -156,12 +161,18 @@ def records(models: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted((models / "runs").glob("*.json"))}
 
 
-def flip_training_labels(path: Path, eval_fraction: float = 0.1) -> None:
-    """A corrupted export: the training rows' labels inverted (the held-out tail is left intact)."""
+def rewrite_training_labels(path: Path, how: str, eval_fraction: float = 0.1) -> None:
+    """A corrupted export: the training rows' labels inverted ("flip": the click rate jumps) or shuffled among them
+    ("shuffle": the click rate and every feature look normal, the labels carry no signal); the held-out tail is
+    left intact."""
     lines = path.read_text().splitlines()
     cut = len(lines) - int(round(len(lines) * eval_fraction))
-    flipped = [("1" if line[0] == "0" else "0") + line[1:] for line in lines[:cut]]
-    path.write_text("\n".join(flipped + lines[cut:]) + "\n")
+    labels = [line[0] for line in lines[:cut]]
+    if how == "flip":
+        labels = ["1" if label == "0" else "0" for label in labels]
+    else:
+        np.random.default_rng(0).shuffle(labels)
+    path.write_text("\n".join([label + line[1:] for label, line in zip(labels, lines[:cut])] + lines[cut:]) + "\n")
 
 
 @pytest.mark.slow
@@ -185,14 +196,16 @@ def test_daily_job_catch_up_rerun_gate_crash_and_lock(tmp_path):
     assert again.returncode == 0 and "nothing to do" in again.stdout and "trained on" not in again.stdout
     assert records(models) == runs and sorted(p.name for p in (models / "versions").iterdir()) == ["000001"]
 
-    # a corrupted day: trained, evaluated against the current model on the same rows, not published
+    # shuffled labels look normal (flipped ones stop at validation: test_job_stops_on_a_day_that_fails_validation):
+    # trained, evaluated against the current model on the same rows, not published
     make_days(data, 1, 20000, start=_date("2026-11-04"), first_index=3)
-    flip_training_labels(data / "day_2026-11-04.tsv")
+    rewrite_training_labels(data / "day_2026-11-04.tsv", "shuffle")
     bad = daily(data, models)
     assert bad.returncode == 3, bad.stdout[-2000:] + bad.stderr[-2000:]
-    assert "NOT published" in bad.stdout
+    assert "NOT published: AUC" in bad.stdout
     rejected = records(models)["2026-11-04"]
     assert rejected["status"] == "rejected" and rejected["version"] is None
+    assert rejected["reason"].startswith(f"AUC {rejected['metrics']['auc']:.4f} < current")
     assert rejected["metrics"]["auc"] < rejected["current_metrics"]["auc"] - 0.005
     assert os.readlink(models / "current") == "versions/000001"
 
@@ -214,13 +227,18 @@ def test_daily_job_catch_up_rerun_gate_crash_and_lock(tmp_path):
     assert info["days"] == ["2026-11-01", "2026-11-02", "2026-11-03", "2026-11-05", "2026-11-06"]
     assert not (models / "work").exists()
 
-    # a crash between writing the new version and swapping the pointer: readers keep the old model; re-run ends
+    # a crash between writing the new version and swapping the pointer: readers keep the old model; the re-run
+    # removes the version that was never made current (it would count toward keep_versions), says so, and ends
     crashed = daily(data, models, "--force", crash_at="before-pointer")
     assert crashed.returncode == 86 and os.readlink(models / "current") == "versions/000002"
+    assert (models / "versions" / "000003" / "info.json").is_file()
     finished = daily(data, models, "--force")
     assert finished.returncode == 0 and "resuming" in finished.stdout and "trained on" not in finished.stdout
-    assert os.readlink(models / "current") == "versions/000004"  # 000003 was never pointed at
-    assert sorted(p.name for p in (models / "versions").iterdir()) == ["000002", "000003", "000004"]
+    assert "removed version(s) 000003: complete but never made current" in finished.stdout
+    assert os.readlink(models / "current") == "versions/000004"  # a number is never reused
+    # keep_versions=3 keeps three real versions: the leftover no longer pushes 000001 out
+    assert sorted(p.name for p in (models / "versions").iterdir()) == ["000001", "000002", "000004"]
+    assert records(models)["2026-11-06"]["removed_versions"] == ["000003"]
 
     # clear failures: a running job's lock, a missing day, too many malformed rows
     from disttrain.recsys.publish import ModelStore
@@ -293,3 +311,331 @@ def test_daily_job_on_two_processes_warm_starts_from_sharded_version(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "current model 000001" in second.stdout and "2026-11-02: trained on 5120 rows" in second.stdout
     assert records(models)["2026-11-02"]["metrics"]["rows"] == 600
+
+
+# -- the daily job's safeguards, in this process (one interpreter, tiny days) -----------------------------------
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_daily(data: Path, models: Path, *args: str) -> subprocess.CompletedProcess:
+    """The recipe's main() in this process (no interpreter start: a tiny day takes about a second), with its
+    exit status, stdout and stderr as a subprocess would give them."""
+    import contextlib
+    import io
+    import warnings
+
+    from disttrain.recsys.daily import main
+
+    argv = ["--data-root", str(data), "--model-root", str(models), "--accelerator", "cpu", *args]
+    saved = {k: os.environ.pop(k) for k in DIST_ENV if k in os.environ}  # one process, not an outer launcher's
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # library deprecation notices, not the job's output
+            code = main(argv)
+    finally:
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def write_config(path: Path, **changes: dict) -> Path:
+    """deepfm_tiny.yaml with ``changes`` merged into its sections (e.g. daily={"min_auc": 0.9})."""
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "configs" / "recsys" / "deepfm_tiny.yaml").read_text())
+    for section, values in changes.items():
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(recipe[section].get(key), dict):
+                recipe[section][key].update(value)
+            else:
+                recipe[section][key] = value
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def the_error(run: subprocess.CompletedProcess) -> str:
+    """The one line a failed run prints (asserting that it is one line, with no traceback)."""
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("deepfm_daily.py: error: "), run.stderr[-3000:]
+    return lines[0][len("deepfm_daily.py: error: "):]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A model root with version 000001 trained on two 1000-row days (01, 02); tests copy it before changing it."""
+    root = tmp_path_factory.mktemp("published")
+    make_days(root / "data", 2, 1000)
+    run = run_daily(root / "data", root / "models")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return root
+
+
+def copy_of(published: Path, tmp_path: Path) -> tuple[Path, Path]:
+    import shutil
+
+    shutil.copytree(published, tmp_path / "root", symlinks=True)
+    return tmp_path / "root" / "data", tmp_path / "root" / "models"
+
+
+def test_gate_refuses_nonfinite_models_and_first_models_below_the_floor():
+    from disttrain.recsys.daily import rejection
+
+    good, nan = {"auc": 0.70, "logloss": 0.5}, {"auc": 0.70, "logloss": float("nan")}
+    assert rejection(good, None, None, 0.005, 0.55) is None
+    assert rejection(good, {"auc": 0.702}, None, 0.005, 0.55) is None
+    assert rejection(good, {"auc": 0.71}, None, 0.005, 0.55) == "AUC 0.7000 < current 0.7100 - auc_tolerance 0.005"
+    assert rejection(good, None, None, 0.005, 0.75) == \
+        "AUC 0.7000 < daily.min_auc 0.75 (a first model has no current model to compare with)"
+    assert rejection(nan, None, None, 0.005, 0.55) == "non-finite metrics (logloss nan)"
+    assert rejection(good, None, ("2026-11-02", "3 of 9 values are non-finite"), 0.005, 0.55) == \
+        "training diverged on 2026-11-02: 3 of 9 values are non-finite; lower train.lr or model.sparse_optimizer.lr"
+
+
+def test_diverged_run_is_rejected_and_recorded(tmp_path):
+    data, models = tmp_path / "data", tmp_path / "models"
+    make_days(data, 2, 1000)
+    config = write_config(tmp_path / "diverge.yaml", model={"sparse_optimizer": {"lr": 1e30}})
+    run = run_daily(data, models, "--config", str(config))
+    assert run.returncode == 3, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "2026-11-01: training diverged" in run.stdout and "2026-11-02: trained" not in run.stdout
+    record = records(models)["2026-11-02"]
+    assert record["status"] == "rejected" and record["version"] is None and record["trained_days"] == []
+    assert record["reason"].startswith("training diverged on 2026-11-01: ")
+    assert "values are non-finite" in record["reason"] and record["metrics"]["logloss"] == "nan"
+    assert json.loads((models / "runs" / "2026-11-02.json").read_text(), parse_constant=pytest.fail)
+    assert not (models / "current").exists() and not list(models.glob("versions/*"))
+    assert not (models / "work").exists()  # nothing of the diverged model is kept for a resume
+
+
+def test_first_model_must_clear_the_auc_floor(tmp_path):
+    data, models = tmp_path / "data", tmp_path / "models"
+    make_days(data, 1, 1000)
+    run = run_daily(data, models, "--min-auc", "0.99")
+    assert run.returncode == 3 and not (models / "current").exists()
+    record = records(models)["2026-11-01"]
+    assert record["reason"] == (f"AUC {record['metrics']['auc']:.4f} < daily.min_auc 0.99 (a first model has no"
+                                " current model to compare with)")
+
+
+def test_warm_start_refuses_a_current_model_with_nan_weights(published, tmp_path):
+    """A current model with NaN rows in one table (published before the gate, or damaged) is not trained from."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from disttrain.parallel.recsys import RecsysEngine, RecsysOptions
+    from disttrain.recsys.daily import DEFAULT_CONFIG, init_processes, load_recipe
+    from disttrain.recsys.model import DeepFM
+
+    data, models = copy_of(published, tmp_path)
+    version = models / "versions" / "000001"
+    saved = {k: os.environ.pop(k) for k in DIST_ENV if k in os.environ}
+    init_processes("cpu")
+    try:
+        module = DeepFM(load_recipe(DEFAULT_CONFIG)["model"])
+        engine = RecsysEngine(RecsysOptions())
+        engine.parallelize(module, torch.device("cpu"))
+        metadata = engine.load(version, module)
+        table = module.state_dict()["net.ebc.embedding_bags.t_cat_3.weight"]
+        with torch.no_grad():
+            table.local_shards()[0].tensor[:10] = float("nan")  # the shard is a view of the table's rows
+        engine.save(tmp_path / "poisoned", module, metadata)
+    finally:
+        dist.destroy_process_group()
+        os.environ.update(saved)
+    shutil.copy(version / "info.json", tmp_path / "poisoned")
+    shutil.rmtree(version)
+    (tmp_path / "poisoned").rename(version)
+
+    make_days(data, 1, 1000, start=_date("2026-11-03"), first_index=2)
+    assert the_error(run_daily(data, models)) == (
+        f"{version} has non-finite weights (160 of 446,815 values are non-finite, in 1 of 38 tensors (the most in"
+        " net.ebc.embedding_bags.t_cat_3.weight)); training from it would only spread them: point current at an"
+        f" earlier version (ln -sfn versions/NNNNNN {models / 'current'}) or remove {models / 'current'} to train"
+        " from scratch")
+    assert os.readlink(models / "current") == "versions/000001" and "2026-11-03" not in records(models)
+
+
+def test_bad_day_files_name_the_file_and_line(tmp_path):
+    [path] = make_days(tmp_path / "data", 1, 1000)
+    lines = path.read_text().splitlines()
+    fields = lines[4].split("\t")
+    fields[3] = "99999999999999999999"  # I3 beyond int64
+    lines[4] = "\t".join(fields)
+    fields = lines[6].split("\t")
+    fields[14:16] = ["ffffffffffffffff", "8000000000000000"]  # C1, C2: 64-bit hashed ids
+    lines[6] = "\t".join(fields)
+    path.write_text("\n".join(lines) + "\n")
+    day = load_day(path, tmp_path / "cache")
+    assert (day.rows, day.bad_rows, day.bad_examples) == (999, 1, ("line 5: I3 value 99999999999999999999 is beyond"
+                                                                    " int64",))
+    with pytest.raises(BadDataError) as error:
+        load_day(path, tmp_path / "cache", max_bad_fraction=0.0)
+    assert str(error.value) == (
+        "day_2026-11-01.tsv: 1 of 1000 rows are malformed (0.10% > max_bad_fraction=0.00%; line 5: I3 value"
+        " 99999999999999999999 is beyond int64); fix or replace the file, or raise the threshold (--max-bad-fraction)"
+        " if the rows can be dropped")
+    # 64-bit ids are hashed into the tables as unsigned numbers, not overflowed
+    _, sparse, _ = DayBatches(day, slice(0, 10), 10, [1000] * 26)[0]
+    assert sparse[5, :2].tolist() == [0xFFFFFFFFFFFFFFFF % 1000, 0x8000000000000000 % 1000]
+
+    import shutil
+
+    gz = tmp_path / "gz" / "day_2026-11-02.tsv.gz"
+    gz.parent.mkdir()
+    packed = gzip.compress(path.read_bytes())
+    cases = {packed[: len(packed) // 2]: r"day_2026-11-02.tsv.gz is truncated after line \d+ \(Compressed file ended"
+                                         r" before the end-of-stream marker was reached\); copy the file again from"
+                                         r" its source",
+             b"label\tI1\n": r"day_2026-11-02.tsv.gz is not a gzip file \(Not a gzipped file \(b'la'\)\); copy it"
+                             r" again from its source \(or name it .tsv if it is plain text\)",
+             packed[:-8] + bytes(8): r"day_2026-11-02.tsv.gz is corrupt after line 1000 \(CRC check failed"}
+    for content, message in cases.items():
+        gz.write_bytes(content)
+        shutil.rmtree(tmp_path / "cache-gz", ignore_errors=True)
+        with pytest.raises(BadDataError, match=f"^{message}"):
+            load_day(gz, tmp_path / "cache-gz")
+    empty = tmp_path / "gz" / "day_2026-11-03.tsv"
+    empty.write_text("")
+    with pytest.raises(BadDataError) as error:
+        load_day(empty, tmp_path / "cache-gz")
+    assert str(error.value) == ("day file day_2026-11-03.tsv is empty (no rows); replace it with the day's export, or"
+                                " remove it and rerun with --skip-missing-days to go on without that day")
+
+
+def test_job_failures_are_one_line(published, tmp_path):
+    import shutil
+
+    data, models = copy_of(published, tmp_path)
+    # a day too small for a held-out split
+    make_days(data, 1, 5, start=_date("2026-11-03"), first_index=2)
+    assert the_error(run_daily(data, models)) == (
+        "day_2026-11-03.tsv has 5 rows, so its held-out share (daily.eval_fraction=0.1) is empty and the new model"
+        " cannot be evaluated; is the export complete? Rerun when the whole day has arrived, or raise"
+        " daily.eval_fraction")
+    # an empty day file, a truncated .gz
+    (data / "day_2026-11-03.tsv").write_text("")
+    assert the_error(run_daily(data, models)).startswith("day file day_2026-11-03.tsv is empty (no rows)")
+    (data / "day_2026-11-03.tsv").unlink()
+    packed = gzip.compress((published / "data" / "day_2026-11-02.tsv").read_bytes())
+    (data / "day_2026-11-03.tsv.gz").write_bytes(packed[: len(packed) // 2])
+    assert the_error(run_daily(data, models)).startswith("day_2026-11-03.tsv.gz is truncated after line ")
+    (data / "day_2026-11-03.tsv.gz").unlink()
+    # a corrupt table shard in the current model: one line; --verbose adds the traceback
+    make_days(data, 1, 1000, start=_date("2026-11-03"), first_index=2)
+    shard = models / "versions" / "000001" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    version, current = models / "versions" / "000001", models / "current"
+    error = the_error(run_daily(data, models))
+    assert error.startswith(f"{version} cannot be loaded: checkpoint '{version}' is corrupt")
+    assert error.endswith(f"; point current at an earlier version (ln -sfn versions/NNNNNN {current}) or remove"
+                          f" {current} to train from scratch")
+    verbose = run_daily(data, models, "--verbose")
+    assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
+    assert verbose.stderr.splitlines()[0] == f"deepfm_daily.py: error: {error}"
+    shutil.rmtree(models / "versions" / "000001")
+    assert the_error(run_daily(data, models)).startswith(f"{current} points at {version}, which does not exist")
+
+
+def test_missing_day_stops_or_is_skipped_and_late_days_wait(tmp_path):
+    data, models = tmp_path / "data", tmp_path / "models"
+    make_days(data, 2, 1000)
+    make_days(data, 1, 1000, start=_date("2026-11-04"), first_index=3)
+    assert the_error(run_daily(data, models)) == (
+        f"day 2026-11-03 is missing: no day_2026-11-03.tsv[.gz] in {data} although later days are there; days are"
+        " trained in order, so wait for it, or pass --skip-missing-days (daily.skip_missing_days: true) to go on"
+        " without it (recorded as skipped)")
+    assert not (models / "current").exists()
+
+    skip = write_config(tmp_path / "skip.yaml", daily={"skip_missing_days": True})  # the config key
+    run = run_daily(data, models, "--config", str(skip))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "skipping missing day(s) 2026-11-03" in run.stdout
+    runs = records(models)
+    assert runs["2026-11-03"]["status"] == "skipped" and runs["2026-11-04"]["skipped_days"] == ["2026-11-03"]
+    assert json.loads((models / "versions" / "000001" / "info.json").read_text())["days"] == [
+        "2026-11-01", "2026-11-02", "2026-11-04"]
+    assert run_daily(data, models).returncode == 0  # recorded: no longer a gap, even without the option
+
+    # 03 arrives after 04 is in the model: not trained on top of it, recorded as late, unless asked
+    make_days(data, 1, 1000, start=_date("2026-11-03"), first_index=2)
+    late = run_daily(data, models)
+    assert late.returncode == 0 and "trained on" not in late.stdout
+    assert "not training 2026-11-03: older than 2026-11-04, the newest day in the current model" in late.stdout
+    assert records(models)["2026-11-03"]["status"] == "late"
+    asked = run_daily(data, models, "--train-late-days")  # the command-line flag
+    assert asked.returncode in (0, 3) and "2026-11-03: trained on 900 rows" in asked.stdout
+    assert records(models)["2026-11-03"]["status"] in ("published", "rejected")
+
+
+def test_validation_passes_normal_drift_and_stops_broken_days(tmp_path):
+    """Four normal days pass against the days before them; a day with flipped labels, a column gone missing, a
+    new id vocabulary or a rescaled integer column stops at the statistic that moved."""
+    paths = make_days(tmp_path / "data", 5, 1000)
+    stats = [day_stats(p, tmp_path / "cache") for p in paths]
+    bounds = ValidationBounds()
+    for k in range(1, 5):
+        assert check_day(stats[k], stats[:k], bounds) is None
+
+    def broken(name: str, change) -> dict:
+        rows = [line.split("\t") for line in paths[4].read_text().splitlines()]
+        for fields in rows:
+            change(fields)
+        path = tmp_path / name / paths[4].name
+        path.parent.mkdir()
+        path.write_text("\n".join("\t".join(fields) for fields in rows) + "\n")
+        return day_stats(path, tmp_path / f"cache-{name}")
+
+    def flip(fields):
+        fields[0] = "1" if fields[0] == "0" else "0"
+
+    def blank(fields):
+        fields[14 + 6] = ""  # C7
+
+    def rehash(fields):
+        fields[14:] = [f"{int(x, 16) ^ 0x5BD1E995:08x}" if x else x for x in fields[14:]]
+
+    def rescale(fields):
+        fields[2] = str(int(fields[2]) * 1000) if fields[2] else ""  # I2 in other units
+
+    for name, change, statistic in (("flip", flip, "label_rate"), ("blank", blank, "missing_rate[C7]"),
+                                    ("rehash", rehash, "id_overlap[C1]"), ("rescale", rescale, "dense_mean[I2]")):
+        finding = check_day(broken(name, change), stats[:4], bounds)
+        assert finding is not None and finding.statistic == statistic, (name, finding)
+    finding = check_day(broken("flip2", flip), stats[:4], bounds)
+    rate = sum(s["label_rate"] * s["rows"] for s in stats[:4]) / sum(s["rows"] for s in stats[:4])
+    assert finding.bound == (f"{rate / 1.5:.4f}..{rate * 1.5:.4f} ({rate:.4f}, the mean of the 4 days before, times"
+                             " or divided by daily.validation.label_rate_ratio=1.5)")
+    assert check_day(stats[0], [], bounds) is None
+    assert check_day({**stats[0], "label_rate": 0.0}, [], bounds).statistic == "label_rate"
+
+
+def test_job_stops_on_a_day_that_fails_validation(published, tmp_path):
+    data, models = copy_of(published, tmp_path)
+    make_days(data, 1, 1000, start=_date("2026-11-03"), first_index=2)
+    rewrite_training_labels(data / "day_2026-11-03.tsv", "flip")
+    error = the_error(run_daily(data, models))
+    assert re.fullmatch(r"day_2026-11-03.tsv: label_rate 0\.\d{4} is beyond its bound \d\.\d{4}\.\.\d\.\d{4}"
+                        r" \(\d\.\d{4}, the mean of the 2 days before, times or divided by"
+                        r" daily.validation.label_rate_ratio=1.5\); the day's data changed: fix the export, or if the"
+                        r" change is real, loosen daily.validation or rerun with --skip-validation", error), error
+    record = records(models)["2026-11-03"]
+    assert record["status"] == "invalid" and record["reason"] == error
+    assert record["finding"]["statistic"] == "label_rate" and record["baseline_days"] == ["2026-11-01", "2026-11-02"]
+    assert os.readlink(models / "current") == "versions/000001"
+    run = run_daily(data, models, "--skip-validation")  # the operator knows the change is real
+    assert run.returncode in (0, 3) and "2026-11-03: trained on 900 rows" in run.stdout
+    assert records(models)["2026-11-03"]["validation"] == {"2026-11-03": "skipped (--skip-validation)"}
+
+
+def test_leftover_versions_are_removed_but_rolled_back_ones_kept(tmp_path):
+    store = ModelStore(tmp_path)
+    for name in ("000001", "000002", "000003", "000004"):
+        (store.versions / name).mkdir(parents=True)
+    store.write_record("2026-11-01", {"status": "published", "version": "000001"})
+    store.write_record("2026-11-02", {"status": "published", "version": "000002"})
+    store.point_at(store.versions / "000001")  # an operator rolled back from 000002
+    assert store.remove_leftovers() == ["000003", "000004"]  # never pointed at: no record names them
+    assert sorted(p.name for p in store.versions.iterdir()) == ["000001", "000002"]
+    assert store.next_version(after=["000004"]).name == "000005"

@@ -1,8 +1,8 @@
 """Airflow DAG: the daily DeepFM job once a day, for the run's logical date. Copy into your dags/ folder.
 
 ``--run-date {{ ds }}`` makes each DAG run process the days up to its own date (a backfill of an old date trains
-nothing new if the job already caught up; ``--force`` is not passed). Exit 3 (not published by the AUC gate)
-fails the task so it alerts; the job itself never overlaps (lock) and resumes after a crash.
+nothing new if the job already caught up; ``--force`` is not passed). Exit 3 (not published: AUC gate or a
+diverged model) fails the task so it alerts; the job itself never overlaps (lock) and resumes after a crash.
 """
 
 from datetime import datetime, timedelta

@@ -16,24 +16,38 @@ from typing import Any, Optional, Union
 
 import lightning as L
 import torch
-import yaml
 from torch import nn
 
+from disttrain.config import Schema, check_keys, read_config
 from disttrain.nlp.data import loss_tokens
 
 ConfigSource = Union[str, os.PathLike, dict, None]
 
 
+# The keys of the data: and train: sections, as the dialogue recipe and DialogueData read them.
+DATA_KEYS = ("train", "tokenizer", "seq_len", "val_fraction", "seed")
+TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "lr", "weight_decay", "warmup_steps", "steps", "eval_every",
+              "precision", "prompt")
+
+
+def llama_keys() -> set[str]:
+    """The keys a ``model:`` mapping may hold: ``LlamaConfig`` arguments and attributes."""
+    from transformers import LlamaConfig
+
+    # rope_theta is a legacy argument transformers 5 still takes (it moves into rope_parameters).
+    arguments = set(inspect.signature(LlamaConfig.__init__).parameters) - {"self", "kwargs"}
+    return set(LlamaConfig().to_dict()) | arguments | {"rope_theta"}
+
+
+def recipe_schema() -> Schema:
+    """What a dialogue recipe YAML may hold (see :mod:`disttrain.config`)."""
+    return {"model": dict.fromkeys(llama_keys()), "data": dict.fromkeys(DATA_KEYS), "train": dict.fromkeys(TRAIN_KEYS)}
+
+
 def read_recipe_config(path: str | os.PathLike) -> dict[str, Any]:
-    """A recipe YAML (``model:``, ``data:``, ``train:`` sections) as a dict; a clear error if it is not one."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config {str(path)!r} does not exist; pass a YAML such as "
-                                "configs/nlp/dialogue_tiny.yaml")
-    config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
-        raise ValueError(f"config {str(path)!r} has no `model:` mapping of LlamaConfig arguments")
-    return config
+    """A recipe YAML (``model:``, ``data:``, ``train:`` sections) as a dict; one clear error if it is not one or
+    holds an unknown key (with the closest valid key)."""
+    return read_config(path, recipe_schema(), example="configs/nlp/dialogue_tiny.yaml")
 
 
 def llama_config(source: ConfigSource, **overrides: Any) -> Any:
@@ -44,15 +58,11 @@ def llama_config(source: ConfigSource, **overrides: Any) -> Any:
         raise ValueError("pass config= (a YAML path or a dict of LlamaConfig arguments) or pretrained= (a folder)")
     if isinstance(source, dict):
         kwargs = dict(source.get("model", source))
+        check_keys(kwargs, dict.fromkeys(llama_keys()), "the config dict", "model")
     elif Path(source).is_dir():
         return AutoConfig.from_pretrained(str(source), **overrides)
     else:
         kwargs = dict(read_recipe_config(source)["model"])
-    # rope_theta is a legacy argument transformers 5 still takes (it moves into rope_parameters).
-    known = set(LlamaConfig().to_dict()) | set(inspect.signature(LlamaConfig.__init__).parameters) | {"rope_theta"}
-    unknown = sorted(k for k in kwargs if k not in known)
-    if unknown:
-        raise ValueError(f"model: {unknown} are not LlamaConfig arguments; see transformers.LlamaConfig")
     return LlamaConfig(**{**kwargs, **overrides})
 
 

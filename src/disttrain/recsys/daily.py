@@ -1,46 +1,58 @@
 """The daily DeepFM job: warm-start from the published model, train every unprocessed day in order (catch-up),
-evaluate on the newest day's held-out rows, publish atomically only when AUC did not regress, record each day.
+evaluate on the newest day's held-out rows, publish atomically only a healthy model whose AUC did not regress,
+record each day.
 
 Run by ``recipes/recsys/deepfm_daily.py`` and ``disttrain recsys daily``; one process by default (CPU/gloo or one
 GPU), or ``torchrun --nproc_per_node N`` for N processes (the tables are then sharded across them).
 
-Guarantees: a lock keeps two runs from overlapping; a finished day is not trained again unless ``--force``; a
+Guarantees: a lock keeps two runs from overlapping; a finished day is not trained again unless ``--force``; days
+are trained in date order (a missing day stops the run unless it is explicitly skipped, and a day older than the
+model's newest is not trained on top of it unless asked); each day is validated against the days before it; a
 restart after a crash resumes from the model saved after the last finished day (``work/staging``), so no day is
-lost or trained twice; readers of ``current`` only ever see a complete model.
+lost or trained twice; a model with non-finite weights or metrics is never published nor warm-started from;
+readers of ``current`` only ever see a complete model.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import logging
+import math
 import os
+import re
 import shutil
 import socket
 import sys
 import time
+import traceback
 import warnings
-from contextlib import ExitStack
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import yaml
 
+from disttrain.config import ConfigError, Schema, keys_of, read_config
 from disttrain.parallel import checkpoint as ckpt
-from disttrain.recsys.data import BadDataError, Day, DayBatches, convert_day, list_days, load_day, parse_date, \
-    split_rows
+from disttrain.recsys.data import BadDataError, Day, DayBatches, convert_day, day_stats, list_days, load_day, \
+    parse_date, split_rows
 from disttrain.recsys.metrics import ClickMetrics
-from disttrain.recsys.publish import LockedError, ModelStore
+from disttrain.recsys.publish import LockedError, ModelStore, StoreError
+from disttrain.recsys.validate import ValidationBounds, check_day
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "recsys" / "deepfm_tiny.yaml"
-DAILY_DEFAULTS = {"eval_fraction": 0.1, "auc_tolerance": 0.005, "keep_versions": 3, "max_bad_fraction": 0.01}
+DAILY_DEFAULTS = {"eval_fraction": 0.1, "auc_tolerance": 0.005, "min_auc": 0.55, "keep_versions": 3,
+                  "max_bad_fraction": 0.01, "skip_missing_days": False, "train_late_days": False}
 TRAIN_DEFAULTS = {"batch_size": 512, "lr": 1e-3, "seed": 0}
 # TEST ONLY: name a point of the run (after-day-YYYY-MM-DD, before-publish, before-pointer) and the job dies there
 # with os._exit, as a killed process would (no cleanup); the tests use it to check that a restart recovers.
 CRASH_ENV = "DISTTRAIN_DAILY_CRASH_AT"
 EXIT_FAILED, EXIT_REJECTED = 1, 3
+# A day's record status; published and rejected days were trained (so not again without --force), the others not.
+TRAINED_STATUSES = ("published", "rejected")
 
 
 class DailyError(RuntimeError):
@@ -49,7 +61,7 @@ class DailyError(RuntimeError):
 
 @dataclass
 class DailyOptions:
-    """What one run is asked to do (the command-line options of the recipe)."""
+    """What one run is asked to do (the command-line options of the recipe; None: the config's value)."""
 
     data_root: Path
     model_root: Path
@@ -58,23 +70,47 @@ class DailyOptions:
     force: bool = False
     accelerator: str = "auto"
     auc_tolerance: Optional[float] = None
+    min_auc: Optional[float] = None
     max_bad_fraction: Optional[float] = None
     keep_versions: Optional[int] = None
+    skip_missing_days: Optional[bool] = None
+    train_late_days: Optional[bool] = None
+    skip_validation: bool = False
+    verbose: bool = False
+
+
+def recipe_schema() -> Schema:
+    """What a DeepFM recipe YAML may hold (see :mod:`disttrain.config`)."""
+    from disttrain.parallel.recsys import RecsysOptions
+    from disttrain.recsys.model import MODEL_SCHEMA
+
+    return {"model": MODEL_SCHEMA, "train": dict.fromkeys(TRAIN_DEFAULTS), "strategy": keys_of(RecsysOptions),
+            "daily": {**dict.fromkeys(DAILY_DEFAULTS), "validation": keys_of(ValidationBounds)}}
 
 
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config {str(path)!r} does not exist; pass e.g. configs/recsys/deepfm_tiny.yaml")
-    recipe = yaml.safe_load(path.read_text()) or {}
-    if "model" not in recipe:
-        raise ValueError(f"config {str(path)!r} has no model: section (see configs/recsys/deepfm_tiny.yaml)")
-    return recipe
+    """A DeepFM recipe YAML (``model:``, ``train:``, ``strategy:``, ``daily:``) as a dict; an unknown section or key
+    is one error naming the file, the section, the closest valid key and all valid keys."""
+    return read_config(path, recipe_schema(), example="configs/recsys/deepfm_tiny.yaml")
 
 
 def _log(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[deepfm-daily] {message}", flush=True)
+
+
+@contextmanager
+def _quiet_root_logger(quiet: bool) -> Iterator[None]:
+    """DCP logs a traceback on the root logger for each metadata file it fails to read before it raises; the job
+    reports the failure itself in one line (``--verbose`` lets the tracebacks through)."""
+    root = logging.getLogger()
+    level = root.level
+    if quiet:
+        root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 def _crash_point(name: str) -> None:
@@ -126,14 +162,35 @@ def init_processes(accelerator: str) -> torch.device:
     return device
 
 
+@dataclass
+class Plan:
+    """The days a run trains and what it found on the way: ``days`` in order, the ``trained`` ones of them (a
+    resumed run), the current model's metrics (a resumed run measured them before), and the days it skipped
+    (missing), left untrained (late: older than the model's newest day) or whose leftover versions it removed."""
+
+    days: list[str]
+    trained: list[str] = field(default_factory=list)
+    current_metrics: Optional[dict] = None
+    resume: bool = False
+    skipped: list[str] = field(default_factory=list)
+    late: list[str] = field(default_factory=list)
+    removed_versions: list[str] = field(default_factory=list)
+
+    def notes(self) -> dict[str, Any]:
+        return {"skipped_days": self.skipped, "late_days": self.late, "removed_versions": self.removed_versions}
+
+
 class DailyJob:
     """One run of the daily job over a data root and a model root (see the module docstring)."""
 
     def __init__(self, options: DailyOptions) -> None:
         self.options = options
         self.recipe = load_recipe(options.config)
-        self.daily = {**DAILY_DEFAULTS, **(self.recipe.get("daily") or {})}
-        for key in ("auc_tolerance", "max_bad_fraction", "keep_versions"):
+        daily = dict(self.recipe.get("daily") or {})
+        self.bounds = ValidationBounds(**(daily.pop("validation", None) or {}))
+        self.daily = {**DAILY_DEFAULTS, **daily}
+        for key in ("auc_tolerance", "min_auc", "max_bad_fraction", "keep_versions", "skip_missing_days",
+                    "train_late_days"):
             if getattr(options, key) is not None:
                 self.daily[key] = getattr(options, key)
         self.train = {**TRAIN_DEFAULTS, **(self.recipe.get("train") or {})}
@@ -158,19 +215,29 @@ class DailyJob:
         if run_date not in days:
             raise DailyError(f"no data for --run-date {run_date}: {self.options.data_root}/day_{run_date}.tsv[.gz]"
                              " is missing (is the upstream export late?); rerun when it has arrived")
+        removed = _rank0(self.store.remove_leftovers)
+        if removed:
+            _log(f"removed version(s) {', '.join(removed)}: complete but never made current (a run stopped before"
+                 " its pointer swap)")
         current = self.store.current()
         info = self.store.info(current)
-        plan, trained, current_metrics, resume = self._plan(days, run_date, current, info)
-        if not plan:
+        plan = self._plan(days, run_date, current, info)
+        plan.removed_versions = sorted(set(plan.removed_versions) | set(removed))
+        if not plan.days:
             _log(f"nothing to do: every day up to {run_date} is processed (--force retrains {run_date})")
-            return {"status": "up-to-date", "run_date": run_date, "version": current.name if current else None}
-        _log(f"run {run_date}: days {plan}" + (f" (resuming; trained: {trained})" if resume else ""))
+            return {"status": "up-to-date", "run_date": run_date, "version": current.name if current else None,
+                    **plan.notes()}
+        _log(f"run {run_date}: days {plan.days}" + (f" (resuming; trained: {plan.trained})" if plan.resume else ""))
 
-        _rank0(lambda: [convert_day(days[d], self.cache) for d in plan])  # once, by one process
-        loaded = {d: load_day(days[d], self.cache, self.daily["max_bad_fraction"]) for d in plan}
-        for d in plan:
+        _rank0(lambda: [convert_day(days[d], self.cache) for d in plan.days])  # once, by one process
+        loaded = {d: load_day(days[d], self.cache, self.daily["max_bad_fraction"]) for d in plan.days}
+        for d in plan.days:
             if loaded[d].bad_rows:
-                _log(f"{d}: skipped {loaded[d].bad_rows} malformed rows of {loaded[d].rows + loaded[d].bad_rows}")
+                _log(f"{d}: skipped {loaded[d].bad_rows} malformed rows of {loaded[d].rows + loaded[d].bad_rows}"
+                     f" ({'; '.join(loaded[d].bad_examples)})")
+        newest = loaded[plan.days[-1]]
+        self._check_held_out(newest, days[plan.days[-1]])
+        validation = self._validate(plan.days, days, run_date, info)
 
         from disttrain.parallel.recsys import RecsysEngine, RecsysOptions
         from disttrain.recsys.model import DeepFM
@@ -180,75 +247,208 @@ class DailyJob:
         module = DeepFM(self.recipe["model"], lr=float(self.train["lr"]))
         engine = RecsysEngine(RecsysOptions(**self.strategy_options))
         engine.parallelize(module, self.device)  # shard now, so the warm start loads straight into the shards
-        newest = loaded[plan[-1]]
-        if resume:
-            self._load(engine, self.store.staging, module)
+        current_metrics = plan.current_metrics
+        if plan.resume:
+            self._warm_start(engine, module, self.store.staging,
+                             f"delete {self.store.work} to train the run's days again from the current model")
         elif current is not None:
-            self._load(engine, current, module)
+            self._warm_start(engine, module, current, f"point current at an earlier version (ln -sfn"
+                             f" versions/NNNNNN {self.store.pointer}) or remove {self.store.pointer} to train from"
+                             " scratch")
             current_metrics = self.evaluate(module, newest)  # the current model, on the gate's data
-            _log(f"current model {current.name} on {plan[-1]} held-out rows: {_fmt(current_metrics)}")
+            _log(f"current model {current.name} on {plan.days[-1]} held-out rows: {_fmt(current_metrics)}")
 
-        for d in plan:
-            if d in trained:
-                continue
-            rows = self._fit_day(module, loaded[d])
-            trained.append(d)
-            progress = {"base_version": current.name if current else None, "plan": plan, "trained": trained,
-                        "current_metrics": current_metrics, "run_date": run_date}
-            engine.save(self.store.staging, module, {"progress": progress,
-                                                     "dense_optimizer": module.configure_optimizers().state_dict()})
-            _log(f"{d}: trained on {rows} rows")
-            _crash_point(f"after-day-{d}")
+        progress = {"base_version": current.name if current else None, "plan": plan.days,
+                    "current_metrics": current_metrics, "run_date": run_date, **plan.notes()}
+        trained, diverged = self._train(engine, module, plan, loaded, progress)
 
         metrics = self.evaluate(module, newest)
-        tolerance = float(self.daily["auc_tolerance"])
-        accepted = current_metrics is None or metrics["auc"] >= current_metrics["auc"] - tolerance
-        _log(f"new model on {plan[-1]} held-out rows: {_fmt(metrics)}")
+        tolerance, min_auc = float(self.daily["auc_tolerance"]), float(self.daily["min_auc"])
+        reason = rejection(metrics, current_metrics, diverged, tolerance, min_auc)
+        _log(f"new model on {plan.days[-1]} held-out rows: {_fmt(metrics)}")
         _crash_point("before-publish")
-        record = {"run_date": run_date, "run_days": plan, "metrics": metrics, "current_metrics": current_metrics,
+        record = {"run_date": run_date, "run_days": plan.days, "metrics": _json_safe(metrics),
+                  "current_metrics": _json_safe(current_metrics),
                   "previous_version": current.name if current else None, "auc_tolerance": tolerance,
-                  "rows": {d: loaded[d].rows for d in plan}, "bad_rows": {d: loaded[d].bad_rows for d in plan},
-                  "started_at": _now(started)}
+                  "min_auc": min_auc, "rows": {d: loaded[d].rows for d in plan.days},
+                  "bad_rows": {d: loaded[d].bad_rows for d in plan.days}, "trained_days": trained,
+                  "validation": validation,
+                  "started_at": _now(started), **plan.notes()}
         version = None
-        if accepted:
-            version = self._publish(engine, module, info, record)
+        if reason is None:
+            version = self._publish(engine, module, info, record, plan.removed_versions)
             _log(f"published version {version} ({metrics['auc']:.4f} AUC)")
         else:
-            _log(f"NOT published: AUC {metrics['auc']:.4f} < current {current_metrics['auc']:.4f} - {tolerance}"
-                 f"; {current.name if current else None} stays current")
-        status = "published" if accepted else "rejected"
-        _rank0(self._finish, plan, {**record, "status": status, "version": version})
-        return {"status": status, "run_date": run_date, "days": plan, "version": version, "metrics": metrics,
-                "current_metrics": current_metrics}
+            _log(f"NOT published: {reason}; " + (f"{current.name} stays current" if current else "no model is current"))
+        status = "published" if reason is None else "rejected"
+        _rank0(self._finish, plan.days, {**record, "status": status, "version": version, "reason": reason})
+        return {"status": status, "run_date": run_date, "days": plan.days, "version": version, "metrics": metrics,
+                "current_metrics": current_metrics, "reason": reason, **plan.notes()}
 
-    def _plan(self, days: dict[str, Path], run_date: str, current: Optional[Path],
-              info: dict[str, Any]) -> tuple[list[str], list[str], Optional[dict], bool]:
-        """(days to process, days of them already trained, the current model's metrics, resuming?)."""
+    # -- which days --------------------------------------------------------------------------------------------
+    def _plan(self, days: dict[str, Path], run_date: str, current: Optional[Path], info: dict[str, Any]) -> Plan:
+        """The days to train: those of an unfinished run (resume), else every unprocessed day up to ``run_date``
+        in date order, after refusing (or, when asked, skipping) missing days and leaving out late ones."""
         base = current.name if current else None
         progress = self._staging_progress()
         if progress is not None:
             if progress["base_version"] == base:
-                return progress["plan"], list(progress["trained"]), progress["current_metrics"], True
+                return Plan(progress["plan"], list(progress["trained"]), progress["current_metrics"], True,
+                            progress.get("skipped_days", []), progress.get("late_days", []),
+                            progress.get("removed_versions", []))
             if info.get("previous") == progress["base_version"] and set(progress["plan"]) <= set(info["days"]):
                 _log(f"the last run published {base} but stopped before its records; writing them")
                 _rank0(self._finish, progress["plan"], {**info["record"], "status": "published", "version": base})
             else:
                 _log(f"discarding work/staging: it was trained from {progress['base_version']}, current is {base}")
                 _rank0(shutil.rmtree, self.store.work)
-        processed = set(info.get("days", [])) | {d for d in days if self.store.record(d) is not None}
-        plan = [d for d in sorted(days) if d <= run_date and d not in processed]
-        if self.options.force and run_date not in plan:
-            plan = sorted(plan + [run_date])
-        return plan, [], None, False
+        records = self.store.records()
+        in_model = set(info.get("days", []))
+        processed = in_model | {d for d, r in records.items() if r.get("status") in TRAINED_STATUSES}
+        plan = Plan([d for d in sorted(days) if d <= run_date and d not in processed])
+        plan.skipped = self._missing_days(days, run_date, records, in_model)
+        newest = max(in_model, default=None)
+        late = [d for d in plan.days if newest is not None and d < newest]
+        if late and not self.daily["train_late_days"]:
+            plan.days = [d for d in plan.days if d not in late]
+            plan.late = late
+            _log(f"not training {', '.join(late)}: older than {newest}, the newest day in the current model (a model"
+                 " never learns an older day on top of a newer one); --train-late-days trains them")
+            for d in late:
+                if (records.get(d) or {}).get("status") != "late":
+                    self._write_note(d, run_date, "late", f"arrived after {newest} was trained into the model; not"
+                                     " trained (--train-late-days or daily.train_late_days: true trains it)")
+        if self.options.force and run_date not in plan.days:
+            plan.days = sorted(plan.days + [run_date])
+        return plan
+
+    def _missing_days(self, days: dict[str, Path], run_date: str, records: dict[str, dict],
+                      in_model: set[str]) -> list[str]:
+        """Dates up to ``run_date`` (from the first known day on) with neither a file nor a record: a
+        :class:`DailyError` by default, or recorded as skipped with ``skip_missing_days``; returns those skipped."""
+        known = set(days) | set(records) | in_model
+        first = parse_date(min(known))
+        calendar = [(first + dt.timedelta(days=i)).isoformat()
+                    for i in range((parse_date(run_date) - first).days + 1)]
+        missing = [d for d in calendar if d not in days and d not in records and d not in in_model]
+        if not missing:
+            return []
+        if not self.daily["skip_missing_days"]:
+            raise DailyError(
+                f"day {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: no day_{missing[0]}.tsv"
+                f"[.gz] in {self.options.data_root} although later days are there; days are trained in order, so"
+                " wait for it, or pass --skip-missing-days (daily.skip_missing_days: true) to go on without it"
+                " (recorded as skipped)")
+        _log(f"skipping missing day(s) {', '.join(missing)} (--skip-missing-days); recorded as skipped")
+        for d in missing:
+            self._write_note(d, run_date, "skipped", "no data file when the run started (skip_missing_days)")
+        return missing
+
+    def _write_note(self, day: str, run_date: str, status: str, reason: str, **details: Any) -> None:
+        """The record of a day this run did not train (skipped, late, invalid) and why."""
+        _rank0(self.store.write_record, day, {"day": day, "status": status, "reason": reason, "run_date": run_date,
+                                              "version": None, "finished_at": _now(time.time()), **details})
 
     def _staging_progress(self) -> Optional[dict[str, Any]]:
         if not (self.store.staging / ckpt.META_FILE).is_file():
             return None
-        return ckpt._read_meta(self.store.staging).get("progress")
+        try:
+            return ckpt.read_meta(self.store.staging).get("progress")
+        except ckpt.CheckpointError as e:
+            raise DailyError(f"the unfinished run's model cannot be read: {one_line(e)}; delete {self.store.work}"
+                             " to train the run's days again from the current model") from e
 
-    def _load(self, engine: Any, path: Path, module: Any) -> None:
-        metadata = engine.load(path, module)
-        module.configure_optimizers().load_state_dict(metadata["dense_optimizer"])
+    # -- checks before training ------------------------------------------------------------------------------
+    def _check_held_out(self, day: Day, path: Path) -> None:
+        """The gate's data (the newest day's held-out rows) must exist and hold both labels."""
+        fraction = float(self.daily["eval_fraction"])
+        _, held = split_rows(day.rows, fraction)
+        count = held.stop - held.start
+        if count == 0:
+            raise DailyError(f"{path.name} has {day.rows} rows, so its held-out share (daily.eval_fraction="
+                             f"{fraction}) is empty and the new model cannot be evaluated; is the export complete?"
+                             " Rerun when the whole day has arrived, or raise daily.eval_fraction")
+        clicks = int(day.labels[held].sum())
+        if clicks in (0, count):
+            raise DailyError(f"the {count} held-out rows of {path.name} all have label {int(clicks > 0)}, so AUC is"
+                             " undefined and the gate cannot compare models; is the export complete? Rerun when the"
+                             " whole day has arrived, or raise daily.eval_fraction")
+
+    def _validate(self, plan: list[str], days: dict[str, Path], run_date: str,
+                  info: dict[str, Any]) -> dict[str, Any]:
+        """Check each day of ``plan`` against the days before it that went into the model (see
+        :mod:`disttrain.recsys.validate`); the first day out of bounds is recorded as invalid and stops the run."""
+        if self.options.skip_validation:
+            _log("data validation skipped (--skip-validation)")
+            return {d: "skipped (--skip-validation)" for d in plan}
+        in_model = set(info.get("days", [])) & set(days)
+        needed = {x for d in plan for x in sorted(x for x in in_model if x < d)[-self.bounds.days:]} - set(plan)
+        stats = _rank0(self._day_stats, plan, sorted(needed), days)
+        accepted = set(x for x in in_model if x in stats)
+        summary: dict[str, Any] = {}
+        for d in plan:
+            before = sorted(x for x in accepted if x < d)[-self.bounds.days:]
+            finding = check_day(stats[d], [stats[x] for x in before], self.bounds)
+            if finding is not None:
+                message = (f"{days[d].name}: {finding.statistic} {finding.value:.4f} is beyond its bound"
+                           f" {finding.bound}; the day's data changed: fix the export, or if the change is real,"
+                           " loosen daily.validation or rerun with --skip-validation")
+                self._write_note(d, run_date, "invalid", message, finding=finding.as_dict(), baseline_days=before)
+                raise DailyError(message)
+            summary[d] = {"baseline_days": before, "label_rate": round(stats[d]["label_rate"], 6)}
+            accepted.add(d)
+        return summary
+
+    def _day_stats(self, plan: list[str], baseline: list[str], days: dict[str, Path]) -> dict[str, dict]:
+        """Statistics of the plan's days and of the baseline days; a baseline day whose file can no longer be read
+        is left out of the baseline (it was trained on already) rather than stopping the run."""
+        stats = {d: day_stats(days[d], self.cache) for d in plan}
+        for d in baseline:
+            try:
+                stats[d] = day_stats(days[d], self.cache)
+            except (BadDataError, OSError, ValueError) as e:
+                _log(f"{d} left out of the validation baseline: {one_line(e)}")
+        return stats
+
+    def _warm_start(self, engine: Any, module: Any, path: Path, fix: str) -> None:
+        """Load ``path`` into the sharded module and refuse it when it cannot be read or holds non-finite values."""
+        try:
+            with _quiet_root_logger(not self.options.verbose):
+                metadata = engine.load(path, module)
+            module.configure_optimizers().load_state_dict(metadata["dense_optimizer"])
+        except (ckpt.CheckpointError, RuntimeError, KeyError, ValueError, OSError) as e:
+            raise DailyError(f"{path} cannot be loaded: {one_line(e)}; {fix}") from e
+        bad = self._nonfinite(module)
+        if bad:
+            raise DailyError(f"{path} has non-finite weights ({bad}); training from it would only spread them: {fix}")
+
+    def _nonfinite(self, module: Any) -> Optional[str]:
+        """None when every weight of ``module`` is finite, else how many are not and where (on every rank)."""
+        from disttrain.recsys.model import nonfinite_values
+
+        return describe_nonfinite(nonfinite_values(module, self.device))
+
+    # -- training, evaluation, publishing ----------------------------------------------------------------------
+    def _train(self, engine: Any, module: Any, plan: Plan, loaded: dict[str, Day],
+               progress: dict[str, Any]) -> tuple[list[str], Optional[tuple[str, str]]]:
+        """Train the plan's days not trained yet, saving the model to work/staging after each; returns the days
+        trained and, when the weights went non-finite, (the day, what went non-finite): a diverged model is neither
+        saved for a resume nor trained further."""
+        trained = list(plan.trained)
+        for d in plan.days:
+            if d in trained:
+                continue
+            rows = self._fit_day(module, loaded[d])
+            bad = self._nonfinite(module)
+            if bad:
+                _log(f"{d}: training diverged: {bad}")
+                return trained, (d, bad)
+            trained.append(d)
+            engine.save(self.store.staging, module, {"progress": {**progress, "trained": trained},
+                                                     "dense_optimizer": module.configure_optimizers().state_dict()})
+            _log(f"{d}: trained on {rows} rows")
+            _crash_point(f"after-day-{d}")
+        return trained, None
 
     def _fit_day(self, module: Any, day: Day) -> int:
         """One epoch over the day's training rows (all but the held-out tail); returns their number."""
@@ -276,8 +476,9 @@ class DailyJob:
     def evaluate(self, module: Any, day: Day) -> dict[str, float]:
         return evaluate(module, day, float(self.daily["eval_fraction"]), int(self.train["batch_size"]), self.device)
 
-    def _publish(self, engine: Any, module: Any, info: dict[str, Any], record: dict[str, Any]) -> str:
-        version = _rank0(self.store.next_version)
+    def _publish(self, engine: Any, module: Any, info: dict[str, Any], record: dict[str, Any],
+                 removed: list[str]) -> str:
+        version = _rank0(self.store.next_version, removed)
         days = sorted(set(info.get("days", [])) | set(record["run_days"]))
         new_info = {"version": version.name, "days": days, "previous": record["previous_version"],
                     "metrics": record["metrics"], "published_at": _now(time.time()), "model": self.recipe["model"],
@@ -289,9 +490,9 @@ class DailyJob:
             self.store.finish_version(version, new_info)
             _crash_point("before-pointer")
             self.store.point_at(version)
-            removed = self.store.prune(int(self.daily["keep_versions"]))
-            if removed:
-                _log(f"removed old versions {removed}")
+            pruned = self.store.prune(int(self.daily["keep_versions"]))
+            if pruned:
+                _log(f"removed old versions {pruned}")
 
         _rank0(swap)
         return version.name
@@ -302,6 +503,58 @@ class DailyJob:
             self.store.write_record(d, {**record, "day": d, "finished_at": finished})
         if self.store.work.exists():
             shutil.rmtree(self.store.work)
+
+
+def rejection(metrics: dict[str, float], current: Optional[dict[str, float]], diverged: Optional[tuple[str, str]],
+              tolerance: float, min_auc: float) -> Optional[str]:
+    """Why a new model must not be published, or None: weights that went non-finite while training ``diverged``
+    (the day, what went non-finite), non-finite metrics, an AUC under the absolute floor ``min_auc`` (the only
+    gate of a first model), or an AUC more than ``tolerance`` below the current model's."""
+    if diverged is not None:
+        day, bad = diverged
+        return f"training diverged on {day}: {bad}; lower train.lr or model.sparse_optimizer.lr"
+    broken = [f"{k} {v}" for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if broken:
+        return f"non-finite metrics ({', '.join(broken)})"
+    if metrics["auc"] < min_auc:
+        first = " (a first model has no current model to compare with)" if current is None else ""
+        return f"AUC {metrics['auc']:.4f} < daily.min_auc {min_auc}{first}"
+    if current is not None and metrics["auc"] < current["auc"] - tolerance:
+        return f"AUC {metrics['auc']:.4f} < current {current['auc']:.4f} - auc_tolerance {tolerance}"
+    return None
+
+
+def describe_nonfinite(counts: dict[str, tuple[int, int]]) -> Optional[str]:
+    """None when no tensor holds a non-finite value, else e.g. "116,052 of 473,321 values are non-finite, in 26 of
+    38 tensors (the most in net.ebc.embedding_bags.t_cat_3.weight)" from ``{name: (non-finite, all)}``."""
+    bad = {name: n for name, (n, _) in counts.items() if n}
+    if not bad:
+        return None
+    total = sum(t for _, t in counts.values())
+    return (f"{sum(bad.values()):,} of {total:,} values are non-finite, in {len(bad)} of {len(counts)} tensors"
+            f" (the most in {max(bad, key=bad.get)})")
+
+
+def _json_safe(metrics: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Metrics for a JSON record: NaN and infinities as strings ("nan", "inf"), which strict JSON readers accept."""
+    if metrics is None:
+        return None
+    return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An error's message on one line: a message that embeds a traceback (DCP's CheckpointException does) keeps
+    its first line and the exception line at the end of the traceback, each cut at ``limit`` characters."""
+    text = re.sub(r"CheckpointException ranks:dict_keys\(\[[\d, ]*\]\)", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if len(lines) == 1:
+        return lines[0]
+    cut = [line if len(line) <= limit else line[:limit] + "..." for line in lines]
+    last = next((i for i in reversed(range(len(lines))) if re.match(r"^[\w.]+(Error|Exception)\b", lines[i])),
+                len(lines) - 1)
+    return f"{cut[0]} {cut[last]}"
 
 
 @torch.no_grad()
@@ -339,9 +592,10 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 
 def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Daily DeepFM retraining: warm start, catch-up, gated atomic"
-                                " publish. Exit 0: published or nothing to do; 3: trained but not published (AUC"
-                                " regressed); 1: failed (the message says why).")
+    p = argparse.ArgumentParser(prog=prog, description="Daily DeepFM retraining: warm start, catch-up, data"
+                                " validation, gated atomic publish. Exit 0: published or nothing to do; 3: trained"
+                                " but not published (AUC gate, or the model diverged); 1: failed (the message says"
+                                " why).")
     p.add_argument("--data-root", required=True, type=Path, help="folder of day_YYYY-MM-DD.tsv[.gz] files")
     p.add_argument("--model-root", required=True, type=Path, help="folder of published versions, records, lock")
     p.add_argument("--run-date", type=parse_date, default=None,
@@ -350,9 +604,22 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="retrain --run-date even if it was processed already")
     p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "gpu", "cuda"))
     p.add_argument("--auc-tolerance", type=float, default=None, help="override daily.auc_tolerance")
+    p.add_argument("--min-auc", type=float, default=None, help="override daily.min_auc")
     p.add_argument("--max-bad-fraction", type=float, default=None, help="override daily.max_bad_fraction")
     p.add_argument("--keep-versions", type=int, default=None, help="override daily.keep_versions")
+    p.add_argument("--skip-missing-days", action="store_true", default=None,
+                   help="go on without a missing day (recorded as skipped) instead of stopping;"
+                   " daily.skip_missing_days")
+    p.add_argument("--train-late-days", action="store_true", default=None,
+                   help="train days older than the model's newest day on top of it; daily.train_late_days")
+    p.add_argument("--skip-validation", action="store_true",
+                   help="train without checking the days against the days before them (a real change in the data)")
+    p.add_argument("--verbose", action="store_true", help="print the traceback of a failure too")
     return p
+
+
+ERRORS = (DailyError, BadDataError, LockedError, StoreError, ConfigError, FileNotFoundError, ValueError,
+          ckpt.CheckpointError)
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "deepfm_daily.py") -> int:
@@ -360,8 +627,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "deepfm_daily.py") -> int
     options = DailyOptions(**vars(args))
     try:
         result = DailyJob(options).run()
-    except (DailyError, BadDataError, LockedError, FileNotFoundError, ValueError, ckpt.CheckpointError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+    except ERRORS as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        if options.verbose:
+            traceback.print_exc()
         return EXIT_FAILED
     finally:
         if dist.is_initialized():

@@ -11,9 +11,9 @@ from typing import Any, Optional, Sequence, Union
 
 import lightning as L
 import torch
-import yaml
 from torch import nn
 
+from disttrain.config import Schema, check_keys, keys_of, read_config
 from disttrain.parallel.recsys import dense_parameters
 
 NUM_DENSE, NUM_SPARSE = 13, 26
@@ -97,20 +97,58 @@ class DeepFMNet(nn.Module):
         return deep + fm_interaction(fields) + self.linear(dense).squeeze(1)
 
 
+# The model: section: DeepFMNet's arguments; sparse_optimizer is the fused optimizer's mapping (fused_params).
+MODEL_SCHEMA: Schema = {**keys_of(DeepFMNet, exclude=["device"]),
+                        "sparse_optimizer": dict.fromkeys(("name", "lr", "eps"))}
+
+
 def load_model_config(config: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
-    """The ``model:`` mapping of a recipe YAML (or a dict that is either the whole recipe or that mapping)."""
+    """The ``model:`` mapping of a recipe YAML (or a dict that is either the whole recipe or that mapping); an
+    unknown key is one error with the closest valid key."""
     if isinstance(config, (str, Path)):
-        path = Path(config)
-        if not path.is_file():
-            raise FileNotFoundError(f"config {str(path)!r} does not exist; pass e.g. configs/recsys/deepfm_tiny.yaml")
-        config = yaml.safe_load(path.read_text()) or {}
+        # Only model: is read here; the daily job's reader checks the other sections (load_recipe).
+        schema = {"model": MODEL_SCHEMA, **dict.fromkeys(("train", "strategy", "daily"))}
+        return read_config(config, schema, example="configs/recsys/deepfm_tiny.yaml")["model"]
     model = dict(config.get("model", config))
-    known = {"embedding_dim", "num_embeddings_per_feature", "dense_in_features", "bottom_mlp", "deep_mlp",
-             "sparse_optimizer"}
-    unknown = sorted(set(model) - known)
-    if unknown:
-        raise ValueError(f"unknown DeepFM model keys {unknown}; valid keys are {sorted(known)}")
+    check_keys(model, MODEL_SCHEMA, "the config dict", "model")
     return model
+
+
+def nonfinite_values(module: nn.Module, device: Optional[torch.device] = None) -> dict[str, tuple[int, int]]:
+    """``{name: (non-finite values, all values)}`` for every floating-point tensor of ``module``'s state dict,
+    counted over all ranks (a collective when a process group runs: call it on every rank). Sharded
+    tables (torchrec's ShardedTensor, DTensor) are counted over their shards on all ranks; other tensors are
+    replicated and counted once. ``device``: where the counts are reduced (the process group's device)."""
+    import torch.distributed as dist
+
+    names, counts, sharded = [], [], []
+    for name, value in module.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        parts, is_sharded = _local_parts(value)
+        if not all(t.is_floating_point() or t.is_complex() for t in parts):
+            continue
+        names.append(name)
+        counts.append([sum(int((~torch.isfinite(t)).sum()) for t in parts), sum(t.numel() for t in parts)])
+        sharded.append(is_sharded)
+    table = torch.tensor(counts or [[0, 0]], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and names:
+        mask = torch.tensor(sharded, dtype=torch.bool, device=device).unsqueeze(1)
+        summed = torch.where(mask, table, torch.zeros_like(table))
+        dist.all_reduce(summed)
+        table = torch.where(mask, summed, table)
+    return {name: (int(bad), int(total)) for name, (bad, total) in zip(names, table.tolist())}
+
+
+def _local_parts(value: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
+    """(the tensors this rank holds of ``value``, whether ``value`` is sharded across ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return [value.to_local()], True
+    if hasattr(value, "local_shards"):  # torchrec's ShardedTensor
+        return [shard.tensor for shard in value.local_shards()], True
+    return [value], False
 
 
 class DeepFM(L.LightningModule):

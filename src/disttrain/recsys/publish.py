@@ -17,13 +17,17 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 VERSION_DIGITS = 6
 
 
 class LockedError(RuntimeError):
     """Another run of the daily job holds the lock."""
+
+
+class StoreError(RuntimeError):
+    """A file of the model store that cannot be read (the message names it and what to do)."""
 
 
 def fsync_tree(path: Path) -> None:
@@ -44,6 +48,14 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_json(path: Path, fix: str) -> Any:
+    """The JSON in ``path``; a corrupt file is one clear error that names it and ``fix``."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{path} cannot be read ({e}); {fix}") from None
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -103,14 +115,43 @@ class ModelStore:
         return target
 
     def info(self, version: Optional[Path]) -> dict[str, Any]:
+        """The ``info.json`` of a published version ({} for None)."""
         if version is None:
             return {}
-        return json.loads((version / "info.json").read_text())
+        return read_json(version / "info.json", f"point current at an earlier version (ln -sfn versions/NNNNNN"
+                                                f" {self.pointer})")
 
-    def next_version(self) -> Path:
+    def next_version(self, after: Iterable[str] = ()) -> Path:
+        """The folder of the next version: one past the highest existing number and the names in ``after``
+        (versions removed in this run, so that one name never means two models in one run's record)."""
         self.versions.mkdir(parents=True, exist_ok=True)
         numbers = [int(p.name) for p in self.versions.iterdir() if p.name.isdigit()]
+        numbers += [int(name) for name in after]
         return self.versions / f"{max(numbers, default=0) + 1:0{VERSION_DIGITS}d}"
+
+    def published_versions(self) -> set[str]:
+        """The versions some run record names as published (made current at some point)."""
+        return {r["version"] for r in self.records().values() if r.get("status") == "published" and r.get("version")}
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove versions that are complete but were never made current: a run that stopped between writing its
+        version and swapping the pointer leaves one, newer than ``current`` and named in no run record. (Older
+        unrecorded versions are kept: an operator may have pointed ``current`` back past them.) Returns their
+        names."""
+        if not self.versions.is_dir():
+            return []
+        current = self.current()
+        floor = int(current.name) if current is not None and current.name.isdigit() else 0
+        published = self.published_versions()
+        removed = []
+        for folder in sorted(p for p in self.versions.iterdir() if p.name.isdigit()):
+            if int(folder.name) > floor and folder.name not in published and \
+                    (current is None or folder.resolve() != current):
+                shutil.rmtree(folder)
+                removed.append(folder.name)
+        if removed:
+            fsync_dir(self.versions)
+        return removed
 
     def partial(self, version: Path) -> Path:
         return version.with_name(f".{version.name}.partial")
@@ -152,7 +193,14 @@ class ModelStore:
 
     def record(self, day: str) -> Optional[dict[str, Any]]:
         path = self.record_path(day)
-        return json.loads(path.read_text()) if path.is_file() else None
+        return read_json(path, "restore it from a backup or delete it (the day then counts as unprocessed)") \
+            if path.is_file() else None
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Every day's record, by day."""
+        if not self.runs.is_dir():
+            return {}
+        return {path.stem: self.record(path.stem) for path in sorted(self.runs.glob("*.json"))}
 
     def write_record(self, day: str, record: dict[str, Any]) -> None:
         write_json_atomic(self.record_path(day), record)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-import yaml
 from torch import nn
 
+from disttrain.config import Schema, keys_of, read_config
 from disttrain.parallel.options import build_options
 
 # timm registers no generic "vit" name: building through a registered architecture keeps create_model's
@@ -53,16 +53,21 @@ class TrainConfig:
 
 
 def read_yaml(path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """A ViT recipe YAML as a dict; one clear error (with the closest valid key) for a missing file, a missing
+    ``model:`` section or an unknown section or key."""
     path = Path(path)
     if not path.is_file():
         known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))) if CONFIG_DIR.is_dir() else "none"
         raise FileNotFoundError(f"config {str(path)!r} does not exist; pass a YAML file such as"
                                 f" configs/vision/vit_tiny.yaml (found in configs/vision: {known})")
-    config = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
-        raise ValueError(f"config {str(path)!r} has no `model:` mapping of timm VisionTransformer arguments;"
-                         " start from configs/vision/vit_tiny.yaml")
-    return config
+    return read_config(path, recipe_schema(), example="configs/vision/vit_tiny.yaml")
+
+
+def recipe_schema() -> Schema:
+    """What a ViT recipe YAML may hold (see :mod:`disttrain.config`)."""
+    from disttrain.vision.data import DataConfig
+
+    return {"model": dict.fromkeys(_vit_arguments()), "data": keys_of(DataConfig), "train": keys_of(TrainConfig)}
 
 
 def train_config(section: Optional[dict[str, Any]]) -> TrainConfig:
