@@ -2,7 +2,7 @@
 carry: tied weights, a frozen layer, a single-element parameter and one with fewer elements than ranks, buffers and
 two parameter groups with different hyper-parameters (DeepSpeed itself refuses 0-d parameters).
 
-Usage: zero3_shards.py OUT --save DIR [--load DIR ...] [--width W --depth D --vocab V] [--baseline]
+Usage: zero3_shards.py OUT --save DIR [--load DIR ...] [--width W --depth D --vocab V] [--strategy NAME] [--baseline]
 
 Trains steps 0-1, saves at DIR (measuring the save), trains steps 2-3 (the uninterrupted run), then restores DIR into
 the same objects (measuring the load) and into fresh ones, and each --load folder (written by another strategy or
@@ -212,11 +212,12 @@ def main() -> None:
     p.add_argument("--width", type=int, default=37)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--vocab", type=int, default=101)
+    p.add_argument("--strategy", default="disttrain_zero3", choices=("disttrain_zero3", "disttrain_zero3_offload"))
     p.add_argument("--baseline", action="store_true")
     args = p.parse_args()
     sizes = {"width": args.width, "depth": args.depth, "vocab": args.vocab}
 
-    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="disttrain_zero3")
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=args.strategy)
     fabric.launch()
     rank, world = fabric.global_rank, fabric.world_size
 

@@ -4,6 +4,7 @@ and consolidation of ZeRO checkpoints. Used by both ZeRO adapters (torch and dee
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import math
 import os
@@ -263,6 +264,19 @@ def _partition_ranges(param: torch.nn.Parameter) -> list[tuple[int, int]]:
     return [(min(r * size, numel), min((r + 1) * size, numel)) for r in range(world)]
 
 
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as ``view`` (a slice of DeepSpeed's flat partition), as a tensor whose storage is exactly its
+    bytes. Why: DCP's file writer copies every tensor that is a view of a larger storage and keeps the copies until
+    the rank's file is closed, which would cost each rank its whole share of the checkpoint in host memory while
+    saving; a tensor of its own storage is written in place. The alias holds ``view``, so the memory outlives it."""
+    if view.device.type != "cpu" or view.numel() == 0:
+        return view  # device memory is copied to the host by DCP anyway
+    memory = (ctypes.c_byte * view.nbytes).from_address(view.data_ptr())
+    alias = torch.frombuffer(memory, dtype=view.dtype).view(view.shape)
+    alias.source = view
+    return alias
+
+
 def _sharded(partition: torch.Tensor, shape: Sequence[int], ranges: list[tuple[int, int]], rank: int) -> Any:
     """A ShardedTensor of full ``shape`` whose local shards are views of ``partition`` (this rank's flat slice of
     the tensor, from element ``ranges[rank][0]``); its global metadata lists every rank's boxes."""
@@ -279,7 +293,7 @@ def _sharded(partition: torch.Tensor, shape: Sequence[int], ranges: list[tuple[i
             every.append(meta)
             numel = math.prod(sizes)
             if r == rank:
-                local.append(Shard(partition[at:at + numel].view(sizes), meta))
+                local.append(Shard(_own_storage(partition[at:at + numel].view(sizes)), meta))
             at += numel
     properties = TensorProperties(dtype=partition.dtype, pin_memory=partition.is_pinned())
     # No collective: every rank computes the same global metadata from the partition sizes.
