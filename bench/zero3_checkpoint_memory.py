@@ -85,7 +85,8 @@ def main() -> None:
     for n, (ranks, _) in runs.items():
         save, load = (worst(ranks, "sharded", op, "rss_peak") / worst(ranks, "gathered", op, "rss_peak")
                       for op in ("save", "load"))
-        scaling = worst(ranks, "sharded", "load", "tensor_peak") / worst(runs[first][0], "sharded", "load", "tensor_peak")
+        scaling = (worst(ranks, "sharded", "load", "tensor_peak")
+                   / worst(runs[first][0], "sharded", "load", "tensor_peak"))
         print(f"  {n} ranks: save {save:.3f}, load {load:.3f}; load tensors x{scaling:.2f} (1/N: x{first / n:.2f})")
     print("  (the sharded save writes the partitions in place, so its figures are bookkeeping, not a share of the"
           " model;\n   the profiler misses frees made on gloo's threads, which inflates the gathered path's tensor"

@@ -216,7 +216,8 @@ def test_trainer_checkpoints_move_between_zero3_and_fsdp(tmp_path, trainer_zero3
     zero3, fsdp = (Path(run[0]["ckpt_dir"]) / "epoch=0-step=3.ckpt" for run in (trainer_zero3, trainer_fsdp))
     written = tensor_bytes_per_rank(zero3)
     assert min(written) > 0.45 * sum(written)  # each rank wrote its half
-    runs = run_dist("trainer_resume.py", tmp_path, "disttrain_fsdp", str(zero3), "disttrain_zero3", str(fsdp))[0]["runs"]
+    ranks = run_dist("trainer_resume.py", tmp_path, "disttrain_fsdp", str(zero3), "disttrain_zero3", str(fsdp))
+    runs = ranks[0]["runs"]
     assert [r["global_step"] for r in runs] == [5, 5]
     assert close(runs[0]["losses"], trainer_zero3[0]["losses"][3:]), runs[0]
     assert close(runs[1]["losses"], trainer_fsdp[0]["losses"][3:]), runs[1]

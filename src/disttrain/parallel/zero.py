@@ -224,11 +224,12 @@ def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix:
 # every strategy uses: a parameter is stored under its FQN with its full shape (the fp32 master weights when the
 # optimizer holds them; Adam moments likewise, flattened per parameter as `checkpoint.flatten_optimizer` does), and
 # ZeRO-3's partition of it, elements [rank x p, (rank + 1) x p) of the flattened tensor (p = ceil(numel / world),
-# the rest padding), is a union of a few n-d boxes: a ShardedTensor with one local shard per box, each a view of
-# DeepSpeed's own partition memory. DCP writes every rank's boxes from that rank, and on load reads for each box
-# only the stored chunks that overlap it, straight into the partition. Nothing is gathered: the extra host memory
-# per rank is about one stored chunk instead of the whole model and optimizer state on rank 0 (and on every rank
-# when loading), and a checkpoint moves to and from every other strategy and world size through DCP's resharding.
+# the rest padding), is a union of a few n-d boxes: a ShardedTensor with one local shard per box, each aliasing
+# DeepSpeed's own partition memory. DCP writes every rank's boxes from that rank, in place, and on load reads for
+# each box only the stored chunks that overlap it, straight into the partition. Nothing is gathered: a save needs
+# next to no extra host memory and a load about a stored chunk at a time, where gathering held the whole model and
+# optimizer state on rank 0 (and on every rank to load); and the folder moves to and from every other strategy and
+# world size through DCP's resharding.
 
 def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The n-d boxes ``(offsets, sizes)`` whose union is elements ``[start, end)`` of a row-major tensor of ``shape``,
@@ -273,7 +274,7 @@ def _own_storage(view: torch.Tensor) -> torch.Tensor:
         return view  # device memory is copied to the host by DCP anyway
     memory = (ctypes.c_byte * view.nbytes).from_address(view.data_ptr())
     alias = torch.frombuffer(memory, dtype=view.dtype).view(view.shape)
-    alias.source = view
+    alias.owner = view
     return alias
 
 
@@ -364,6 +365,12 @@ class _ZeroLayout:
         if self.swapped:
             from deepspeed.utils import safe_get_local_optimizer_state, safe_set_local_optimizer_state
 
+            if key not in self.flat_state(sub_group):
+                raise NotImplementedError(
+                    f"cannot restore optimizer state {key!r} under offload_optimizer='nvme' before the first step"
+                    " (DeepSpeed creates the swapped state there); resume with offload_optimizer='cpu' and switch"
+                    " back at the next checkpoint (the layout is the same)")
+
             copy = safe_get_local_optimizer_state(param, key).to("cpu", copy=True)
             return _Slot(copy, lambda: safe_set_local_optimizer_state(param, copy, key))
         flat = self.zero.fp32_partitioned_groups_flat[sub_group]
@@ -393,9 +400,6 @@ class _ZeroLayout:
             else:
                 state[name] = self.sharded(self.weights(param, name), param)
         return state
-
-    def group_of(self) -> dict[int, int]:
-        return {id(p): i for i, group in enumerate(self.zero.fp16_groups) for p in group}
 
     def hyper(self, sub_group: int) -> dict[str, Any]:
         return {k: v for k, v in self.zero.optimizer.param_groups[sub_group].items() if k != "params"}
@@ -476,17 +480,17 @@ def load_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, opt
     path = Path(path)
     stored = stored_entries(path)
     layout = _ZeroLayout(module, optimizer)
-    model_prefix = f"{model_key}."
-    in_file = {k[len(model_prefix):] for k in stored if k.startswith(model_prefix)}
-    if not in_file:
-        raise CheckpointError(f"checkpoint {str(path)!r} has no {model_key!r} (it holds"
-                              f" {sorted({k.split('.', 1)[0] for k in stored})}); pass the same state keys that were"
-                              " saved")
+    for key in filter(None, (model_key, optim_key)):
+        if not any(k.startswith(f"{key}.") for k in stored):
+            raise CheckpointError(f"checkpoint {str(path)!r} has no {key!r} (it holds"
+                                  f" {sorted({k.split('.', 1)[0] for k in stored})}); pass the same state keys that"
+                                  " were saved")
+    in_file = {k[len(model_key) + 1:] for k in stored if k.startswith(f"{model_key}.")}
     expected = set(module.state_dict())
     missing, unexpected = sorted(expected - in_file), sorted(in_file - expected)
     if strict and (missing or unexpected):
-        differences = ", ".join(f"{what} {keys[:5]}" for what, keys in (("missing", missing), ("unexpected", unexpected))
-                                if keys)
+        differences = ", ".join(f"{what} {keys[:5]}" for what, keys in zip(("missing", "unexpected"),
+                                                                            (missing, unexpected)) if keys)
         raise CheckpointError(f"checkpoint {str(path)!r} does not match the model: {differences}; pass strict=False"
                               " to load the common keys")
     targets: dict[str, Any] = {model_key: layout.model_state(keys=expected & in_file)}
