@@ -150,7 +150,7 @@ def tensor_bytes_per_rank(path) -> list[int]:
     return [written[name] for name in sorted(written)]
 
 
-def _tensor_bytes(path) -> int:
+def checkpoint_tensor_bytes(path) -> int:
     return sum(math.prod(md.size) * md.properties.dtype.itemsize for md in stored_entries(path).values()
                if hasattr(md, "chunks"))
 
@@ -162,7 +162,7 @@ def test_checkpoint_memory_per_rank_falls_as_one_over_world_size(edge):
     Saving writes the partitions in place: far below the rank's share (the table of bench/zero3_checkpoint_memory.py
     shows MiB against hundreds). Loading reads the rank's share, a stored chunk at a time: half as much at 4 ranks
     as at 2."""
-    total = _tensor_bytes(edge["tmp"] / "zero3-2")
+    total = checkpoint_tensor_bytes(edge["tmp"] / "zero3-2")
     worst = {n: {(op, key): max(r[op][key] for r in edge[n]) for op in ("save", "load")
                  for key in ("tensor_peak", "tensor_allocated")} for n in (2, 4)}
     for n in (2, 4):

@@ -109,8 +109,9 @@ def _release_free_memory() -> None:
 def measure(fn) -> dict[str, int]:
     """Bytes ``fn`` needs on this rank beyond what it held before: ``rss_peak`` (the resident set's high-water mark
     above the start), ``tensor_peak`` (the most tensor bytes alive at once, counted by the profiler from every
-    allocation and free of torch's CPU allocator) and ``tensor_allocated`` (all tensor bytes allocated). Runs
-    ``fn`` twice, once per way of counting."""
+    allocation and free of torch's CPU allocator; it does not see the frees of tensors handed to gloo collectives,
+    so a path that all-gathers reads high there) and ``tensor_allocated`` (all tensor bytes allocated). Runs ``fn``
+    twice, once per way of counting."""
     _release_free_memory()
     dist.barrier()
     start = _status("VmRSS")
