@@ -138,15 +138,17 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
 
     def save_checkpoint(self, path: Any, state: dict, storage_options: Optional[Any] = None,
                         filter: Optional[dict] = None) -> None:
-        """Writes the one disttrain layout (a DCP folder, parameters and optimizer state by FQN) that every
-        disttrain strategy reads at any world size; see :func:`disttrain.parallel.zero.zero3_model_state`."""
+        """Writes the one disttrain layout (a DCP folder, parameters and optimizer state by FQN, each rank writing
+        only its partitions) that every disttrain strategy reads at any world size; see
+        :func:`disttrain.parallel.zero.zero3_model_state`."""
         if storage_options is not None or filter is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
         save_zero3_checkpoint(self.broadcast(path), state)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restores a disttrain checkpoint of any strategy and world size; a DeepSpeed folder (written by
+        """Restores a disttrain checkpoint of any strategy and world size, each rank reading only what its
+        partitions need; a DeepSpeed folder (written by
         disttrain before 0.2 or by DeepSpeed itself) is still read by DeepSpeed, at the world size it was saved."""
         path = Path(self.broadcast(path))
         if is_zero_checkpoint(path):

@@ -457,3 +457,31 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
 
     done = [p for p in folder.iterdir() if not p.name.startswith(".") and is_complete(p)]
     return max(done, key=order) if done else None
+
+
+# -- reading a DCP folder into prepared targets (strategies that build their own load targets, like ZeRO-3) ------
+def storage_reader(path: str | os.PathLike) -> dcp.FileSystemReader:
+    """The reader through which these loads read a checkpoint folder's ``.metadata`` and shards."""
+    return dcp.FileSystemReader(Path(path))
+
+
+def stored_entries(path: str | os.PathLike) -> dict[str, Any]:
+    """What a DCP checkpoint folder holds, without reading any tensor: flattened key (``"model.<fqn>"``,
+    ``"optimizer.state.<fqn>.exp_avg"``) -> DCP's ``TensorStorageMetadata`` (full size, dtype, stored chunks) or
+    ``BytesStorageMetadata``."""
+    try:
+        return dict(storage_reader(path).read_metadata().state_dict_metadata)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: cannot read its .metadata ({e}); resume from"
+                              " an earlier checkpoint") from e
+
+
+def load_into(path: str | os.PathLike, targets: dict[str, Any], strict: bool = True) -> None:
+    """Collective ``dcp.load`` of a checkpoint folder into ``targets`` (nested dicts of tensors, DTensors or
+    ShardedTensors, filled in place; other values are replaced by the stored ones): each rank reads only the
+    stored chunks that overlap its targets."""
+    try:
+        dcp.load(targets, storage_reader=storage_reader(path),
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e

@@ -4,15 +4,20 @@ and consolidation of ZeRO checkpoints. Used by both ZeRO adapters (torch and dee
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
+import math
 import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from disttrain.parallel.checkpoint import flatten_optimizer, restore_rest, unflatten_optimizer
+from disttrain.parallel.checkpoint import restore_rest
 
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 
@@ -257,13 +262,221 @@ def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix:
 
 
 # -- the one checkpoint layout (DCP, parameters by fully qualified name) -----------------------------------------
-# Why this way: a DeepSpeed folder holds flat per-rank fp32 partitions whose boundaries depend on the world size
-# and on DeepSpeed's sub-groups, so nothing else can read it. Here every parameter is gathered one at a time
-# (DeepSpeed's safe_get_full_* API, a collective) and written under its FQN, exactly as FSDP/Megatron/DDP write
-# theirs (torch.distributed.checkpoint state dicts from get_model_state_dict / get_optimizer_state_dict). Rank 0
-# holds the gathered tensors and writes them; the cost is one full copy of model + optimizer state in rank 0's
-# host memory while saving, which is what zero_to_fp32 costs too. Loading reads each full tensor on every rank and
-# keeps only this rank's partition (safe_set_full_*), so a checkpoint from any strategy and world size loads.
+# Why this way: DeepSpeed's own folder holds flat per-rank fp32 partitions whose boundaries depend on the world size
+# and on its sub-groups, so nothing else can read it. Here each rank describes what it already holds in the terms
+# every strategy uses: a parameter is stored under its FQN with its full shape (the fp32 master weights when the
+# optimizer holds them; Adam moments likewise, flattened per parameter as `checkpoint.flatten_optimizer` does), and
+# ZeRO-3's partition of it, elements [rank x p, (rank + 1) x p) of the flattened tensor (p = ceil(numel / world),
+# the rest padding), is a union of a few n-d boxes: a ShardedTensor with one local shard per box, each aliasing
+# DeepSpeed's own partition memory. DCP writes every rank's boxes from that rank, in place, and on load reads for
+# each box only the stored chunks that overlap it, straight into the partition. Nothing is gathered: a save needs
+# next to no extra host memory and a load about a stored chunk at a time, where gathering held the whole model and
+# optimizer state on rank 0 (and on every rank to load); and the folder moves to and from every other strategy and
+# world size through DCP's resharding.
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The n-d boxes ``(offsets, sizes)`` whose union is elements ``[start, end)`` of a row-major tensor of ``shape``,
+    in storage order. Each box is a contiguous run of the flattened tensor (``flat[a:b].view(sizes)``); there are
+    at most ``2 x ndim - 1`` of them."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    first, first_col = divmod(start, inner)
+    last, last_col = divmod(end, inner)
+
+    def in_row(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], a, b)]
+
+    if first == last:
+        return in_row(first, first_col, last_col)
+    boxes = []
+    if first_col:  # the end of a partial first row
+        boxes += in_row(first, first_col, inner)
+        first += 1
+    if last > first:  # whole rows
+        boxes.append(((first, *[0] * (len(shape) - 1)), (last - first, *shape[1:])))
+    return boxes + in_row(last, 0, last_col)  # the start of a partial last row
+
+
+def _partition_ranges(param: torch.nn.Parameter) -> list[tuple[int, int]]:
+    """Per rank of the partition group: the elements ``[start, end)`` of the flattened parameter its partition
+    holds, padding excluded (a parameter smaller than the world leaves the last ranks empty)."""
+    size, numel = param.partition_numel(), param.ds_numel
+    world = torch.distributed.get_world_size(group=param.ds_process_group)
+    return [(min(r * size, numel), min((r + 1) * size, numel)) for r in range(world)]
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as ``view`` (a slice of DeepSpeed's flat partition), as a tensor whose storage is exactly its
+    bytes. Why: DCP's file writer copies every tensor that is a view of a larger storage and keeps the copies until
+    the rank's file is closed, which would cost each rank its whole share of the checkpoint in host memory while
+    saving; a tensor of its own storage is written in place. The alias holds ``view``, so the memory outlives it."""
+    if view.device.type != "cpu" or view.numel() == 0:
+        return view  # device memory is copied to the host by DCP anyway
+    memory = (ctypes.c_byte * view.nbytes).from_address(view.data_ptr())
+    alias = torch.frombuffer(memory, dtype=view.dtype).view(view.shape)
+    alias.owner = view
+    return alias
+
+
+def _sharded(partition: torch.Tensor, shape: Sequence[int], ranges: list[tuple[int, int]], rank: int) -> Any:
+    """A ShardedTensor of full ``shape`` whose local shards are views of ``partition`` (this rank's flat slice of
+    the tensor, from element ``ranges[rank][0]``); its global metadata lists every rank's boxes."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    partition = partition.detach()
+    local, every = [], []
+    for r, (start, end) in enumerate(ranges):
+        at = 0
+        for offsets, sizes in flat_range_boxes(shape, start, end):
+            # Placements name the rank; the device is only checked for this rank's own shards.
+            meta = ShardMetadata(list(offsets), list(sizes), f"rank:{r}/{partition.device}")
+            every.append(meta)
+            numel = math.prod(sizes)
+            if r == rank:
+                local.append(Shard(_own_storage(partition[at:at + numel].view(sizes)), meta))
+            at += numel
+    properties = TensorProperties(dtype=partition.dtype, pin_memory=partition.is_pinned())
+    # No collective: every rank computes the same global metadata from the partition sizes.
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, ShardedTensorMetadata(every, torch.Size(shape), properties))
+
+
+@dataclass
+class _Slot:
+    """Where one stored tensor of a parameter lives on this rank: ``partition`` is this rank's flat slice (a view
+    of DeepSpeed's memory, or a copy for NVMe-swapped optimizer state, which ``commit`` writes back after a load)."""
+
+    partition: torch.Tensor
+    commit: Optional[Callable[[], None]] = None
+
+
+class _ZeroLayout:
+    """The partitions of one ZeRO-3 model (and its optimizer, which holds the fp32 master weights and the moments)
+    as ShardedTensors in the one layout, for saving and as load targets."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
+        self.module = module
+        self.zero = optimizer if hasattr(optimizer, "fp32_partitioned_groups_flat") else None
+        self.rank = torch.distributed.get_rank()
+        # fp32 master and moments of a parameter: (sub-group, offset of its partition in the flat sub-group tensor)
+        self.slots: dict[int, tuple[int, int]] = {}
+        if self.zero is not None:
+            for group in self.zero.fp16_groups:
+                for p in group:
+                    sub_group, offset, _ = self.zero.grad_position[self.zero.get_param_id(p)]
+                    self.slots[id(p)] = (int(sub_group), int(offset))
+        self.swapped = bool(getattr(self.zero, "swap_optimizer", False))
+        self.pending: list[Callable[[], None]] = []
+        world = torch.distributed.get_world_size()
+        for name, p in module.named_parameters():
+            if hasattr(p, "ds_tensor") and torch.distributed.get_world_size(group=p.ds_process_group) != world:
+                raise NotImplementedError(
+                    f"{name} is partitioned over {torch.distributed.get_world_size(group=p.ds_process_group)} of"
+                    f" {world} ranks (MiCS / hierarchical partitioning); disttrain checkpoints need ZeRO-3"
+                    " partitioning over all ranks: remove mics_shard_size from the ds_config")
+
+    def names(self) -> dict[int, str]:
+        """id(parameter) -> its FQN (the first one, for tied parameters), as the optimizer state is keyed."""
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+    # -- one tensor of one parameter ----------------------------------------------------------------------------
+    def weights(self, param: torch.nn.Parameter, name: str) -> _Slot:
+        """The fp32 master partition when the optimizer holds one, else the parameter's own (frozen parameters,
+        or a model without optimizer)."""
+        slot = self.slots.get(id(param))
+        if slot is None:
+            if param.ds_tensor.numel() < param.partition_numel():
+                raise NotImplementedError(f"{name} is swapped out to NVMe and has no optimizer copy; checkpoints"
+                                          " of frozen parameters under offload_parameters='nvme' are not supported")
+            return _Slot(param.ds_tensor.data)
+        if self.swapped:
+            from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+            copy = safe_get_local_fp32_param(param).to("cpu", copy=True)
+            return _Slot(copy, lambda: safe_set_local_fp32_param(param, copy))
+        sub_group, offset = slot
+        return _Slot(self.zero.fp32_partitioned_groups_flat[sub_group].narrow(0, offset, param.partition_numel()))
+
+    def moment(self, param: torch.nn.Parameter, key: str) -> _Slot:
+        """The partition of optimizer state ``key`` (one value per element, e.g. exp_avg); created (zeros) when the
+        optimizer has not stepped yet."""
+        sub_group, offset = self.slots[id(param)]
+        if self.swapped:
+            from deepspeed.utils import safe_get_local_optimizer_state, safe_set_local_optimizer_state
+
+            if key not in self.flat_state(sub_group):
+                raise NotImplementedError(
+                    f"cannot restore optimizer state {key!r} under offload_optimizer='nvme' before the first step"
+                    " (DeepSpeed creates the swapped state there); resume with offload_optimizer='cpu' and switch"
+                    " back at the next checkpoint (the layout is the same)")
+
+            copy = safe_get_local_optimizer_state(param, key).to("cpu", copy=True)
+            return _Slot(copy, lambda: safe_set_local_optimizer_state(param, copy, key))
+        flat = self.zero.fp32_partitioned_groups_flat[sub_group]
+        state = self.zero.optimizer.state[flat]
+        if key not in state:  # torch optimizers create their state at the first step
+            state[key] = torch.zeros_like(flat)
+        return _Slot(state[key].narrow(0, offset, param.partition_numel()))
+
+    def sharded(self, slot: _Slot, param: torch.nn.Parameter) -> Any:
+        if slot.commit is not None:
+            self.pending.append(slot.commit)
+        return _sharded(slot.partition, param.ds_shape, _partition_ranges(param), self.rank)
+
+    # -- state dicts ----------------------------------------------------------------------------------------------
+    def model_state(self, keys: Optional[set[str]] = None) -> dict[str, Any]:
+        """Each entry of the module's state dict (or only ``keys``): partitioned parameters as ShardedTensors, tied
+        names included; buffers (the same on every rank; DCP writes one copy) and unpartitioned parameters as they
+        are."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        state: dict[str, Any] = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if keys is not None and name not in keys:
+                continue
+            param = params.get(name)
+            if param is None or not hasattr(param, "ds_tensor"):
+                state[name] = tensor.detach()
+            else:
+                state[name] = self.sharded(self.weights(param, name), param)
+        return state
+
+    def hyper(self, sub_group: int) -> dict[str, Any]:
+        return {k: v for k, v in self.zero.optimizer.param_groups[sub_group].items() if k != "params"}
+
+    def flat_state(self, sub_group: int) -> dict[str, Any]:
+        return self.zero.optimizer.state.get(self.zero.fp32_partitioned_groups_flat[sub_group], {})
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """``{"state.<fqn>.<key>": ..., "param_groups.<fqn>.<hyper>": ...}`` (``checkpoint.flatten_optimizer``'s
+        form): moments as ShardedTensors, scalars shared by a sub-group ("step") and hyper-parameters as values
+        (the same on every rank; DCP writes one copy)."""
+        names = self.names()
+        flat: dict[str, Any] = {}
+        for i, params in enumerate(self.zero.fp16_groups):
+            numel = self.zero.fp32_partitioned_groups_flat[i].numel()
+            for param in params:
+                fqn = names[id(param)]
+                for key, value in self.flat_state(i).items():
+                    if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel:
+                        flat[f"state.{fqn}.{key}"] = self.sharded(self.moment(param, key), param)
+                    else:  # a scalar shared by the flat sub-group
+                        flat[f"state.{fqn}.{key}"] = value.detach() if torch.is_tensor(value) else value
+                flat.update({f"param_groups.{fqn}.{k}": v for k, v in self.hyper(i).items()})
+        return flat
+
+
+@contextmanager
+def _sharded_tensors_allowed() -> Iterator[None]:
+    # DCP warns that ShardedTensor is deprecated for DTensor, but a DTensor cannot describe a flat range of a tensor;
+    # ShardedTensor (several local shards per rank) is the type DCP still plans and reshards (torchrec relies on it).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+        yield
+
 
 def _zero_optimizer(optimizer: Any) -> Any:
     if not hasattr(optimizer, "fp32_partitioned_groups_flat"):
@@ -272,111 +485,139 @@ def _zero_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def _flat_state(zero_opt: Any, group: int) -> dict[str, Any]:
-    return zero_opt.optimizer.state.get(zero_opt.fp32_partitioned_groups_flat[group], {})
-
-
-def zero3_model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full fp32 weights (the master copy) and persistent buffers by FQN, on rank 0 (empty elsewhere).
-    Collective: call on every rank."""
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    params = dict(module.named_parameters())
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        param = params.get(name)
-        if param is None:  # a buffer: not partitioned
-            value = tensor.detach()
-        elif param.requires_grad and getattr(param, "_z3_optimizer", None) is not None:
-            value = safe_get_full_fp32_param(param)
-        else:  # frozen, or no optimizer yet: the (low-precision) weights themselves
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                value = param.detach().clone()
-        if rank0:
-            state[name] = value.to("cpu", copy=True)
-    return state
+def zero3_model_state(module: torch.nn.Module, optimizer: Any = None) -> dict[str, Any]:
+    """This rank's part of the model state dict, by FQN, for ``dcp.save``: each parameter a ShardedTensor of its
+    full shape holding only this rank's partition (the fp32 master weights when ``optimizer``, DeepSpeed's ZeRO-3
+    optimizer, holds them), buffers as they are. No collective and no copy."""
+    return _ZeroLayout(module, optimizer).model_state()
 
 
 def zero3_optimizer_state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The optimizer state by FQN in the flattened form every disttrain checkpoint stores
-    (``checkpoint.flatten_optimizer``: ``"state.<fqn>.exp_avg"``, ``"param_groups.<fqn>.lr"``), on rank 0 (``{}``
-    elsewhere). Collective."""
-    from deepspeed.utils import safe_get_full_optimizer_state
+    """This rank's part of the optimizer state by FQN in the flattened form every disttrain checkpoint stores
+    (``checkpoint.flatten_optimizer``: ``"state.<fqn>.exp_avg"``, ``"param_groups.<fqn>.lr"``), for ``dcp.save``:
+    moments as ShardedTensors over this rank's partitions. No collective and no copy."""
+    return _ZeroLayout(module, _zero_optimizer(optimizer)).optimizer_state()
 
-    zero_opt = _zero_optimizer(optimizer)
-    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    names = {id(p): n for n, p in module.named_parameters()}
-    state: dict[str, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = []
-    for i, params in enumerate(zero_opt.fp16_groups):
-        flat = _flat_state(zero_opt, i)
-        hyper = {k: v for k, v in zero_opt.optimizer.param_groups[i].items() if k != "params"}
-        fqns = [names[id(p)] for p in params]
-        same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
-        if same is None:  # DeepSpeed splits one torch group into sub-groups: merge them back
-            groups.append({**hyper, "params": fqns})
-        else:
-            same["params"].extend(fqns)
-        for param, fqn in zip(params, fqns):
-            entry: dict[str, Any] = {}
-            for key, value in flat.items():
-                if torch.is_tensor(value) and value.numel() == zero_opt.fp32_partitioned_groups_flat[i].numel():
-                    full = safe_get_full_optimizer_state(param, key)  # collective
-                    if full is not None:
-                        entry[key] = full.reshape(param.ds_shape).to("cpu", copy=True)
-                else:  # scalars shared by the flat group ("step")
-                    entry[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
-            if entry:
-                state[fqn] = entry
-    return flatten_optimizer({"state": state, "param_groups": groups}) if rank0 else {}  # the one stored form
+
+def _is_moment(stored: Any, param: torch.nn.Parameter, key: str) -> bool:
+    """A stored optimizer entry with one value per element of the parameter (exp_avg); otherwise a scalar shared
+    by the sub-group (step), or a plain value."""
+    size = getattr(stored, "size", None)
+    return size is not None and tuple(size) == tuple(param.ds_shape) and not (len(size) == 0 and key == "step")
+
+
+def _scalar_target(stored: Any) -> Any:
+    size = getattr(stored, "size", None)
+    return torch.empty(size, dtype=stored.properties.dtype) if size is not None else None
 
 
 @torch.no_grad()
-def load_zero3_state(module: torch.nn.Module, optimizer: Any, model_state: dict[str, torch.Tensor],
-                     optim_state: Optional[dict[str, Any]]) -> None:
-    """Put full tensors by FQN (read from a checkpoint of any strategy) into a ZeRO-3 model and optimizer: every
-    rank keeps its own partition. ``optim_state=None`` leaves the optimizer as it is. Collective."""
-    import deepspeed
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+def load_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, optimizer: Any, model_key: str,
+                     optim_key: Optional[str], strict: bool = True) -> None:
+    """Load a disttrain checkpoint folder of any strategy and world size into a ZeRO-3 model (and, with
+    ``optim_key``, the optimizer state): every rank reads only the stored chunks that overlap its partitions,
+    directly into DeepSpeed's memory. ``optimizer``: the ZeRO-3 optimizer holding the fp32 master weights (None for
+    a model without one). Collective."""
+    from disttrain.parallel.checkpoint import CheckpointError, load_into, stored_entries
 
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
-    for name, value in model_state.items():
-        if name in params:
-            param = params[name]
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                param.data.copy_(value.to(param.dtype).reshape(param.shape))
-            if optimizer is not None and param.requires_grad:
-                safe_set_full_fp32_param(param, value.to(torch.float32).reshape(param.ds_shape))
-        elif name in buffers:
-            buffers[name].copy_(value)
-    if optimizer is None or optim_state is None:
+    path = Path(path)
+    stored = stored_entries(path)
+    layout = _ZeroLayout(module, optimizer)
+    for key in filter(None, (model_key, optim_key)):
+        if not any(k.startswith(f"{key}.") for k in stored):
+            raise CheckpointError(f"checkpoint {str(path)!r} has no {key!r} (it holds"
+                                  f" {sorted({k.split('.', 1)[0] for k in stored})}); pass the same state keys that"
+                                  " were saved")
+    in_file = {k[len(model_key) + 1:] for k in stored if k.startswith(f"{model_key}.")}
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - in_file), sorted(in_file - expected)
+    if strict and (missing or unexpected):
+        differences = ", ".join(f"{what} {keys[:5]}" for what, keys in zip(("missing", "unexpected"),
+                                                                            (missing, unexpected)) if keys)
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match the model: {differences}; pass strict=False"
+                              " to load the common keys")
+    targets: dict[str, Any] = {model_key: layout.model_state(keys=expected & in_file)}
+    apply_optimizer: Callable[[], None] = lambda: None
+    if optim_key is not None:
+        if layout.zero is None:
+            raise TypeError("loading optimizer state needs DeepSpeed's ZeRO-3 optimizer; pass the optimizer that"
+                            " fabric.setup returned")
+        targets[optim_key], apply_optimizer = _optimizer_targets(layout, optim_key, stored, path)
+    with _partitions_only(module, layout.zero), _sharded_tensors_allowed():
+        load_into(path, targets, strict=strict)
+        for commit in layout.pending:
+            commit()
+        apply_optimizer()
+        if layout.zero is not None:  # the low-precision partitions the model computes with follow the fp32 master
+            for i in range(len(layout.zero.fp16_groups)):
+                layout.zero._reassign_or_swap_out_partitioned_parameters(i)
+
+
+@contextmanager
+def _partitions_only(module: torch.nn.Module, zero: Any) -> Iterator[None]:
+    """Around a load, which writes only the partitions: DeepSpeed keeps small ("persistent") parameters gathered
+    between steps, so release every gathered copy first and gather the persistent ones again from the new
+    partitions afterwards, as DeepSpeed's own load_checkpoint does."""
+    if zero is not None:
+        zero.checkpoint_event_prologue()
+        yield
+        zero.checkpoint_event_epilogue()
         return
-    zero_opt = _zero_optimizer(optimizer)
-    optim_state = unflatten_optimizer(optim_state)
-    saved = optim_state["state"]
-    for i, group_params in enumerate(zero_opt.fp16_groups):
-        fp32_flat = zero_opt.fp32_partitioned_groups_flat[i]
-        # torch optimizers create their state at the first step: before it, make room for the saved moments.
-        flat = zero_opt.optimizer.state[fp32_flat]
-        names = [n for p in group_params for n, q in params.items() if q is p]
-        for param, fqn in zip(group_params, names):
-            for key, value in saved.get(fqn, {}).items():
-                if torch.is_tensor(value) and value.dim() > 0:  # a moment, one value per element
-                    if key not in flat:
-                        flat[key] = torch.zeros_like(fp32_flat)
-                    safe_set_full_optimizer_state(param, value.to(torch.float32).reshape(param.ds_shape), key)
-                else:  # a scalar shared by the flat group ("step")
-                    flat[key] = value.clone() if torch.is_tensor(value) else value
-        group = zero_opt.optimizer.param_groups[i]
-        for saved_group in optim_state["param_groups"]:
-            if names and names[0] in saved_group["params"]:
-                group.update({k: v for k, v in saved_group.items() if k != "params"})
-    # The low-precision partitions the model computes with follow the fp32 master partitions.
-    for i in range(len(zero_opt.fp16_groups)):
-        zero_opt._reassign_or_swap_out_partitioned_parameters(i)
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    gathered = [p for p in module.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
+    if gathered:
+        gathered[0].partition(gathered)
+    yield
+    persistent = [p for p in module.parameters() if getattr(p, "ds_persist", False)]
+    if persistent:
+        persistent[0].all_gather(persistent)
+
+
+def _optimizer_targets(layout: _ZeroLayout, optim_key: str, stored: dict[str, Any],
+                       path: Path) -> tuple[dict[str, Any], Callable[[], None]]:
+    """The load targets of the optimizer entries the checkpoint holds for this model's parameters, and what puts
+    the loaded scalars and hyper-parameters in place afterwards."""
+    from disttrain.parallel.checkpoint import CheckpointError
+
+    names = layout.names()
+    prefix = f"{optim_key}."
+    entries: dict[str, dict[str, Any]] = {}  # "state.<fqn>" / "param_groups.<fqn>" -> {key: stored metadata}
+    for k, md in stored.items():
+        if k.startswith(prefix):
+            owner, key = k[len(prefix):].rsplit(".", 1)
+            entries.setdefault(owner, {})[key] = md
+    targets: dict[str, Any] = {}
+    scalars: list[tuple[int, str, str]] = []  # (sub-group, key, target name)
+    hypers: list[tuple[int, str, str]] = []
+    for i, params in enumerate(layout.zero.fp16_groups):
+        for param in params:
+            fqn = names[id(param)]
+            for key, md in entries.get(f"state.{fqn}", {}).items():
+                name = f"state.{fqn}.{key}"
+                if _is_moment(md, param, key):
+                    targets[name] = layout.sharded(layout.moment(param, key), param)
+                elif getattr(md, "size", None) is not None and len(md.size) > 0:
+                    raise CheckpointError(f"checkpoint {str(path)!r}: {prefix}{name} has shape {list(md.size)} but"
+                                          f" the parameter has shape {list(param.ds_shape)}; it was saved for"
+                                          " another model")
+                else:
+                    targets[name] = _scalar_target(md)
+                    scalars.append((i, key, name))
+        if params:  # DeepSpeed's sub-groups share hyper-parameters: take its first parameter's
+            fqn = names[id(params[0])]
+            for key in entries.get(f"param_groups.{fqn}", {}):
+                targets[f"param_groups.{fqn}.{key}"] = None
+                hypers.append((i, key, f"param_groups.{fqn}.{key}"))
+
+    def apply() -> None:
+        for i, key, name in scalars:
+            flat = layout.zero.fp32_partitioned_groups_flat[i]
+            layout.zero.optimizer.state[flat][key] = targets[name]
+        for i, key, name in hypers:
+            layout.zero.optimizer.param_groups[i][key] = targets[name]
+
+    return targets, apply
 
 
 def _split_zero_state(state: dict[str, Any]) -> tuple[Optional[tuple[str, torch.nn.Module]], Optional[tuple[str, Any]],
@@ -395,47 +636,55 @@ def _split_zero_state(state: dict[str, Any]) -> tuple[Optional[tuple[str, torch.
     return model, optimizer, rest
 
 
-def save_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any]) -> Path:
-    """Fabric-style ``{"model": engine, "optimizer": opt, "step": 3}`` -> one DCP checkpoint folder in the layout
-    every disttrain strategy reads (written atomically). Collective."""
+def _master(model: torch.nn.Module, optimizer: Optional[tuple[str, Any]]) -> Any:
+    """The ZeRO-3 optimizer that holds the model's fp32 master weights: the one in the state, else the engine's."""
+    if optimizer is not None:
+        return _zero_optimizer(optimizer[1])
+    engine_optimizer = getattr(model, "optimizer", None)
+    return engine_optimizer if hasattr(engine_optimizer, "fp32_partitioned_groups_flat") else None
+
+
+def save_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, optimizer: Any, metadata: dict[str, Any],
+                     model_key: str, optim_key: Optional[str] = None) -> Path:
+    """Write a ZeRO-3 model (under ``model_key``; the fp32 master weights when ``optimizer``, DeepSpeed's ZeRO-3
+    optimizer, holds them) and, with ``optim_key``, its optimizer state as one DCP checkpoint folder in the layout
+    every disttrain strategy reads, each rank writing only its partitions, atomically. ``metadata`` goes to
+    ``meta.pt``. Collective."""
     from disttrain.parallel.checkpoint import save_sharded
 
+    tensors: dict[str, Any] = {model_key: zero3_model_state(module, optimizer)}
+    if optim_key is not None:
+        tensors[optim_key] = zero3_optimizer_state(module, optimizer)
+    with _sharded_tensors_allowed():
+        return save_sharded(path, tensors, metadata)
+
+
+def save_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any]) -> Path:
+    """Fabric-style ``{"model": engine, "optimizer": opt, "step": 3}`` -> :func:`save_zero3_state`. Collective."""
     model, optimizer, rest = _split_zero_state(state)
     if model is None:
         raise ValueError(f"checkpoint state must hold the model; it holds {sorted(state)}")
     module = getattr(model[1], "module", model[1])  # DeepSpeedEngine -> the user's model
-    tensors: dict[str, Any] = {model[0]: zero3_model_state(module)}
-    if optimizer is not None:
-        tensors[optimizer[0]] = zero3_optimizer_state(module, optimizer[1])
     metadata = {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for k, v in rest.items()}
-    return save_sharded(path, tensors, metadata)
+    return save_zero3_state(path, module, _master(model[1], optimizer), metadata, model[0],
+                            optimizer[0] if optimizer else None)
 
 
 def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], strict: bool = True,
-                          weights_only: bool = True) -> dict[str, Any]:
+                          weights_only: bool = True, master: Any = None) -> dict[str, Any]:
     """Restore a ZeRO-3 model/optimizer (and stateful objects of ``state``) from a disttrain DCP checkpoint of any
-    strategy and world size; returns the metadata ``state`` did not ask for. Collective."""
-    from disttrain.parallel.checkpoint import CheckpointError, check_checkpoint, read_full, read_meta
+    strategy and world size, each rank reading only what its partitions need; returns the metadata ``state`` did
+    not ask for. ``master``: the engine's ZeRO-3 optimizer when ``state`` holds the model but not the optimizer
+    (its fp32 master weights are what training continues from). Collective."""
+    from disttrain.parallel.checkpoint import check_checkpoint, read_meta
 
     model, optimizer, rest = _split_zero_state(state)
     if model is None:
         raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
     path = check_checkpoint(path)
     metadata = read_meta(path, weights_only)
-    keys = {model[0]} | ({optimizer[0]} if optimizer else set())
-    full = read_full(path, keys=keys)
-    for key in sorted(keys):
-        if key not in full:
-            raise CheckpointError(f"checkpoint {str(path)!r} has no {key!r} (it holds {sorted(full)}); pass the"
-                                  " same state keys that were saved")
     module = getattr(model[1], "module", model[1])
-    expected = set(module.state_dict())
-    missing, unexpected = sorted(expected - set(full[model[0]])), sorted(set(full[model[0]]) - expected)
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"checkpoint {str(path)!r} does not match the model: missing {missing[:5]},"
-                              f" unexpected {unexpected[:5]}; pass strict=False to load the common keys")
-    load_zero3_state(module, optimizer[1] if optimizer else None,
-                     {k: v for k, v in full[model[0]].items() if k in expected},
-                     full[optimizer[0]] if optimizer else None)
+    load_zero3_state(path, module, _master(model[1], optimizer) or master, model[0],
+                     optimizer[0] if optimizer else None, strict=strict)
     loaded = {model[0]} | ({optimizer[0]} if optimizer else set())
     return restore_rest(state, loaded, metadata)

@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from disttrain._lightning import ZeroPlumbing, layer_sync_request, register_names
-from disttrain.parallel.checkpoint import check_checkpoint, save_sharded
+from disttrain.parallel.checkpoint import check_checkpoint
 from disttrain.parallel.options import build_options
 from disttrain.parallel.recsys import refuse_torchrec_tables
 from disttrain.parallel.zero import (
@@ -21,9 +21,8 @@ from disttrain.parallel.zero import (
     export_zero3,
     is_zero_checkpoint,
     load_zero3_checkpoint,
+    save_zero3_state,
     set_extensions_dir,
-    zero3_model_state,
-    zero3_optimizer_state,
 )
 
 
@@ -101,28 +100,27 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         """The one disttrain layout (a DCP folder by parameter name; see :func:`disttrain.parallel.zero.
-        zero3_model_state`), written atomically, which every disttrain strategy loads at any world size."""
+        zero3_model_state`), each rank writing only its partitions, atomically; every disttrain strategy loads it at
+        any world size."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        module = self.lightning_module
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        tensors = {"state_dict": zero3_model_state(module)}
-        if self.deepspeed_engine.optimizer is not None:
-            tensors["optimizer_0"] = zero3_optimizer_state(module, self.deepspeed_engine.optimizer)
-        save_sharded(self.broadcast(filepath), tensors, rest)
+        optimizer = self.deepspeed_engine.optimizer
+        training = hasattr(optimizer, "fp32_partitioned_groups_flat")  # not the inference engine's ZeRO offload
+        save_zero3_state(self.broadcast(filepath), self.lightning_module, optimizer, rest, "state_dict",
+                         "optimizer_0" if training else None)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A disttrain checkpoint folder of any strategy and world size; a DeepSpeed folder (with ``latest``) is
-        still read by DeepSpeed, at the world size it was saved."""
+        """A disttrain checkpoint folder of any strategy and world size, each rank reading only what its partitions
+        need; a DeepSpeed folder (with ``latest``) is still read by DeepSpeed, at the world size it was saved."""
         path = Path(self.broadcast(checkpoint_path))
         if is_zero_checkpoint(path):
             return super().load_checkpoint(check_checkpoint(path, layout="zero"), weights_only)
         state = {"state_dict": self.lightning_module}
         if self.deepspeed_engine.optimizer is not None and self.lightning_module.trainer.state.fn == "fit":
             state["optimizer_0"] = self.deepspeed_engine.optimizer
-        metadata = load_zero3_checkpoint(path, state, strict=self.lightning_module.strict_loading,
-                                         weights_only=weights_only is not False)
-        return metadata
+        return load_zero3_checkpoint(path, state, strict=self.lightning_module.strict_loading,
+                                     weights_only=weights_only is not False, master=self.deepspeed_engine.optimizer)
 
     def export_full(self, path: Any, prefix: str = "") -> Path:
         """The full model (in its training dtype) as one safetensors file (rank 0). For the fp32 master weights
