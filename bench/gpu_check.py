@@ -85,13 +85,14 @@ def worker(args: argparse.Namespace) -> int:
         try:
             import importlib
 
-            rows = importlib.import_module(check.module).run(ctx)
+            # Rows are emitted as they come: a check stopped at its budget keeps the parts it finished.
+            for row in importlib.import_module(check.module).run(ctx):
+                row.seconds = round(time.perf_counter() - t0, 1)
+                emit({"event": "row", "row": row.judged(args.dry_run).to_json()})
+                t0 = time.perf_counter()
         except Exception as e:  # noqa: BLE001  (the report says what broke; the next check still runs)
             traceback.print_exc()
-            rows = [Row(check.label, check.what, "-", "runs", False, f"{type(e).__name__}: {e}"[:600])]
-        seconds = time.perf_counter() - t0
-        for row in rows:
-            row.seconds = round(seconds, 1)
+            row = Row(check.label, check.what, "-", "runs", False, f"{type(e).__name__}: {e}"[:600])
             emit({"event": "row", "row": row.judged(args.dry_run).to_json()})
         emit({"event": "end", "check": name, "t": time.time()})
         _release_memory()

@@ -1,8 +1,8 @@
 """The checks ``bench/gpu_check.py`` runs, in the order it runs them (headline figures first), each with the time
 it usually takes on one H200 and the most it may take before it is stopped.
 
-A check is a module with ``CHECK`` (its report label) and ``run(ctx) -> list[Row]``; it is imported only when it
-runs, so the orchestrating process stays free of torch.
+A check is a module with ``CHECK`` (its report label) and ``run(ctx)``, which returns or yields its rows; it is
+imported only when it runs, so the orchestrating process stays free of torch.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ CHECKS = (
           "disttrain_fsdp_offload (and zero3_offload) vs no offload: step time, device peak, host RSS"),
     Check("megatron", "gpu_checks.megatron", "7 megatron / pipeline", 35, 90,
           "disttrain_megatron and pipeline schedules on CUDA tensors at world size 1; tp=2 in 2 processes"),
-    Check("recipes", "gpu_checks.recipes", "8 recipes", 60, 150,
+    Check("recipes", "gpu_checks.recipes", "8 recipes", 60, 180,
           "dialogue LLM, ViT and daily DeepFM recipes: a few steps each on the device"),
 )
 

@@ -56,8 +56,6 @@ def measure(fn: Callable, seq: int, heads: int, head_dim: int, device: torch.dev
     with peak:
         run_once(fn, qkv, backward=True)  # warm-up and the peak
     times = [timed(lambda: run_once(fn, qkv, backward=True), device) for _ in range(repeats)]
-    del qkv
-    free_memory()
     return statistics.median(times), float(peak.above_start or 0)
 
 
@@ -69,8 +67,10 @@ def run(ctx: Context) -> list[Row]:
     impls = implementations(ctx)
     rows = []
     for seq in seqs:
-        results = {name: measure(fn, seq, heads, head_dim, ctx.device, dtype, 2 if dry else REPEATS)
-                   for name, fn in impls.items()}
+        results = {}
+        for name, fn in impls.items():
+            results[name] = measure(fn, seq, heads, head_dim, ctx.device, dtype, 2 if dry else REPEATS)
+            free_memory()  # this measurement's tensors are gone before the next one's peak is taken
         (e_t, e_m), (s_t, s_m) = results["eager"], results["sdpa flash"]
         speed, less = e_t / s_t, e_m / max(s_m, 1.0)
         longest = seq == seqs[-1]

@@ -248,6 +248,7 @@ def guarded(check: str, item: str, target: str, measure: Callable[[], Any]) -> l
 
     try:
         result = measure()
+        free_memory()  # what measure() built is unreachable now; cycles (hooks, Fabric) need the collector
         return result if isinstance(result, list) else [result]
     except Exception as e:  # noqa: BLE001  (the report says what broke)
         traceback.print_exc()

@@ -37,8 +37,6 @@ def train(ctx: Context, args: dict[str, Any], recipe: Optional[str], batches: li
         box = {}
         times.append(timed(lambda: box.setdefault("loss", train_step(f, model, optimizer, [ids])), ctx.device))
         losses.append(box["loss"].item())
-    del model, optimizer, f
-    free_memory()
     return {"losses": losses, "step_s": statistics.median(times[WARMUP:]) if len(times) > WARMUP else times[-1],
             "converted_linears": converted}
 
@@ -53,10 +51,12 @@ def run(ctx: Context) -> list[Row]:
     seq, batch, steps = (32, 2, 6) if ctx.dry else (4096, 1, STEPS)
     batches = learnable_batches(args["vocab_size"], batch, seq, steps, ctx.device)
     bf16 = train(ctx, args, None, batches)
+    free_memory()
     rows = []
     for recipe in ("tensorwise", "rowwise"):
         try:
             fp8 = train(ctx, args, recipe, batches)
+            free_memory()
         except Exception as e:  # noqa: BLE001  (one recipe failing must not hide the other's result)
             free_memory()
             if ctx.dry and "only supports per-tensor scaling for CPU" in str(e):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -88,8 +89,6 @@ def pipeline_world_size_1(ctx: Context, ids: torch.Tensor) -> list[Row]:
         item = f"pipeline {schedule}, 1 stage on 1 rank, 2 microbatches"
         rows += guarded(CHECK, item, "loss and gradients of one forward/backward",
                         lambda: one_schedule(ctx, reference, loss.item(), ids, mesh, schedule, virtual, item))
-    del reference
-    free_memory()
     return rows
 
 
@@ -107,8 +106,8 @@ def one_schedule(ctx: Context, reference: torch.nn.Module, loss: float, ids: tor
                     for n, p in lm.named_parameters() if p.grad is not None)
     ok = loss_diff <= TOLERANCE and grad_diff <= 1e-3 and out.loss.device.type == ctx.device.type
     return Row(CHECK, item, f"loss diff {loss_diff:.1e}, max gradient diff {grad_diff:.1e} (relative to the largest)",
-               "loss and gradients of one forward/backward", ok, "" if ok else "the pipeline's loss or gradients differ",
-               value=grad_diff)
+               "loss and gradients of one forward/backward", ok,
+               "" if ok else "the pipeline's loss or gradients differ", value=grad_diff)
 
 
 def tensor_parallel_two_processes(ctx: Context) -> Row:
@@ -141,13 +140,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(ctx: Context) -> list[Row]:
+def run(ctx: Context) -> Iterator[Row]:
     _fp32_exact()
     batches = learnable_batches(model(ctx)["vocab_size"], 4, 16 if ctx.dry else 64, STEPS, ctx.device)
-    rows = guarded(CHECK, "disttrain_megatron tp=1 pp=1, world size 1", "matches a plain loop",
-                   lambda: megatron_world_size_1(ctx, batches))
-    rows += guarded(CHECK, "pipeline schedules on one rank", "match one forward/backward",
-                    lambda: pipeline_world_size_1(ctx, batches[0]))
-    rows += guarded(CHECK, "tensor parallel tp=2, 2 processes", "matches the unsharded model",
-                    lambda: tensor_parallel_two_processes(ctx))
-    return rows
+    yield from guarded(CHECK, "disttrain_megatron tp=1 pp=1, world size 1", "matches a plain loop",
+                       lambda: megatron_world_size_1(ctx, batches))
+    yield from guarded(CHECK, "pipeline schedules on one rank", "match one forward/backward",
+                       lambda: pipeline_world_size_1(ctx, batches[0]))
+    yield from guarded(CHECK, "tensor parallel tp=2, 2 processes", "matches the unsharded model",
+                       lambda: tensor_parallel_two_processes(ctx))

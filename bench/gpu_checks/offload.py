@@ -5,7 +5,7 @@ during training and the host's resident-set peak, next to the planner's estimate
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -46,37 +46,35 @@ def measure(ctx: Context, name: str, args: dict[str, Any], batches: list[torch.T
                 times.append(timed(lambda: train_step(f, model, optimizer, [ids], sync_control=not zero), ctx.device))
     e = estimate(args, name, world_size=1, micro_batch=batches[0].shape[0], seq_len=batches[0].shape[1],
                  precision="bf16-mixed")
-    del model, optimizer, f
-    free_memory()
     return {"step_s": statistics.median(times[warmup:]), "device_peak": device_peak.above_start,
             "host_peak": host.above_start, "host_method": host.method, "estimate_device": e.device,
             "estimate_host": e.host}
 
 
-def run(ctx: Context) -> list[Row]:
+def run(ctx: Context) -> Iterator[Row]:
     args = model_args("configs/nlp/dialogue_1b.yaml", dry=ctx.dry)
     seq, steps, warmup = (32, 3, 1) if ctx.dry else (2048, 3, 1)
     batches = learnable_batches(args["vocab_size"], 1, seq, steps, ctx.device)
     target = f"device peak with offload <= {DEVICE_RATIO:.0%} of without; the host holds more"
     pairs = [("disttrain_fsdp", "disttrain_fsdp_offload"), ("disttrain_zero3", "disttrain_zero3_offload")]
-    rows = []
     for plain, offloaded in pairs:
         item = f"{offloaded} vs {plain}, {'tiny [dry]' if ctx.dry else 'dialogue_1b'}, 1 x {seq} tokens, bf16-mixed"
         if plain.startswith("disttrain_zero3"):
             missing = optional_import("deepspeed")
             if missing:
-                rows.append(skipped(CHECK, item, target, f"DeepSpeed cannot be imported ({missing}); carry it: "
-                                                         "make gpu-wheels"))
+                yield skipped(CHECK, item, target, f"DeepSpeed cannot be imported ({missing}); carry it: make "
+                                                   "gpu-wheels")
                 continue
-        rows += guarded(CHECK, item, target, lambda: compare(ctx, plain, offloaded, args, batches, warmup, item,
-                                                             target))
-    return rows
+        yield from guarded(CHECK, item, target, lambda: compare(ctx, plain, offloaded, args, batches, warmup, item,
+                                                                target))
 
 
 def compare(ctx: Context, plain: str, offloaded: str, args: dict[str, Any], batches: list[torch.Tensor], warmup: int,
             item: str, target: str) -> Row:
     a = measure(ctx, plain, args, batches, warmup)
+    free_memory()  # the first variant's model and optimizer are gone before the second is built
     b = measure(ctx, offloaded, args, batches, warmup)
+    free_memory()
     if a["device_peak"] is None:  # CPU dry run: no device allocator to read
         ratio, ok = None, True
     else:

@@ -8,7 +8,7 @@ allocated before the model was built. A CPU dry run has no allocator peak: it me
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -55,26 +55,22 @@ def measure(ctx: Context, name: str, ac: bool, args: dict[str, Any], micro: int,
         optimizer.step()
         measured = state_bytes(model, optimizer)["total"] + saved.bytes()
         optimizer.zero_grad()
-    del model, optimizer, f
-    free_memory()
     return {"measured": measured}
 
 
-def run(ctx: Context) -> list[Row]:
+def run(ctx: Context) -> Iterator[Row]:
     args = model_args("configs/nlp/dialogue_1b.yaml", dry=ctx.dry)
     if ctx.dry:
         micro, seq = 2, 32
     else:
         config = recipe("configs/nlp/dialogue_1b.yaml")
         micro, seq = int(config["train"]["micro_batch_size"]), int(config["data"]["seq_len"])
-    rows = []
     for name in ("disttrain_ddp", "disttrain_fsdp"):
         for ac in (False, True):
             item = (f"{name}, {'with' if ac else 'without'} activation checkpointing, "
                     f"{'tiny [dry]' if ctx.dry else 'dialogue_1b'}, {micro} x {seq}, bf16-mixed, world size 1")
-            rows += guarded(CHECK, item, f"within {TOLERANCE:.0%}",
-                            lambda: compare(ctx, name, ac, args, micro, seq, item))
-    return rows
+            yield from guarded(CHECK, item, f"within {TOLERANCE:.0%}",
+                               lambda: compare(ctx, name, ac, args, micro, seq, item))
 
 
 def compare(ctx: Context, name: str, ac: bool, args: dict[str, Any], micro: int, seq: int, item: str) -> Row:
@@ -84,6 +80,7 @@ def compare(ctx: Context, name: str, ac: bool, args: dict[str, Any], micro: int,
                  precision="bf16-mixed", activation_checkpointing=ac)
     predicted = e.device if not ctx.dry else e.states + e.activations
     measured = measure(ctx, name, ac, args, micro, seq)["measured"]
+    free_memory()
     err = relative_error(predicted, measured)
     ok = abs(err) <= TOLERANCE
     what = "states + saved activations (CPU)" if ctx.dry else "max_memory_allocated"

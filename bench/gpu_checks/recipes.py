@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from gpu_checks.common import ROOT, Context, Row, child_env, guarded, skipped
 from gpu_checks.training import optional_import
@@ -119,7 +119,7 @@ def deepfm(ctx: Context, timeout: float) -> Row:
                "" if ok else _failure(proc), details={"record": record})
 
 
-def run(ctx: Context) -> list[Row]:
-    timeout = 300.0 if ctx.dry else 150.0
-    return [row for name, part in (("dialogue_llm.py", dialogue), ("vit2b.py", vit), ("deepfm_daily.py", deepfm))
-            for row in guarded(CHECK, name, "runs", lambda: part(ctx, timeout))]
+def run(ctx: Context) -> Iterator[Row]:
+    timeout = 300.0 if ctx.dry else 100.0
+    for name, part in (("dialogue_llm.py", dialogue), ("vit2b.py", vit), ("deepfm_daily.py", deepfm)):
+        yield from guarded(CHECK, name, "runs", lambda: part(ctx, timeout))
