@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 # torchrec's kernels: the CUDA wheel fails to load without the NVIDIA driver, so CPU machines get the CPU build.
 FBGEMM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo fbgemm-gpu==1.9.0 || echo fbgemm-gpu-cpu==1.9.0)
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -32,3 +32,31 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs data/dialogue
+
+# The GPU check runs on a lent GPU machine with that machine's own Python (torch 2.11, no .venv, no registry):
+# `make gpu-wheels` here puts what it lacks into the git-ignored .whl/ (carried with the tree, 64 MiB at most), and
+# `make gpu-check` there installs them beside its packages and runs bench/gpu_check.py (at most 8 minutes).
+GPU_PY    ?= python3
+GPU_OUT   ?= runs/gpu_check
+GPU_SITE  ?= /tmp/disttrain-gpu-site
+GPU_ARGS  ?=
+WHL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+                 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+# torchao: FP8; chatterbot-corpus: the dialogue demo corpus; hjson and pydantic (+ its parts): what DeepSpeed needs
+# beyond that machine's packages. DeepSpeed itself is a source release: built into a wheel here.
+GPU_WHEELS := torchao==0.18.0 chatterbot-corpus==1.3.3 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+              annotated-types==0.8.0 typing-inspection==0.4.5
+
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    $(WHL_PLATFORMS) -d .whl $(GPU_WHEELS)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
+	@du -sh .whl
+	@test $$(du -sm .whl | cut -f1) -le 56 || { echo ".whl is over 56 MiB: the tree and the wheels must fit 64 MiB"; exit 1; }
+
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+	    $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) \
+	        .whl/*.whl; fi
+	PYTHONPATH=src:$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PY) bench/gpu_check.py --out $(GPU_OUT) $(GPU_ARGS)

@@ -107,8 +107,8 @@ class LlamaStage(nn.Module):
 
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, H)
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        # The cache argument is positional: transformers renamed it (past_key_values -> cache) between 5.17 and 5.24.
+        mask = create_causal_mask(self.config, hidden, None, None, position_ids=position_ids)
         rotary = self.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
