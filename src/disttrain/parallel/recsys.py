@@ -423,10 +423,17 @@ def _row_states_to_regroup(path: Path, root: nn.Module, fused: dict[str, Any],
 
 def _without(tensors: dict[str, Any], regroup: dict[str, Any]) -> dict[str, Any]:
     """``tensors`` (nested) without the DCP keys in ``regroup``: those are loaded by :func:`_load_regrouped`."""
-    def prune(node: Any, prefix: str) -> Any:
-        if not isinstance(node, dict):
-            return node
-        return {k: prune(v, f"{prefix}{k}.") for k, v in node.items() if f"{prefix}{k}" not in regroup}
+    def prune(node: dict[str, Any], prefix: str) -> dict[str, Any]:
+        kept = {}
+        for key, value in node.items():
+            if f"{prefix}{key}" in regroup:
+                continue
+            if isinstance(value, dict) and value:
+                value = prune(value, f"{prefix}{key}.")
+                if not value:  # DCP would take an empty dict for a value of its own
+                    continue
+            kept[key] = value
+        return kept
     return prune(tensors, "")
 
 
