@@ -43,6 +43,7 @@ HASH = "sha256"
 CHUNK_BYTES = 64 << 20  # the unit hashed in parallel and verified before a read
 _READ_BYTES = 4 << 20
 _FORMAT = "disttrain-manifest"
+FIX = "resume from an earlier checkpoint"
 
 
 class CheckpointError(RuntimeError):
@@ -210,10 +211,6 @@ def write_manifest(folder: str | os.PathLike, digests: dict[str, Any]) -> Path:
 
 
 # -- reading ---------------------------------------------------------------------------------------------------
-def _fix() -> str:
-    return "resume from an earlier checkpoint"
-
-
 def read_manifest(folder: str | os.PathLike) -> Optional[dict[str, Any]]:
     """The folder's manifest, or None for a checkpoint written before checksums (no manifest.json)."""
     path = Path(folder) / MANIFEST_FILE
@@ -225,10 +222,10 @@ def read_manifest(folder: str | os.PathLike) -> Optional[dict[str, Any]]:
         int(manifest["chunk_bytes"])
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {str(folder)!r} is corrupt: {MANIFEST_FILE} is unreadable ({e});"
-                              f" {_fix()}") from e
+                              f" {FIX}") from e
     if not ok:
         raise CheckpointError(f"checkpoint {str(folder)!r}: {MANIFEST_FILE} is not a disttrain {HASH} manifest;"
-                              f" {_fix()}")
+                              f" {FIX}")
     return manifest
 
 
@@ -247,7 +244,7 @@ def warn_unverified(folder: str | os.PathLike) -> None:
 
 
 def _corrupt(folder: Path, name: str, detail: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {str(folder)!r} is corrupt: cannot read {name} ({detail}); {_fix()}")
+    return CheckpointError(f"checkpoint {str(folder)!r} is corrupt: cannot read {name} ({detail}); {FIX}")
 
 
 def _mismatch(folder: Path, name: str, chunk: int, chunk_bytes: int, size: int) -> CheckpointError:
@@ -260,7 +257,7 @@ def _mismatch(folder: Path, name: str, chunk: int, chunk_bytes: int, size: int) 
 def _size_error(folder: Path, name: str, actual: Optional[int], expected: int) -> CheckpointError:
     if actual is None:
         return CheckpointError(f"checkpoint {str(folder)!r} is incomplete: {name} is missing (listed in"
-                               f" {MANIFEST_FILE}); {_fix()}")
+                               f" {MANIFEST_FILE}); {FIX}")
     return _corrupt(folder, name, f"it has {actual} bytes, {MANIFEST_FILE} says {expected}: truncated or"
                                   " overwritten")
 
@@ -272,7 +269,7 @@ def _entry(folder: Path, manifest: dict[str, Any], name: str) -> dict[str, Any]:
     return entry
 
 
-def bytes_problem(folder: str | os.PathLike, name: str, data: bytes,
+def _bytes_problem(folder: str | os.PathLike, name: str, data: bytes,
                   manifest: Optional[dict[str, Any]] = None) -> Optional[str]:
     """What is wrong with a small file's bytes, already read, against its manifest entry ("has 16 bytes, manifest.json
     says 1145 ..."), or None (also when there is no manifest: nothing to check)."""
@@ -293,8 +290,8 @@ def bytes_problem(folder: str | os.PathLike, name: str, data: bytes,
 
 def check_bytes(folder: str | os.PathLike, name: str, data: bytes,
                 manifest: Optional[dict[str, Any]] = None) -> None:
-    """Raise :class:`CheckpointError` naming the file when :func:`bytes_problem` finds one."""
-    problem = bytes_problem(folder, name, data, manifest)
+    """Raise :class:`CheckpointError` naming the file when :func:`_bytes_problem` finds one."""
+    problem = _bytes_problem(folder, name, data, manifest)
     if problem:
         raise _corrupt(Path(folder), name, problem)
 
@@ -373,7 +370,7 @@ def load_metadata(folder: str | os.PathLike, name: str = METADATA_FILE,
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(folder)!r} is incomplete or not a disttrain checkpoint: missing"
-                              f" {name}; {_fix()}") from None
+                              f" {name}; {FIX}") from None
     check_bytes(folder, name, data, manifest)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -383,10 +380,10 @@ def load_metadata(folder: str | os.PathLike, name: str = METADATA_FILE,
                               " trust") from None
     except Exception as e:  # truncated or garbled pickles fail in many ways
         raise CheckpointError(f"checkpoint {str(folder)!r} is corrupt: cannot read {name} ({type(e).__name__}:"
-                              f" {e}); {_fix()}") from None
+                              f" {e}); {FIX}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {str(folder)!r} is corrupt: {name} holds a {type(metadata).__name__},"
-                              f" not DCP metadata; {_fix()}")
+                              f" not DCP metadata; {FIX}")
     return metadata
 
 
@@ -539,7 +536,7 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
             problems.append(str(_corrupt(folder, name, f"it holds tensors but is not listed in {MANIFEST_FILE}")))
         elif not file.is_file():
             if manifest is None:
-                problems.append(f"checkpoint {str(folder)!r} is incomplete: {name} is missing; {_fix()}")
+                problems.append(f"checkpoint {str(folder)!r} is incomplete: {name} is missing; {FIX}")
         elif sizes.get(name, file.stat().st_size) < end:
             problems.append(str(_corrupt(folder, name, f"it has {file.stat().st_size} bytes, its tensors need {end}:"
                                                        " truncated")))
