@@ -323,7 +323,9 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
                  layout: StorageLayout | None = None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``targets`` (``{key: module | optimizer}``); returns the metadata.
 
-    Works at any world size: DCP reshards on load.
+    Works at any world size: DCP reshards on load. Every file read is verified against the manifest first
+    (:class:`CheckpointReader`); ``weights_only=False`` also admits non-plain objects in ``meta.pt`` and in
+    non-tensor items (trusted checkpoints only).
     """
     layout = layout or StorageLayout()
     path = check_checkpoint(path)

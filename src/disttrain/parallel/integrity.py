@@ -465,7 +465,8 @@ class CheckpointReader(FileSystemReader):
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         # FileSystemReader asks for every item's byte range here just before deserializing it: the one place to
-        # hold a read until the chunks under it are verified.
+        # hold a read until the chunks under it are verified (should a torch version stop calling it, read_data's
+        # check_all still verifies every file before the load returns).
         verifier = self._verifiers.get(sinfo.relative_path)
         if verifier is not None:
             verifier.check_range(sinfo.offset, sinfo.length)
