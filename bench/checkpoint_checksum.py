@@ -4,10 +4,11 @@
     python bench/checkpoint_checksum.py --mib 256 --rounds 5
 
 Baselines are DCP's own FileSystemWriter/FileSystemReader on the same state and folder; "checked" is what
-``save_sharded``/``load_sharded`` use: ChecksumWriter (shards hashed while written) + write_manifest, and
+``save_sharded``/``load_sharded`` use: ChecksumWriter (shards hashed as they are written) + write_manifest, and
 CheckpointReader (every chunk verified before its items are deserialized). Rounds alternate plain/checked; medians
-are printed with their ratio. The hash table shows one core's throughput of the candidates over the same bytes.
-Files stay in the page cache (a warm restart); on a cold disk the I/O grows and the ratio falls.
+are printed with their ratio, next to the CPU seconds the process spent (all threads): a load's hashing overlaps its
+reads where a core is free; on a busy machine both add their hashing's CPU time. The hash table shows one core's throughput of the candidates over the same bytes. Files stay in the
+page cache (a warm restart); on a cold disk the I/O grows and the ratios fall.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -54,13 +56,17 @@ def hash_rates(data: bytes) -> dict[str, float]:
     return rates
 
 
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def save(state: dict, folder: Path, checked: bool) -> float:
     shutil.rmtree(folder, ignore_errors=True)
     start = time.perf_counter()
     if checked:
         writer = ChecksumWriter(folder)
         dcp.save(state, storage_writer=writer, no_dist=True)
-        writer.close()
         write_manifest(folder, writer.digests)
     else:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
@@ -86,21 +92,28 @@ def main() -> None:
     rates = hash_rates(os.urandom(256 << 20))
     print("one core, GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in rates.items()))
     times: dict[str, list[float]] = {k: [] for k in ("save", "save+sha256", "load", "load+verify")}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     try:
         for _ in range(args.rounds):
             for checked in (False, True):
                 folder = root / ("checked" if checked else "plain")
-                times["save+sha256" if checked else "save"].append(save(state, folder, checked))
-                times["load+verify" if checked else "load"].append(load(targets, folder, checked))
+                for name, run in (("save+sha256" if checked else "save", lambda: save(state, folder, checked)),
+                                  ("load+verify" if checked else "load", lambda: load(targets, folder, checked))):
+                    before = cpu_seconds()
+                    times[name].append(run())
+                    cpu[name].append(cpu_seconds() - before)
         assert all(torch.equal(targets[k], state[k]) for k in state)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     gb = args.mib / 1024 * 1.073741824
-    print(f"{'':12} {'median s':>9} {'GB/s':>6} {'ratio':>6}")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'':12} {'median s':>9} {'GB/s':>6} {'ratio':>6} {'cpu s':>7} {'ratio':>6}")
     for plain, checked in (("save", "save+sha256"), ("load", "load+verify")):
-        print(f"{plain:12} {med[plain]:9.3f} {gb / med[plain]:6.2f} {1.0:6.2f}")
-        print(f"{checked:12} {med[checked]:9.3f} {gb / med[checked]:6.2f} {med[checked] / med[plain]:6.2f}")
+        for name in (plain, checked):
+            print(f"{name:12} {med[name]:9.3f} {gb / med[name]:6.2f} {med[name] / med[plain]:6.2f}"
+                  f" {med_cpu[name]:7.3f} {med_cpu[name] / med_cpu[plain]:6.2f}")
 
 
 if __name__ == "__main__":

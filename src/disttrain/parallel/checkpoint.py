@@ -230,10 +230,7 @@ def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dic
     """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``."""
     with atomic_folder(path) as tmp:
         writer = ChecksumWriter(tmp)  # each rank hashes the shard it writes, while writing it
-        try:
-            dcp.save(tensors, storage_writer=writer)
-        finally:
-            writer.close()
+        dcp.save(tensors, storage_writer=writer)
         if _rank() == 0:
             torch.save({**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}, tmp / META_FILE)
         write_manifest(tmp, writer.digests)

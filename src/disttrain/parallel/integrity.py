@@ -10,8 +10,9 @@ the reads, on a thread pool) and never deserializes a byte before its chunk matc
 only when ``torch.load(weights_only=True)`` accepts them. :func:`verify_checkpoint` checks a whole folder offline.
 
 Why sha256: with SHA-NI (x86 since ~2017, ARMv8 crypto) OpenSSL's sha256 runs at ~1.8 GB/s per core, twice
-blake2b's ~0.9 GB/s on the same core (``bench/checkpoint_checksum.py`` prints both), and chunks hash in parallel
-and overlap the I/O, so the save/load cost stays small. Checksums catch corruption; they are not a signature:
+blake2b's ~0.9 GB/s on the same core (``bench/checkpoint_checksum.py`` prints both and what checksums add to a
+save and a load). Saves hash the bytes as they are written (no second read); loads hash chunks on a few threads
+ahead of DCP's reads. Checksums catch corruption; they are not a signature:
 whoever can rewrite a checkpoint can rewrite its manifest, which is why ``.metadata`` is also unpickled
 restrictively.
 """
@@ -41,7 +42,7 @@ MANIFEST_FILE = "manifest.json"
 METADATA_FILE = ".metadata"
 HASH = "sha256"
 CHUNK_BYTES = 64 << 20  # the unit hashed in parallel and verified before a read
-_READ_BYTES = 4 << 20
+_READ_BYTES = 16 << 20  # per pread/update: fewer hand-overs of the GIL between writer and hashers
 _FORMAT = "disttrain-manifest"
 FIX = "resume from an earlier checkpoint"
 
@@ -88,54 +89,34 @@ def hash_file(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> dict[s
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
-class _ChunkHasher:
-    """Hashes one file's chunks on a thread pool as soon as the writer has passed them (read back from the page
-    cache), so hashing overlaps the rest of the write instead of following it."""
-
-    def __init__(self, path: Path, pool: ThreadPoolExecutor) -> None:
-        self._fd = os.open(path, os.O_RDONLY)
-        self._pool = pool
-        self._futures: list[Future] = []
-        self._submitted = 0
-
-    def advance(self, written: int) -> None:
-        while written - self._submitted >= CHUNK_BYTES:
-            self._futures.append(self._pool.submit(_digest, self._fd, self._submitted, CHUNK_BYTES))
-            self._submitted += CHUNK_BYTES
-
-    def finish(self, size: int) -> dict[str, Any]:
-        try:
-            self.advance(size)
-            if size > self._submitted or not self._futures:
-                self._futures.append(self._pool.submit(_digest, self._fd, self._submitted, size - self._submitted))
-            return {"bytes": size, HASH: [f.result() for f in self._futures]}
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        for future in self._futures:
-            future.cancel()
-        if self._fd >= 0:
-            for future in self._futures:
-                if not future.cancelled():
-                    future.exception()  # wait: the fd must outlive the reads
-            os.close(self._fd)
-            self._fd = -1
-
-
 class _HashingStream:
-    """The file object DCP writes a shard through: passes every write on and lets the hasher follow behind."""
+    """The file object DCP writes a shard through: passes every write on and hashes the bytes on the way, chunk by
+    chunk, in the writing thread (measured cheaper than reading them back on other threads, which only pays off
+    with idle cores and otherwise costs a copy and hand-overs of the GIL)."""
 
-    def __init__(self, raw: Any, hasher: _ChunkHasher) -> None:
-        self.raw, self.hasher, self.position = raw, hasher, 0
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.position = raw, 0
+        self.digests: list[str] = []
+        self._chunk = hashlib.new(HASH)
 
     def write(self, data: Any) -> int:
         written = self.raw.write(data)
-        self.position += written
-        if self.position - self.hasher._submitted >= CHUNK_BYTES:
-            self.raw.flush()  # the hasher reads the bytes back from the OS
-            self.hasher.advance(self.position)
+        view = memoryview(data).cast("B")[:written]
+        while len(view):
+            part = view[:CHUNK_BYTES - self.position % CHUNK_BYTES]
+            self._chunk.update(part)
+            self.position += len(part)
+            view = view[len(part):]
+            if self.position % CHUNK_BYTES == 0:
+                self.digests.append(self._chunk.hexdigest())
+                self._chunk = hashlib.new(HASH)
         return written
+
+    def entry(self) -> dict[str, Any]:
+        """The manifest entry of what was written: as :func:`hash_file` computes it from the file."""
+        if self.position % CHUNK_BYTES or not self.digests:
+            self.digests.append(self._chunk.hexdigest())
+        return {"bytes": self.position, HASH: self.digests}
 
     def tell(self) -> int:
         return self.position
@@ -148,42 +129,30 @@ class _HashingStream:
 
 
 class _HashingFileSystem(FileSystem):
-    def __init__(self, pool: ThreadPoolExecutor, digests: dict[str, Any]) -> None:
+    def __init__(self, digests: dict[str, Any]) -> None:
         super().__init__()
-        self.pool, self.digests = pool, digests
+        self.digests = digests
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         path = Path(path)
-        if "w" not in mode or path.suffix != ".distcp":  # .metadata is hashed by write_manifest
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
         with super().create_stream(path, mode) as stream:
-            hashing = _HashingStream(stream, _ChunkHasher(path, self.pool))
-            try:
-                yield hashing
-                if not stream.closed:
-                    stream.flush()
-            except BaseException:
-                hashing.hasher.close()
-                raise
-        self.digests[path.name] = hashing.hasher.finish(hashing.position)
+            if "w" not in mode or path.suffix != ".distcp":  # .metadata is hashed by write_manifest
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        self.digests[path.name] = hashing.entry()
 
 
 class ChecksumWriter(FileSystemWriter):
     """``dcp.save(state, storage_writer=ChecksumWriter(folder))``: DCP's FileSystemWriter that also hashes every
-    shard file it writes, while writing it. Afterwards pass ``writer.digests`` to :func:`write_manifest` and
-    ``close()`` the writer."""
+    shard file it writes, while writing it; then pass ``writer.digests`` to :func:`write_manifest`."""
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.digests: dict[str, Any] = {}
-        self._pool = ThreadPoolExecutor(_hash_threads(), thread_name_prefix="disttrain-hash")
-        self.fs = _HashingFileSystem(self._pool, self.digests)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.fs = _HashingFileSystem(self.digests)
 
 
 def write_manifest(folder: str | os.PathLike, digests: dict[str, Any]) -> Path:
