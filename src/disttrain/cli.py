@@ -122,6 +122,31 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _verify(argv: list[str]) -> int:
+    from disttrain.parallel.integrity import MANIFEST_FILE, checkpoint_problems, read_manifest
+
+    parser = argparse.ArgumentParser(prog="disttrain verify", description="Check checkpoint folders offline against"
+                                     f" their {MANIFEST_FILE} (sha256 of every file) and DCP's metadata. Prints one"
+                                     " line per problem; exit 0 when every folder verifies, 1 otherwise.")
+    parser.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoint folder(s) written by disttrain")
+    args = parser.parse_args(argv)
+    failed = False
+    for folder in args.checkpoints:
+        problems = checkpoint_problems(folder)
+        for problem in problems:
+            print(problem)
+        failed = failed or bool(problems)
+        if not problems:
+            manifest = read_manifest(folder)
+            if manifest is None:
+                print(f"{folder}: no {MANIFEST_FILE} (written before disttrain stored checksums): its structure is"
+                      " sound, its contents cannot be verified")
+            else:
+                size = sum(entry["bytes"] for entry in manifest["files"].values())
+                print(f"{folder}: ok ({len(manifest['files'])} files, {size / 2**20:.1f} MiB, {manifest['hash']})")
+    return 1 if failed else 0
+
+
 def _strategies(argv: list[str]) -> int:
     from disttrain.names import STRATEGIES
 
@@ -203,6 +228,8 @@ commands:
   export CHECKPOINT OUTPUT [--to safetensors|hf|timm|torch] [--config CONFIG] [--key state_dict] [--prefix model.]
                  consolidate a checkpoint folder of any strategy into one safetensors file, an HF directory,
                  a timm or a plain torch state dict
+  verify CKPT [CKPT ...]
+                 check checkpoint folders offline against their checksums (exit 0: all sound; one line per problem)
   strategies     list the registered disttrain strategy names
   plan --model CONFIG.yaml --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
                  per-rank memory of every strategy, whether it fits, and the recommended one
@@ -219,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    commands = {"run": launch, "export": _export, "strategies": _strategies, "plan": _plan, "recsys": _recsys}
+    commands = {"run": launch, "export": _export, "verify": _verify, "strategies": _strategies, "plan": _plan,
+                "recsys": _recsys}
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

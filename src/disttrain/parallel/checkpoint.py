@@ -2,13 +2,16 @@
 export to one safetensors file. Used by the Trainer and Fabric adapters alike.
 
 A sharded checkpoint is a folder: DCP's ``.metadata`` and ``__<rank>_0.distcp`` shards hold every tensor
-(model and optimizer states), ``meta.pt`` holds the rest (step, loop state, user metadata).
+(model and optimizer states), ``meta.pt`` holds the rest (step, loop state, user metadata), and ``manifest.json``,
+written last, the sha256 of every file (``parallel/integrity.py``: every read path verifies what it reads).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import warnings
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -29,12 +32,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from disttrain.parallel.integrity import (  # noqa: F401  (CheckpointReader, verify_checkpoint: public here too)
+    MANIFEST_FILE,
+    CheckpointError,
+    CheckpointReader,
+    ChecksumWriter,
+    check_bytes,
+    unwrap_dcp_error,
+    verify_checkpoint,
+    write_manifest,
+)
+
 META_FILE = "meta.pt"
 FORMAT_KEY = "disttrain_checkpoint"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or corrupt."""
 
 
 def _rank() -> int:
@@ -150,9 +160,51 @@ def _replace_atomically(tmp: Path, path: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     if path.exists():
         path.rename(old)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except FileNotFoundError:
+        if not path.exists():
+            raise  # else a reader's recover_interrupted_save finished this swap for us
     if old.exists():
         shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _finished(tmp: Path) -> bool:
+    """Whether the ``.NAME.tmp`` of a swap that started holds a finished save (the swap starts only after it is
+    written; the manifest, written last, or DCP's parts confirm it for checkpoint folders)."""
+    if not tmp.exists():
+        return False
+    if not tmp.is_dir() or (tmp / MANIFEST_FILE).is_file():
+        return True
+    dcp_like = any((tmp / name).exists() for name in (".metadata", META_FILE))
+    return not dcp_like or not _missing_parts(tmp, "dcp")
+
+
+def recover_interrupted_save(path: str | os.PathLike) -> Path | None:
+    """Put a finished checkpoint back under ``path`` when a save was killed before its swap completed: between
+    the two renames of ``_replace_atomically`` only ``.NAME.old`` (the previous checkpoint) and ``.NAME.tmp`` (the
+    new one) exist. The new one wins when it is finished, else the old one comes back. Returns the folder/file it
+    restored from (None: nothing to do). Safe to call from several processes at once: one rename wins, a rename
+    never replaces a non-empty folder, and files are linked (never replacing one) before being unlinked."""
+    path = Path(path)
+    old, tmp = path.with_name(f".{path.name}.old"), path.with_name(f".{path.name}.tmp")
+    if path.exists() or not old.exists():  # a lone .NAME.tmp is an unfinished save: the next one clears it
+        return None
+    source = tmp if _finished(tmp) else old
+    try:
+        if source.is_dir():
+            source.rename(path)
+        else:
+            os.link(source, path)
+            source.unlink()
+    except OSError:  # another process restored it first
+        return None
+    if source is tmp and old.exists():
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    warnings.warn(f"checkpoint {str(path)!r} was missing after an interrupted save; restored it from"
+                  f" {source.name!r} ({'the finished new' if source is tmp else 'the previous'} checkpoint)",
+                  stacklevel=2)
+    return source
 
 
 @contextmanager
@@ -162,6 +214,7 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if _rank() == 0:
+        recover_interrupted_save(path)  # before the leftovers of that save are cleared away
         if tmp.exists():
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         tmp.mkdir(parents=True)
@@ -176,9 +229,11 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
 def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
     """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``."""
     with atomic_folder(path) as tmp:
-        dcp.save(tensors, checkpoint_id=tmp)
+        writer = ChecksumWriter(tmp)  # each rank hashes the shard it writes, while writing it
+        dcp.save(tensors, storage_writer=writer)
         if _rank() == 0:
             torch.save({**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}, tmp / META_FILE)
+        write_manifest(tmp, writer.digests)
     return Path(path)
 
 
@@ -187,6 +242,7 @@ def save_full(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     path = Path(path)
     if _rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
+        recover_interrupted_save(path)
         tmp = path.with_name(f".{path.name}.tmp")
         torch.save(state, tmp)
         _replace_atomically(tmp, path)
@@ -209,6 +265,7 @@ def check_checkpoint(path: str | os.PathLike, layout: str = "dcp") -> Path:
     ``layout``: "dcp" (our sharded folders) or "zero" (DeepSpeed's)."""
     path = Path(path)
     error: Exception | None = None
+    recover_interrupted_save(path)
     if not path.exists():
         error = FileNotFoundError(
             f"checkpoint {str(path)!r} does not exist; pass the folder (sharded) or file (full) that"
@@ -225,7 +282,11 @@ def check_checkpoint(path: str | os.PathLike, layout: str = "dcp") -> Path:
 
 def _read_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
     try:
-        return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+        data = (path / META_FILE).read_bytes()
+        check_bytes(path, META_FILE, data)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as e:
         refused = [line.strip() for line in str(e).splitlines() if "Unsupported global" in line]
         if not refused:
@@ -259,7 +320,9 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
                  layout: StorageLayout | None = None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``targets`` (``{key: module | optimizer}``); returns the metadata.
 
-    Works at any world size: DCP reshards on load.
+    Works at any world size: DCP reshards on load. Every file read is verified against the manifest first
+    (:class:`CheckpointReader`); ``weights_only=False`` also admits non-plain objects in ``meta.pt`` and in
+    non-tensor items (trusted checkpoints only).
     """
     layout = layout or StorageLayout()
     path = check_checkpoint(path)
@@ -277,10 +340,7 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
     tensors = {key: (model_state(obj) if isinstance(obj, nn.Module) else optimizer_state(model, obj))
                for key, obj in targets.items()}
     layout.before_load(tensors)
-    try:
-        dcp.load(tensors, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
+    load_into(path, tensors, strict=strict, weights_only=weights_only)
     layout.after_load(tensors)
     for key, obj in targets.items():
         if isinstance(obj, nn.Module):
@@ -409,10 +469,11 @@ def _is_optimizer_state(state: Mapping[str, Any]) -> bool:
     return any(k in ("state", "param_groups") or k.startswith(("state.", "param_groups.")) for k in state)
 
 
-def read_full(path: str | os.PathLike, keys: set[str] | None = None) -> dict[str, Any]:
+def read_full(path: str | os.PathLike, keys: set[str] | None = None, weights_only: bool = True) -> dict[str, Any]:
     """Every tensor of a DCP checkpoint folder (or only the top-level ``keys``), full size, in this process, in
     the nested form it was saved in (``{"model": {fqn: tensor}, "optimizer": {"state": ..., ...}}``). No
-    collective: each rank reads for itself (for strategies that keep full tensors while loading, like ZeRO-3)."""
+    collective: each rank reads for itself (for strategies that keep full tensors while loading, like ZeRO-3).
+    Every file read is verified against the manifest (:class:`CheckpointReader`)."""
     # dcp.load only fills keys the caller already has; the empty-dict planner (what dcp_to_torch_save uses) builds
     # the nested dict from the checkpoint's own metadata.
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -420,10 +481,10 @@ def read_full(path: str | os.PathLike, keys: set[str] | None = None) -> dict[str
 
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(Path(path)),
+        _load_state_dict(state, storage_reader=CheckpointReader(path, weights_only),
                          planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
+        raise unwrap_dcp_error(e) or CheckpointError(f"checkpoint {str(path)!r} is corrupt: {e}") from e
     return state
 
 
@@ -450,6 +511,8 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     folder = Path(folder)
     if not folder.is_dir():
         return None
+    for leftover in folder.glob(".*.old"):  # a save killed between its two renames
+        recover_interrupted_save(folder / leftover.name[1:-len(".old")])
 
     def order(p: Path) -> tuple[int, float]:
         number = re.search(r"(\d+)$", p.name)
@@ -460,9 +523,10 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
 
 
 # -- reading a DCP folder into prepared targets (strategies that build their own load targets, like ZeRO-3) ------
-def storage_reader(path: str | os.PathLike) -> dcp.FileSystemReader:
-    """The reader through which these loads read a checkpoint folder's ``.metadata`` and shards."""
-    return dcp.FileSystemReader(Path(path))
+def storage_reader(path: str | os.PathLike, weights_only: bool = True) -> CheckpointReader:
+    """The reader every load reads a checkpoint folder through: ``.metadata`` and shards verified against the
+    manifest, ``.metadata`` unpickled restrictively (see :class:`CheckpointReader`)."""
+    return CheckpointReader(Path(path), weights_only)
 
 
 def stored_entries(path: str | os.PathLike) -> dict[str, Any]:
@@ -471,17 +535,21 @@ def stored_entries(path: str | os.PathLike) -> dict[str, Any]:
     ``BytesStorageMetadata``."""
     try:
         return dict(storage_reader(path).read_metadata().state_dict_metadata)
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: cannot read its .metadata ({e}); resume from"
                               " an earlier checkpoint") from e
 
 
-def load_into(path: str | os.PathLike, targets: dict[str, Any], strict: bool = True) -> None:
+def load_into(path: str | os.PathLike, targets: dict[str, Any], strict: bool = True,
+              weights_only: bool = True) -> None:
     """Collective ``dcp.load`` of a checkpoint folder into ``targets`` (nested dicts of tensors, DTensors or
     ShardedTensors, filled in place; other values are replaced by the stored ones): each rank reads only the
-    stored chunks that overlap its targets."""
+    stored chunks that overlap its targets, each verified before it is used."""
     try:
-        dcp.load(targets, storage_reader=storage_reader(path),
+        dcp.load(targets, storage_reader=storage_reader(path, weights_only),
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
+        raise unwrap_dcp_error(e) or CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e

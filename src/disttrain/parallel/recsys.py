@@ -26,6 +26,7 @@ from disttrain.parallel import checkpoint as ckpt
 DEFAULT_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 SPARSE_OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sgd")
 FUSED_OPTIMIZER_KEY = "fused_optimizer"
+ROW_STATE_KEY = "recsys_row_state_columns"  # meta.pt: column split of each per-row optimizer state
 
 
 @dataclass
@@ -286,27 +287,173 @@ class RecsysEngine:
     @staticmethod
     def save(path: str | os.PathLike, root: nn.Module, metadata: dict[str, Any]) -> Path:
         """Collective: the model's (sharded) state dict and the fused optimizer states go through DCP (each rank
-        writes its shards); ``metadata`` (dense optimizer state, loop state) is written by rank 0."""
-        tensors = {"state_dict": root.state_dict(), FUSED_OPTIMIZER_KEY: fused_optimizer_state(root)}
-        return ckpt.save_sharded(path, tensors, metadata)
+        writes its shards); ``metadata`` (dense optimizer state, loop state) is written by rank 0, with the column
+        split of every per-row optimizer state so that :meth:`load` can reshard it."""
+        fused = fused_optimizer_state(root)
+        tensors = {"state_dict": root.state_dict(), FUSED_OPTIMIZER_KEY: fused}
+        layout = {state.key: state.columns for state in row_states(root, fused)}
+        return ckpt.save_sharded(path, tensors, {**metadata, ROW_STATE_KEY: layout})
 
     @staticmethod
     def load(path: str | os.PathLike, root: nn.Module, strict: bool = True, optimizer: bool = True) -> dict[str, Any]:
-        """Restore ``root``'s shards (and the fused optimizer states unless ``optimizer=False``) in place from
-        a folder written by :meth:`save`, at the same sharding plan; returns the metadata."""
+        """Restore ``root``'s shards (and the fused optimizer states unless ``optimizer=False``) in place from a
+        folder written by :meth:`save` at any world size and sharding plan; returns the metadata. Collective.
+
+        DCP reshards the tables and their element-wise optimizer state (global offsets). Per-row state (row-wise
+        Adagrad's momentum) is stored per column shard, so when the column split differs it is regrouped with
+        :func:`regroup_row_state`. Every file read is verified against the checkpoint's manifest."""
         path = ckpt.check_checkpoint(path)
-        metadata = ckpt._read_meta(path)
-        metadata.pop(ckpt.FORMAT_KEY, None)
+        metadata = ckpt.read_meta(path)
+        saved_columns = metadata.pop(ROW_STATE_KEY, None)
         tensors: dict[str, Any] = {"state_dict": root.state_dict()}
+        regroup: dict[str, tuple[RowState, list[int]]] = {}
         if optimizer:
-            tensors[FUSED_OPTIMIZER_KEY] = fused_optimizer_state(root)
+            tensors[FUSED_OPTIMIZER_KEY] = fused = fused_optimizer_state(root)
+            regroup = _row_states_to_regroup(path, root, fused, saved_columns)
         try:
-            dcp.load(tensors, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+            dcp.load(_without(tensors, regroup), storage_reader=ckpt.CheckpointReader(path),
+                     planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+            _load_regrouped(path, regroup)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise ckpt.CheckpointError(f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
+            raise ckpt.unwrap_dcp_error(e) or ckpt.CheckpointError(
+                f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
         load_model_state(root, tensors["state_dict"], strict=strict)
         if optimizer:
             load_fused_optimizer_state(root, tensors[FUSED_OPTIMIZER_KEY])
         return metadata
+
+
+# -- per-row optimizer state across sharding plans ---------------------------------------------------------------
+# fbgemm's row-wise optimizers keep one value per row and column shard (row-wise Adagrad: the running sum of the
+# mean g^2 over that shard's columns); torchrec lays a column-wise table's out as one 1-D ShardedTensor of
+# rows x shards values, segment k for column shard k. Its size depends on the plan, so DCP cannot reshard it.
+
+def table_columns(weight: Any) -> Optional[list[int]]:
+    """Column widths of a sharded table's shards in torchrec's order: ``[dim]`` when every shard spans all columns
+    (table-wise, row-wise), the widths of the column shards (column-wise, table-column-wise), None otherwise."""
+    rows, dim = weight.size()
+    shards = weight.metadata().shards_metadata
+    if all(m.shard_sizes[1] == dim for m in shards):
+        return [dim]
+    if all(m.shard_sizes[0] == rows and m.shard_offsets[0] == 0 for m in shards):
+        return [m.shard_sizes[1] for m in shards]
+    return None
+
+
+@dataclass
+class RowState:
+    """One per-row fused optimizer state: where it sits in the checkpoint, its (sharded) tensor, its table's rows and
+    column split."""
+
+    path: tuple[str, ...]  # (FUSED_OPTIMIZER_KEY, module, "state", param fqn, state name)
+    tensor: Any
+    rows: int
+    columns: list[int]
+
+    @property
+    def key(self) -> str:  # how DCP names it (nested keys joined by dots)
+        return ".".join(self.path)
+
+
+def row_states(root: nn.Module, fused: dict[str, Any]) -> list[RowState]:
+    """Every per-row state in ``fused`` (from :func:`fused_optimizer_state`) of the tables of ``root``."""
+    found = []
+    for name, dmp in sharded_modules(root):
+        weights = dmp.state_dict()
+        for param, states in fused[name or "model"].get("state", {}).items():
+            weight = weights.get(param)
+            if weight is None or not hasattr(weight, "metadata") or weight.dim() != 2:
+                continue
+            columns = table_columns(weight)
+            for state_name, value in states.items():
+                if hasattr(value, "metadata") and value.dim() == 1 and columns \
+                        and value.size(0) == weight.size(0) * len(columns):
+                    path = (FUSED_OPTIMIZER_KEY, name or "model", "state", param, state_name)
+                    found.append(RowState(path, value, weight.size(0), columns))
+    return found
+
+
+def regroup_row_state(saved: torch.Tensor, rows: int, saved_columns: list[int],
+                      columns: list[int]) -> torch.Tensor:
+    """Per-row optimizer state saved for one column split (``saved``: rows x len(saved_columns) values, shard by
+    shard) -> the same for another split: each new shard gets the column-weighted mean of the saved shards it
+    overlaps. Exact when new shards are unions of saved ones (column-wise -> table-wise gives the whole row's mean,
+    what the table would have accumulated unsplit); an estimate when a saved shard is split (table-wise ->
+    column-wise: every shard starts from the whole row's value)."""
+    if sum(saved_columns) != sum(columns):
+        raise ValueError(f"column splits {saved_columns} and {columns} cover different widths")
+    segments = saved.reshape(len(saved_columns), rows)
+    bounds = torch.tensor([0, *saved_columns]).cumsum(0).tolist()
+    out, start = [], 0
+    for width in columns:
+        end = start + width
+        mean = torch.zeros(rows, dtype=saved.dtype)
+        for k in range(len(saved_columns)):
+            overlap = min(end, bounds[k + 1]) - max(start, bounds[k])
+            if overlap > 0:
+                mean += segments[k] * (overlap / width)
+        out.append(mean)
+        start = end
+    return torch.cat(out)
+
+
+def _row_states_to_regroup(path: Path, root: nn.Module, fused: dict[str, Any],
+                           saved_columns: Optional[dict[str, list[int]]]) -> dict[str, tuple[RowState, list[int]]]:
+    """The per-row states whose saved column split differs from this plan's: DCP key -> (state, saved split)."""
+    stored = ckpt.CheckpointReader(path).metadata.state_dict_metadata
+    regroup = {}
+    for state in row_states(root, fused):
+        if state.key not in stored:
+            continue  # strict loading reports it
+        saved = (saved_columns or {}).get(state.key)
+        if saved is None:  # written before the split was recorded: equal widths, as torchrec splits by default
+            size, dim = stored[state.key].size[0], sum(state.columns)
+            count = size // state.rows
+            if size % state.rows or dim % max(count, 1):
+                raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: cannot tell how {state.key} was split over"
+                                           f" column shards ({size} values for {state.rows} rows); load it at the"
+                                           " sharding plan it was saved with")
+            saved = [dim // count] * count
+        if list(saved) != state.columns:
+            regroup[state.key] = (state, list(saved))
+    return regroup
+
+
+def _without(tensors: dict[str, Any], regroup: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` (nested) without the DCP keys in ``regroup``: those are loaded by :func:`_load_regrouped`."""
+    def prune(node: dict[str, Any], prefix: str) -> dict[str, Any]:
+        kept = {}
+        for key, value in node.items():
+            if f"{prefix}{key}" in regroup:
+                continue
+            if isinstance(value, dict) and value:
+                value = prune(value, f"{prefix}{key}.")
+                if not value:  # DCP would take an empty dict for a value of its own
+                    continue
+            kept[key] = value
+        return kept
+    return prune(tensors, "")
+
+
+def _load_regrouped(path: Path, regroup: dict[str, tuple[RowState, list[int]]]) -> None:
+    """Read the saved per-row states whole (one verified read for all of them), regroup each to this plan's column
+    split, and copy this rank's shards into the targets. Not collective."""
+    if not regroup:
+        return
+    full: dict[str, Any] = {}
+    for state, saved in regroup.values():
+        node = full
+        for part in state.path[:-1]:
+            node = node.setdefault(part, {})
+        node[state.path[-1]] = torch.empty(state.rows * len(saved), dtype=state.tensor.dtype)
+    dcp.load(full, storage_reader=ckpt.CheckpointReader(path), no_dist=True)
+    for state, saved in regroup.values():
+        value = full
+        for part in state.path:
+            value = value[part]
+        new = regroup_row_state(value, state.rows, saved, state.columns)
+        for shard in state.tensor.local_shards():
+            offset = shard.metadata.shard_offsets[0]
+            shard.tensor.copy_(new[offset:offset + shard.tensor.numel()])

@@ -89,7 +89,14 @@ class DeepFMNet(nn.Module):
         self.linear = nn.Linear(dense_in_features, 1, device=device)
 
     def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
-        pooled = self.ebc(sparse).values()  # (B, F * D), features in self.keys order
+        pooled = self.ebc(sparse)
+        # Sharded tables return their features grouped by rank (table-wise: cat_0, cat_2, ... on 2 ranks): put them
+        # back in self.keys order, or the deep tower would compute another function under every sharding plan.
+        if pooled.keys() == self.keys:
+            pooled = pooled.values()  # (B, F * D)
+        else:
+            by_key = pooled.to_dict()
+            pooled = torch.cat([by_key[key] for key in self.keys], dim=1)
         batch = dense.shape[0]
         fields = torch.cat([self.bottom(dense).unsqueeze(1), pooled.view(batch, -1, self.embedding_dim)], dim=1)
         # fields: (B, F + 1, D)
