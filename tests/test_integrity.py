@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from conftest import ROOT, child_env
 from disttrain.parallel.checkpoint import (
@@ -87,15 +88,34 @@ def assert_one_line_naming(error: str, name: str) -> None:
 def test_save_writes_a_manifest_and_an_untouched_checkpoint_verifies(checkpoint):
     path, model = checkpoint
     manifest = json.loads((path / MANIFEST_FILE).read_text())
-    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "meta.pt"] and manifest["hash"] == "sha256"
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "meta.pt"] and manifest["hash"] == "xxh3_128"
     shard = path / "__0_0.distcp"
     assert manifest["files"][shard.name] == {"bytes": shard.stat().st_size,
-                                             "sha256": [hashlib.sha256(shard.read_bytes()).hexdigest()]}
+                                             "xxh3_128": [xxhash.xxh3_128(shard.read_bytes()).hexdigest()]}
     assert verify_checkpoint(path) == path
     proc = cli("verify", str(path))
     assert proc.returncode == 0 and proc.stdout.startswith(f"{path}: ok (3 files"), proc.stdout + proc.stderr
     loaded, meta = load(path)
     assert meta == {"step": 1} and all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+
+
+def test_a_sha256_manifest_of_the_first_version_still_verifies(checkpoint):
+    """The first manifests used sha256: the manifest names its hash, so they verify, and damage is still found."""
+    path, _ = checkpoint
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["hash"] = "sha256"
+    manifest["files"] = {name: {"bytes": (path / name).stat().st_size,
+                                "sha256": [hashlib.sha256((path / name).read_bytes()).hexdigest()]}
+                         for name in manifest["files"]}
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert verify_checkpoint(path) == path
+    load(path)
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="do not match their sha256"):
+        verify_checkpoint(path)
 
 
 @pytest.mark.parametrize("damage", ["flipped bytes", "nan rows"])
@@ -115,7 +135,7 @@ def test_damaged_tensor_fails_every_load_path_and_verify_naming_the_file(checkpo
     with pytest.raises(CheckpointError) as error:  # FSDP/DDP/megatron/recsys-style load
         load(path)
     assert_one_line_naming(str(error.value), shard.name)
-    assert "bytes 0-" in str(error.value) and "do not match their sha256" in str(error.value)
+    assert "bytes 0-" in str(error.value) and "do not match their xxh3_128" in str(error.value)
     with pytest.raises(CheckpointError) as error:  # full read: export, consolidate, the ZeRO-3 loader
         read_full(path)
     assert_one_line_naming(str(error.value), shard.name)
@@ -177,7 +197,7 @@ def rehash(path: Path, name: str) -> None:
     """What an attacker does: make the manifest agree with the crafted file."""
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     manifest["files"][name] = {"bytes": (path / name).stat().st_size,
-                               "sha256": [hashlib.sha256((path / name).read_bytes()).hexdigest()]}
+                               "xxh3_128": [xxhash.xxh3_128((path / name).read_bytes()).hexdigest()]}
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 

@@ -126,7 +126,7 @@ def _verify(argv: list[str]) -> int:
     from disttrain.parallel.integrity import MANIFEST_FILE, checkpoint_problems, read_manifest
 
     parser = argparse.ArgumentParser(prog="disttrain verify", description="Check checkpoint folders offline against"
-                                     f" their {MANIFEST_FILE} (sha256 of every file) and DCP's metadata. Prints one"
+                                     f" their {MANIFEST_FILE} (a checksum of every file) and DCP's metadata. Prints one"
                                      " line per problem; exit 0 when every folder verifies, 1 otherwise.")
     parser.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoint folder(s) written by disttrain")
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@ export to one safetensors file. Used by the Trainer and Fabric adapters alike.
 
 A sharded checkpoint is a folder: DCP's ``.metadata`` and ``__<rank>_0.distcp`` shards hold every tensor
 (model and optimizer states), ``meta.pt`` holds the rest (step, loop state, user metadata), and ``manifest.json``,
-written last, the sha256 of every file (``parallel/integrity.py``: every read path verifies what it reads).
+written last, a checksum of every file (``parallel/integrity.py``: every read path verifies what it reads).
 """
 
 from __future__ import annotations
