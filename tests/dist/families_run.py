@@ -2,7 +2,8 @@
 
 Usage: families_run.py OUT SPEC MODEL [MODEL ...]
 MODEL: gpt2 (tied embeddings), gpt2-untied, bert (BertForSequenceClassification), roberta, qwen3 (tied),
-qwen3-untied, llama-bias (attention_bias=True), vit-qknorm (timm ViT, qk_norm=True), t5.
+qwen3-untied, llama-bias (attention_bias=True), vit-qknorm (timm ViT, qk_norm=True), t5; gpt2-userplan and
+bert-userplan: the model with a ``tp_plan`` written with torch's own styles (as a user would).
 
 Per model: 2 optimizer steps on the same batch in both runs; the losses, the full state after training gathered by
 ``export_full`` and the DCP checkpoint consolidated offline (``full_model_state``) next to the one-process state
@@ -33,6 +34,7 @@ def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, max_position_embeddings=64, use_cache=False)
+    name = name.removesuffix("-userplan")
     if name.startswith("gpt2"):
         config = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
@@ -60,7 +62,18 @@ def build(name: str) -> torch.nn.Module:
                              depth=4, num_heads=4, num_classes=LABELS, qk_norm=True)
 
 
+def user_plan(name: str) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if name == "gpt2-userplan":  # torch's styles on GPT-2's Conv1D layers
+        return {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(), "mlp.c_fc": ColwiseParallel(),
+                "mlp.c_proj": RowwiseParallel()}
+    return {"attention.self.query": ColwiseParallel(), "attention.self.key": ColwiseParallel(),
+            "attention.self.value": ColwiseParallel(), "attention.output.dense": RowwiseParallel()}
+
+
 def batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    name = name.removesuffix("-userplan")
     g = torch.Generator().manual_seed(10 + step)
     if name.startswith("vit"):
         return torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, LABELS, (BATCH,), generator=g)
@@ -71,8 +84,6 @@ def batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_of(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, pipelined: bool) -> torch.Tensor:
     if name.startswith("vit"):
         return model(x, target=y) if pipelined else F.cross_entropy(model(x), y)
-    if name == "t5":
-        return model(input_ids=x, labels=y).loss
     return model(input_ids=x, labels=y).loss
 
 
@@ -106,6 +117,8 @@ def check(fabric: L.Fabric, name: str) -> dict:
         ref_losses.append(loss.item())
     ref_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
+    options = fabric.strategy.engine.options
+    options.tp_plan = user_plan(name) if name.endswith("-userplan") else None
     try:
         model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
     except ValueError as e:
