@@ -307,3 +307,31 @@ def test_cli_plan_on_an_hf_config_folder_and_timm_names(tmp_path, capsys):
         assert "measured by running the model's forward on the meta device" in out
     assert main(["plan", "--model", "resnet_18", "--gpus", "8"]) == 1
     assert "did you mean resnet18" in capsys.readouterr().err
+
+
+def test_a_lightning_module_is_measured_with_its_example_input():
+    import lightning as L
+    from torch import nn
+
+    from disttrain.planner import activation_bytes
+    from disttrain.planner.measure import SavedActivations
+
+    class Module(L.LightningModule):
+        def __init__(self, fail: bool = False):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+            self.example_input_array = torch.randn(2, 16)
+            self.fail = fail
+
+        def forward(self, x):
+            if self.fail and x.sum() > 0:  # data-dependent: cannot be answered without data
+                return x
+            return self.net(x)
+
+    module = Module()
+    with SavedActivations(module) as saved:
+        module(torch.randn(8, 16))
+    spec = model_spec(module)
+    assert activation_bytes(spec, 8, 1, 4) == saved.bytes()  # the example's batch of 2 resized to 8
+    with pytest.raises(ValueError, match="cannot run Module's forward on the meta device .* planner_model"):
+        activation_bytes(model_spec(Module(fail=True)), 8, 1, 4)

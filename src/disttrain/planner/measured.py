@@ -246,6 +246,12 @@ class MeasuredModel:
             self.model.train()  # what is saved for backward: the training forward (dropout, batch statistics)
             try:
                 self._profiles[key] = measure(self.model, self.inputs(micro_batch, seq_len), self.blocks, self.plan)
+            except Exception as e:  # a forward that needs real data (or real devices) cannot be planned this way
+                raise ValueError(
+                    f"the planner cannot run {type(self.model).__name__}'s forward on the meta device with"
+                    f" {self.what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); plan from a"
+                    " config instead: a LightningModule attribute planner_model, or AutoStrategy(model=...), naming"
+                    " an HF config, a timm model name, a recipe YAML or a disttrain.planner.ModelSpec") from e
             finally:
                 self.model.train(was_training)
         return self._profiles[key]

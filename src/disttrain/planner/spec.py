@@ -18,7 +18,6 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-FAMILIES = ("llama", "vit", "deepfm", "module")  # analytic families; measured specs carry their family's name
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")  # HF model types counted with the Llama formulas
 
 
