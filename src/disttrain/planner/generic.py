@@ -127,12 +127,22 @@ def hf_spec(config: Any, model: Optional[nn.Module] = None) -> ModelSpec:
     plan = family.tp_plan() if family is not None else None
     measured = MeasuredModel(model, inputs, blocks, plan, what=what)
     extra = {"activations": measured, "lm_logits": lm, "model_type": config.model_type,
-             "tensor_parallel": family is not None and unsupported_reason(model) is None,
+             "tensor_parallel": family is not None and _splits(family, model),
              "pipeline": family is not None and _pipelines(family, model)}
     attention = "eager" if getattr(config, "_attn_implementation", None) == "eager" else "sdpa"
     return ModelSpec(family.name if family is not None else config.model_type, **_structure(model, blocks),
                      hidden=widths["hidden"], ffn=widths["ffn"], heads=widths["heads"], kv_heads=widths["kv_heads"],
                      vocab=widths["vocab"], tokens=widths["tokens"], attention=attention, extra=extra)
+
+
+def _splits(family: Any, model: nn.Module) -> bool:
+    if unsupported_reason(model) is not None:
+        return False
+    try:
+        family.check_tp(model, 1)  # options the family's plan refuses whatever the size (cross-attention)
+    except ValueError:
+        return False
+    return True
 
 
 def _pipelines(family: Any, model: nn.Module) -> bool:

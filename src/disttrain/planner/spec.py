@@ -18,7 +18,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")  # HF model types counted with the Llama formulas
+from disttrain.parallel.tp import LLAMA_FAMILY  # HF model types counted with the Llama formulas
+
 
 
 @dataclass(frozen=True)
