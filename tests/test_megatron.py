@@ -85,6 +85,7 @@ TRAINER_CASES = {  # name: (model, strategy, processes); llama-gpipe also saves 
     "llama-interleaved": ("llama", megatron(pipeline_parallel_size=2, microbatches=2,
                                             pipeline_schedule="interleaved_1f1b"), 2),
     "vit-1f1b-loss-hook": ("vit", megatron(pipeline_parallel_size=2, microbatches=2), 2),
+    "gpt2-1f1b": ("gpt2", megatron(pipeline_parallel_size=2, microbatches=2), 2),
     "vit-tp2": ("vit", megatron(tensor_parallel_size=2), 2),
     "llama-tp2-ac": ("llama", megatron(tensor_parallel_size=2, activation_checkpointing=True), 2),
     "llama-tp2-pp2": ("llama", megatron(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2), 4),
