@@ -92,8 +92,8 @@ TRAINER_CASES = {  # name: (model, strategy, processes); llama-gpipe also saves 
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if TRAINER_CASES[c][2] > 2 else c
-                                  for c in TRAINER_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if TRAINER_CASES[c][2] > 2
+                                  or TRAINER_CASES[c][0] == "gpt2" else c for c in TRAINER_CASES])
 def test_trainer_matches_one_process(tmp_path, case):
     family, spec, nproc = TRAINER_CASES[case]
     resume = case == "llama-gpipe"
