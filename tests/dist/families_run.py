@@ -5,10 +5,11 @@ MODEL: gpt2 (tied embeddings), gpt2-untied, bert (BertForSequenceClassification)
 qwen3-untied, llama-bias (attention_bias=True), vit-qknorm (timm ViT, qk_norm=True), t5; gpt2-userplan and
 bert-userplan: the model with a ``tp_plan`` written with torch's own styles (as a user would).
 
-Per model: 2 optimizer steps on the same batch in both runs; the losses, the full state after training gathered by
-``export_full`` and the DCP checkpoint consolidated offline (``full_model_state``) next to the one-process state
+Per model: 2 optimizer steps on the same batches in both runs; the losses, the full state after training gathered
+by ``export_full`` and the DCP checkpoint consolidated offline (``full_model_state``) next to the one-process state
 (largest relative difference per tensor), HF's own ``from_pretrained`` on a ``disttrain export --to hf``
-directory (logits against the reference). A model the strategy refuses records the error line instead.
+directory (logits against the reference), and the checkpoint resumed into a model with other weights under the
+same layout: its next step's loss. A model the strategy refuses records the error line instead.
 """
 
 import copy
@@ -102,37 +103,42 @@ def state_diff(state: dict, reference: dict) -> float:
     return max((relative(state[k], reference[k]), k) for k in reference)  # (difference, the worst key)
 
 
+def train(fabric: L.Fabric | None, name: str, model, optimizer, steps: range, pipelined: bool = False) -> list:
+    """``steps`` optimizer steps (their batch indices); the losses. ``fabric=None``: one process."""
+    losses = []
+    for step in steps:
+        loss = loss_of(name, model, *batch(name, step), pipelined)
+        fabric.backward(loss) if fabric is not None else loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def setup(fabric: L.Fabric, name: str, model) -> tuple:
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    if fabric.strategy.engine.pipeline is not None and name.startswith("vit"):
+        model.pipeline.loss_fn = F.cross_entropy  # Fabric's PP hook for a model without its own loss
+    return model, optimizer
+
+
 def check(fabric: L.Fabric, name: str) -> dict:
     from disttrain.parallel.checkpoint import full_model_state
 
     model = build(name)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
-    ref_losses = []
-    for step in range(STEPS):
-        loss = loss_of(name, reference, *batch(name, step), pipelined=False)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = train(None, name, reference, ref_opt, range(STEPS))
     ref_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
     options = fabric.strategy.engine.options
     options.tp_plan = user_plan(name) if name.endswith("-userplan") else None
     try:
-        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        model, optimizer = setup(fabric, name, model)
     except ValueError as e:
         return {"refused": str(e)}
     pipelined = fabric.strategy.engine.pipeline is not None
-    if pipelined and name.startswith("vit"):
-        model.pipeline.loss_fn = F.cross_entropy  # Fabric's PP hook for a model without its own loss
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of(name, model, *batch(name, step), pipelined)
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train(fabric, name, model, optimizer, range(STEPS), pipelined)
     out = os.path.join(tmpdir(), name)
     fabric.strategy.export_full(model, f"{out}.safetensors")
     fabric.save(f"{out}-ckpt", {"model": model, "optimizer": optimizer})
@@ -154,6 +160,15 @@ def check(fabric: L.Fabric, name: str) -> dict:
         from safetensors.torch import load_file
 
         result["export_diff"] = state_diff(load_file(f"{out}.safetensors"), ref_state)
+    # Resume into a model with other weights (and no optimizer state): the next step continues the reference run.
+    fresh = build(name)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(0.01)
+    fresh, fresh_opt = setup(fabric, name, fresh)
+    fabric.load(f"{out}-ckpt", {"model": fresh, "optimizer": fresh_opt})
+    result["resumed"] = train(fabric, name, fresh, fresh_opt, range(STEPS, STEPS + 1), pipelined)
+    result["ref_resumed"] = train(None, name, reference, ref_opt, range(STEPS, STEPS + 1))
     fabric.barrier()
     return result
 
