@@ -3,7 +3,8 @@
 Usage: families_run.py OUT SPEC MODEL [MODEL ...]
 MODEL: gpt2 (tied embeddings), gpt2-untied, bert (BertForSequenceClassification), roberta, qwen3 (tied),
 qwen3-untied, llama-bias (attention_bias=True), vit-qknorm (timm ViT, qk_norm=True), t5; gpt2-userplan and
-bert-userplan: the model with a ``tp_plan`` written with torch's own styles (as a user would).
+bert-userplan, qwen3-userplan: the model with a ``tp_plan`` written with torch's own styles (as a user would; the
+Qwen3 plan does not mention its per-head q/k norms).
 
 Per model: 2 optimizer steps on the same batches in both runs; the losses, the full state after training gathered
 by ``export_full`` and the DCP checkpoint consolidated offline (``full_model_state``) next to the one-process state
@@ -69,6 +70,9 @@ def user_plan(name: str) -> dict:
     if name == "gpt2-userplan":  # torch's styles on GPT-2's Conv1D layers
         return {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(), "mlp.c_fc": ColwiseParallel(),
                 "mlp.c_proj": RowwiseParallel()}
+    if name == "qwen3-userplan":  # attention only
+        return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
     return {"attention.self.query": ColwiseParallel(), "attention.self.key": ColwiseParallel(),
             "attention.self.value": ColwiseParallel(), "attention.output.dense": RowwiseParallel()}
 

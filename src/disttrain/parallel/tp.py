@@ -160,17 +160,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
                              " family, GPT-2, BERT-style encoders and timm's VisionTransformer; pass tp_plan="
                              "{'block.path': ColwiseParallel(), ...} with paths relative to one repeated block")
         inner = found[1]
-        first = find_blocks(inner, wrap_classes)[0]
         if family == "llama":
-            plan = llama_plan(qk_norm=hasattr(first.self_attn, "q_norm"))
+            plan = llama_plan(qk_norm=_has_module(inner, "self_attn.q_norm"))
             config = inner.config
             check_heads(tp, num_attention_heads=config.num_attention_heads,
                         num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         elif family == "vit":
-            plan = vit_plan(qk_norm=not isinstance(getattr(first.attn, "q_norm", nn.Identity()), nn.Identity))
+            plan = vit_plan(qk_norm=_has_module(inner, "attn.q_norm"))
             check_heads(tp, num_heads=inner.blocks[0].attn.num_heads)
         else:
             plan = other.tp_plan()
+    elif family in ("llama", "vit"):
+        plan = _with_head_norms(plan, family, found[1])
     if other is not None:
         other.check_tp(found[1], tp)
     prefix = {id(m): n for n, m in model.named_modules()}
@@ -183,6 +184,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
             _record(result, prefix[id(block)], other.prepare_block(block, tp, block_plan))
         parallelize_module(block, tp_mesh, block_plan)
     return result
+
+
+def _with_head_norms(plan: Plan, family: str, model: nn.Module) -> Plan:
+    """A user's plan that splits the heads of a model with per-head q/k norms keeps those norms' gradients summed
+    over the tensor-parallel ranks too (without them each rank's copy would drift)."""
+    split, norms, dim = ("self_attn.q_proj", ("self_attn.q_norm", "self_attn.k_norm"), 2) if family == "llama" else \
+        ("attn.qkv", ("attn.q_norm", "attn.k_norm"), 1)
+    if split not in plan or not _has_module(model, norms[0]):
+        return plan
+    return {**{norm: per_head_norm(dim) for norm in norms}, **plan}
+
+
+def _has_module(model: nn.Module, suffix: str) -> bool:
+    """Whether some submodule's path ends with ``suffix`` and it does something (timm puts ``nn.Identity`` where
+    an option is off)."""
+    return any(name.endswith(suffix) and not isinstance(m, nn.Identity) for name, m in model.named_modules())
 
 
 def _record(result: TPResult, block_path: str, reorders: dict) -> None:
