@@ -2,7 +2,7 @@
 tensor-parallel plan and fused-weight layout, its pipeline stages, its widths for the planner).
 
 ``family_of(model)`` finds the family of a model; :class:`Family` is what each module provides. The HF Llama family
-and timm's VisionTransformer are still handled in ``tp.py``/``pipeline.py`` directly.
+and timm's VisionTransformer are handled in ``tp.py``/``pipeline.py`` directly.
 """
 
 from __future__ import annotations
