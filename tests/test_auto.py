@@ -65,3 +65,22 @@ def test_a_configure_model_module_is_measured_on_meta_and_put_back():
     assert module.model is None  # the real build still happens later, on the real device
     module.configure_model()
     assert not next(module.model.parameters()).is_meta
+
+
+@pytest.fixture(scope="module")
+def hf_families(tmp_path_factory):
+    """One launch: GPT-2 and T5, each under disttrain_auto and under Lightning's own ddp."""
+    return run_dist("auto_families.py", tmp_path_factory.mktemp("auto_families"), "gpt2", "t5")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, choice", [("gpt2", "disttrain_ddp"), ("t5", "disttrain_fsdp")])
+def test_trainer_auto_on_hf_models_beyond_llama_matches_lightning_ddp(hf_families, model, choice):
+    """GPT-2 and T5 used to fail planning ("the Llama config lacks 'hidden_size'"); T5 is given a device memory
+    where only a sharded strategy fits."""
+    for rank in hf_families:
+        result = rank[model]
+        assert result["choice"] == choice
+        assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-4)
+        assert result["val"] == pytest.approx(result["ref_val"], rel=1e-4)
+    assert hf_families[0][model]["weights_diff"] <= 1e-4  # the trained weights, gathered from the chosen strategy

@@ -161,7 +161,8 @@ def _plan(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="disttrain plan", description="Estimate per-rank memory of every strategy"
                                      " for a model on a machine, and recommend one (no model is allocated).")
-    parser.add_argument("--model", required=True, help="recipe YAML with a top-level `model:` mapping")
+    parser.add_argument("--model", required=True, help="recipe YAML with a top-level `model:` mapping, an HF model"
+                        " folder or its config.json (any family), or a timm model name (e.g. resnet18)")
     parser.add_argument("--gpus", type=int, required=True, help="number of devices (all nodes)")
     parser.add_argument("--gpu-mem", default=None, help="memory per device, e.g. 40GiB (default: the preset's)")
     parser.add_argument("--gpu", default=None, help=f"device preset for bandwidths and FLOP/s: {', '.join(PRESETS)}")
@@ -231,7 +232,7 @@ commands:
   verify CKPT [CKPT ...]
                  check checkpoint folders offline against their checksums (exit 0: all sound; one line per problem)
   strategies     list the registered disttrain strategy names
-  plan --model CONFIG.yaml --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
+  plan --model CONFIG.yaml|HF_DIR|TIMM_NAME --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
                  per-rank memory of every strategy, whether it fits, and the recommended one
   recsys make-data OUT_DIR [--days N --rows R]
                  write Criteo-format demo days from a planted model with daily drift

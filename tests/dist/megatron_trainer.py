@@ -1,6 +1,6 @@
 """disttrain_megatron through the Trainer on CPU/gloo, with training_step written for one process.
 
-Usage: megatron_trainer.py OUT SPEC MODEL [resume]    (MODEL: "llama" or "vit")
+Usage: megatron_trainer.py OUT SPEC MODEL [resume]    (MODEL: "llama", "gpt2" (untied) or "vit")
 Trains 3 steps (one process computes the reference in the same script), validates under the strategy, exports
 the full model and compares it with the reference model's state dict. "resume" (llama): saves a checkpoint after
 the 3 steps (one epoch) and resumes it in a new Trainer for step 4.
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import disttrain  # noqa: F401  (registers the strategy names)
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import dataset, strategy_from_spec, tiny_llama, tmpdir, write_result  # noqa: E402
+from common import VOCAB, dataset, strategy_from_spec, tiny_llama, tmpdir, write_result  # noqa: E402
 
 spec, family = sys.argv[2], sys.argv[3]
 resume = sys.argv[4:] == ["resume"]
@@ -33,8 +33,19 @@ def tiny_vit():
                              depth=4, num_heads=4, num_classes=5)
 
 
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False))
+
+
+LM = family in ("llama", "gpt2")  # HF causal LMs: the loss comes from labels
+
+
 def data() -> TensorDataset:
-    if family == "llama":
+    if LM:
         return dataset()
     g = torch.Generator().manual_seed(7)
     return TensorDataset(torch.randn(24, 3, 16, 16, generator=g), torch.randint(0, 5, (24,), generator=g))
@@ -45,14 +56,14 @@ class Module(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.model = tiny_llama(layers=4) if family == "llama" else tiny_vit()
+        self.model = {"llama": lambda: tiny_llama(layers=4), "gpt2": tiny_gpt2, "vit": tiny_vit}[family]()
         self.losses: list[float] = []
 
     def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # the PP hook (ViT)
         return F.cross_entropy(logits, target)
 
     def step_loss(self, batch) -> torch.Tensor:
-        if family == "llama":
+        if LM:
             (ids,) = batch
             return self.model(input_ids=ids, labels=ids).loss
         x, y = batch
@@ -68,7 +79,7 @@ class Module(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        if family == "llama":
+        if LM:
             self.log("val_loss", self.step_loss(batch), sync_dist=True)
         else:
             x, y = batch

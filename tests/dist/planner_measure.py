@@ -1,6 +1,7 @@
 """Per-rank memory measured under a registered strategy, next to the planner's estimate, on CPU processes.
 
-Usage: planner_measure.py OUT STRATEGY [SIZE ...] [--steps N]   (SIZE: tiny, small; default both, in one launch;
+Usage: planner_measure.py OUT STRATEGY [SIZE ...] [--steps N]   (SIZE: tiny, small (Llama), gpt2 (GPT-2, whose
+estimate is measured on the meta device, not counted by formulas); default tiny and small, in one launch;
 N timed steps after the measured ones, for bench/strategy_table.py). Each rank writes, per size, the measured
 model-state bytes (after the second optimizer step, gradients still held) and the bytes the forward saved for backward, plus
 the planner's estimate for the same model, strategy, world size, micro-batch, sequence and precision.
@@ -21,18 +22,26 @@ from disttrain.planner.measure import SavedActivations, state_bytes
 sys.path.insert(0, os.path.dirname(__file__))
 from common import strategy_from_spec, write_result
 
-SIZES = {  # LlamaConfig keywords, micro-batch, sequence
+SIZES = {  # LlamaConfig keywords (or an HF config with its model_type), micro-batch, sequence
     "tiny": ({"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}, 2, 16),
     "small": ({"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}, 2, 128),
+    "gpt2": ({"model_type": "gpt2", "vocab_size": 1024, "n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 256,
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False, "use_cache": False},
+             2, 128),
 }
+DEFAULT = ("tiny", "small")
 
 
 def build(config: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if "model_type" in config:
+        settings = {k: v for k, v in config.items() if k != "model_type"}
+        hf = AutoConfig.for_model(config["model_type"], **settings, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(hf)
     return LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=False, use_cache=False,
                                         attn_implementation="sdpa"))
 
@@ -87,7 +96,7 @@ def main() -> None:
     fabric.launch()
     args = sys.argv[3:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 0
-    chosen = [a for a in args if a in SIZES] or list(SIZES)
+    chosen = [a for a in args if a in SIZES] or list(DEFAULT)
     write_result({size: measure(fabric, strategy, sizes, size, steps) for size in chosen})
 
 if __name__ == "__main__":

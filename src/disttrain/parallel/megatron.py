@@ -113,7 +113,7 @@ class MegatronEngine(FSDPEngine):
                 virtual_stages=opts.virtual_stages, split_points=opts.split_points)
             self.pipeline.dp_group = self.mesh["dp"].get_group()
             hook = getattr(module, "loss_fn", None)
-            if module is not target and callable(hook) and model_family(target) != "llama":
+            if module is not target and callable(hook) and not self.pipeline.owns_loss:
                 module.loss_fn = self.pipeline.defer_loss(hook)  # the documented PP hook of a LightningModule
         if dims.tp > 1:
             self.tp_result = apply_tp(target, self.mesh["tp"], opts.tp_plan, opts.wrap_classes)
@@ -147,14 +147,16 @@ class MegatronEngine(FSDPEngine):
 
     # -- checkpoints and export -----------------------------------------------------------------------------
     def storage_layout(self) -> ckpt.StorageLayout:
-        return QKVRowsLayout(self.tp_result.reordered, prefixes=("", self._target_prefix))
+        return QKVRowsLayout(self.tp_result.reordered, prefixes=("", self._target_prefix),
+                             weight_dims=self.tp_result.weight_dims)
 
     def export(self, model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         """The full model in its own layout (qkv rows restored) as one safetensors file on rank 0, gathered from
         every pipeline stage. Collective: call on every rank."""
         state = ckpt.model_state(model, full=True) if self.pipeline is None else self._gather_stages(model)
         if _rank() == 0:
-            restore_rows(state, self.tp_result.reordered, prefix=self._target_prefix_for(model))
+            restore_rows(state, self.tp_result.reordered, prefix=self._target_prefix_for(model),
+                         weight_dims=self.tp_result.weight_dims)
         return ckpt.write_from_rank0(state, path, prefix)
 
     def _target_prefix_for(self, model: nn.Module) -> str:
@@ -190,14 +192,18 @@ __all__ = ["MegatronEngine", "MegatronOptions"]
 
 
 class QKVRowsLayout(ckpt.StorageLayout):
-    """Checkpoints keep timm's [q | k | v] row order of a fused ``attn.qkv`` whatever the tensor-parallel size, so a
-    ViT saved at tp=2 loads under FSDP, DDP or another tp. Under TP the rows live rank-major (``qkv_rank_major``);
-    these few tensors (weights, biases and their optimizer moments) are gathered, put back in timm's order and saved
-    whole, and on load read whole, reordered and sharded again. Every other tensor stays sharded."""
+    """Checkpoints keep the library's [q | k | v] order of a fused qkv weight (timm's ``attn.qkv`` rows, GPT-2's
+    ``attn.c_attn`` columns) whatever the tensor-parallel size, so a model saved at tp=2 loads under FSDP, DDP or
+    another tp. Under TP the slices live rank-major (``qkv_rank_major``); these few tensors (weights, biases and
+    their optimizer moments) are gathered, put back in the library's order and saved whole, and on load read
+    whole, reordered and sharded again. Every other tensor stays sharded."""
 
-    def __init__(self, reordered: dict[str, torch.Tensor], prefixes: tuple[str, ...] = ("",)) -> None:
-        self.orders = {f"{prefix}{path}.{suffix}": order for path, order in reordered.items()
-                       for prefix in set(prefixes) for suffix in ("weight", "bias")}
+    def __init__(self, reordered: dict[str, torch.Tensor], prefixes: tuple[str, ...] = ("",),
+                 weight_dims: dict[str, int] | None = None) -> None:
+        dims = weight_dims or {}
+        self.orders = {f"{prefix}{path}.{suffix}": (order, dims.get(path, 0) if suffix == "weight" else 0)
+                       for path, order in reordered.items() for prefix in set(prefixes)
+                       for suffix in ("weight", "bias")}
         self.placements: dict[tuple[str, str, str], Any] = {}
 
     def _entries(self, tensors: dict[str, Any]):
@@ -221,9 +227,9 @@ class QKVRowsLayout(ckpt.StorageLayout):
                             yield (top, key, ""), value, key, self.orders[key[6:].rsplit(".", 1)[0]]
 
     def before_save(self, tensors: dict[str, Any]) -> None:
-        for _, holder, name, order in list(self._entries(tensors)):
+        for _, holder, name, (order, dim) in list(self._entries(tensors)):
             full = holder[name].full_tensor() if hasattr(holder[name], "full_tensor") else holder[name]
-            holder[name] = full.detach()[torch.argsort(order)].cpu()  # replicated: DCP writes it once
+            holder[name] = full.detach().index_select(dim, torch.argsort(order)).cpu()  # replicated: written once
 
     def before_load(self, tensors: dict[str, Any]) -> None:
         for where, holder, name, _ in list(self._entries(tensors)):
@@ -235,8 +241,8 @@ class QKVRowsLayout(ckpt.StorageLayout):
     def after_load(self, tensors: dict[str, Any]) -> None:
         from torch.distributed.tensor import distribute_tensor
 
-        for where, holder, name, order in list(self._entries(tensors)):
-            rows = holder[name][order]
+        for where, holder, name, (order, dim) in list(self._entries(tensors)):
+            rows = holder[name].index_select(dim, order)
             if where in self.placements:
                 mesh, placements, device = self.placements[where]
                 rows = distribute_tensor(rows.to(device), mesh, placements)

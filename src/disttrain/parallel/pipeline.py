@@ -7,9 +7,11 @@ becomes the pipeline: ``model(input_ids=..., labels=...)`` runs the schedule (fo
 microbatch) and returns the mean loss on every rank of the pipeline, whose ``backward()`` does nothing because
 the schedule already did it.
 
-Known model families: HF Llama-family causal LMs (the loss comes from ``labels`` as in HF) and timm's
+Known model families: HF Llama-family causal LMs and GPT-2 (the loss comes from ``labels`` as in HF), BERT-style
+encoders for sequence classification (``model(input_ids=..., labels=...)``, HF's classification loss), and timm's
 VisionTransformer (the loss function comes from the caller: ``model(images, target=labels)``, or deferred through
-:meth:`Pipeline.defer_loss`, which is how a LightningModule's ``loss_fn`` hook is wired).
+:meth:`Pipeline.defer_loss`, which is how a LightningModule's ``loss_fn`` hook is wired). Encoder-decoder models
+(T5, BART) are refused.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
 )
 
+from disttrain.parallel.families import family_named, unsupported_reason
 from disttrain.parallel.tp import model_family
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -183,8 +186,12 @@ def block_sizes(model: nn.Module) -> tuple[list[int], int, int]:
         first = count(model.patch_embed) + sum(getattr(model, n).numel() for n in ("cls_token", "pos_embed", "reg_token")
                                                if getattr(model, n, None) is not None)
         return [count(b) for b in model.blocks], first, count(model.norm) + count(model.head)
-    raise ValueError(f"pipeline parallelism knows how to split HF Llama-family causal LMs and timm"
-                     f" VisionTransformers, not {type(model).__name__}")
+    if family is not None:
+        return family_named(family).pipeline_sizes(model)
+    if reason := unsupported_reason(model):
+        raise ValueError(f"pipeline parallelism: {reason}")
+    raise ValueError(f"pipeline parallelism knows how to split HF Llama-family causal LMs, GPT2LMHeadModel,"
+                     f" BERT-style sequence classifiers and timm VisionTransformers, not {type(model).__name__}")
 
 
 def split_model(model: nn.Module, plan: StagePlan, pp_rank: int) -> list[nn.Module]:
@@ -196,6 +203,8 @@ def split_model(model: nn.Module, plan: StagePlan, pp_rank: int) -> list[nn.Modu
     if family == "llama":
         _prune_llama(model, keep, first, last)
         return [LlamaStage(model, range(*plan.bounds[s]), s == 0, s == plan.num_stages - 1) for s in stages]
+    if family != "vit":
+        return family_named(family).split(model, plan, pp_rank)
     _prune_vit(model, keep, first, last)
     return [ViTStage(model, range(*plan.bounds[s]), s == 0, s == plan.num_stages - 1) for s in stages]
 
@@ -228,6 +237,9 @@ class Pipeline:
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
         self.model = model
         self.family = model_family(model)
+        # Families that compute their own loss from labels (HF's contract: model(input_ids=..., labels=...).loss).
+        other = family_named(self.family) if self.family not in ("llama", "vit", None) else None
+        self.hf_family = other if other is not None and other.hf_loss else None
         self.plan = plan
         self.group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
@@ -245,6 +257,11 @@ class Pipeline:
         self._gradients: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     # -- what runs where -------------------------------------------------------------------------------------
+    @property
+    def owns_loss(self) -> bool:
+        """The model computes its loss from labels itself (HF causal LMs, BERT classifiers); else a loss_fn."""
+        return self.family == "llama" or self.hf_family is not None
+
     @property
     def has_first(self) -> bool:
         return 0 in self.stage_ids
@@ -274,6 +291,8 @@ class Pipeline:
     def _compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.family == "llama":  # HF's own causal-LM loss: shift by one, mean over tokens whose label != -100
             return self.model.loss_function(logits=output, labels=target, vocab_size=self.model.config.vocab_size)
+        if self.hf_family is not None:
+            return self.hf_family.loss(self.model, output, target)
         if self.loss_fn is None:
             raise RuntimeError("the pipeline has no loss function: pass target= together with a loss_fn, or give"
                                " the LightningModule a loss_fn(output, target) method (the pipeline hook)")
@@ -349,20 +368,23 @@ class Pipeline:
         training -> a placeholder that :meth:`defer_loss`'s wrapped loss function turns into the pipeline loss.
         """
         train = self.model.training and torch.is_grad_enabled()
-        if self.family == "llama":
+        if self.family == "llama" or self.hf_family is not None:
             input_ids = kwargs.pop("input_ids", args[0] if args else None)
             labels = kwargs.pop("labels", None)
-            for key in ("attention_mask", "position_ids"):
+            for key in ("attention_mask", "position_ids", "token_type_ids"):
                 value = kwargs.pop(key, None)
                 if value is not None and not _is_trivial(key, value):
-                    raise ValueError(f"pipeline parallelism runs full causal sequences: {key} with padding or"
-                                     " packed sequences is not supported under pipeline_parallel_size > 1")
+                    raise ValueError(f"pipeline parallelism runs full, unpadded sequences of one segment: {key} with"
+                                     " padding, packed sequences or a second segment is not supported under"
+                                     " pipeline_parallel_size > 1")
             kwargs.pop("use_cache", None)
             if kwargs:
                 raise TypeError(f"arguments {sorted(kwargs)} are not supported by the pipelined model")
             from transformers.modeling_outputs import CausalLMOutputWithPast
 
             loss, logits = self.run(input_ids, labels, train)
+            if self.hf_family is not None:
+                return self.hf_family.wrap_output(loss, logits)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         inputs = args[0] if args else kwargs.pop("x")
         target = kwargs.pop("target", None)
@@ -390,6 +412,8 @@ class Pipeline:
 def _is_trivial(key: str, value: torch.Tensor) -> bool:
     if key == "attention_mask":
         return bool(value.bool().all())
+    if key == "token_type_ids":
+        return not bool(value.any())
     expected = torch.arange(value.shape[-1], device=value.device).expand_as(value)
     return bool((value == expected).all())
 

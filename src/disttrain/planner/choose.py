@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from disttrain.planner.estimate import STRATEGIES, Estimate, estimate, flops_per_sample
+from disttrain.planner.estimate import STRATEGIES, Estimate, estimate, flops_per_sample, pipelines, tensor_parallel
 from disttrain.planner.hardware import GiB, Hardware
 from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
@@ -141,15 +141,20 @@ def candidates(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]:
                                      "disttrain_zero3_offload")]
     if spec.family == "deepfm":
         out.insert(0, {"strategy": "disttrain_recsys"})
-    if spec.family in ("llama", "vit"):
+    if tensor_parallel(spec):
         for t in _divisors(min(world_size, hw.gpus_per_node)):
             if spec.heads % t or spec.kv_heads % t:
                 continue
             for p in _divisors(world_size // t):
-                if (t, p) != (1, 1) and p <= 16 and spec.layers % p == 0:
+                if (t, p) != (1, 1) and p <= 16 and spec.layers % p == 0 and (p == 1 or pipelines(spec)):
                     out.append({"strategy": "disttrain_megatron", "tensor_parallel_size": t,
                                 "pipeline_parallel_size": p})
     return out
+
+
+def recomputable(spec: ModelSpec) -> bool:
+    """Activation checkpointing is estimated for blocks whose activations are known (analytic or measured)."""
+    return spec.family in ("llama", "vit") or (spec.layers > 0 and "activations" in spec.extra)
 
 
 def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str | None = None,
@@ -174,7 +179,7 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
         if setup["strategy"] not in allowed:
             continue
         for ac in (False, True):
-            if ac and (spec.family not in ("llama", "vit") or setup["strategy"] not in RECOMPUTE):
+            if ac and (not recomputable(spec) or setup["strategy"] not in RECOMPUTE):
                 continue
             e = estimate(spec, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                          activation_checkpointing=ac, optimizer=optimizer, **setup)
@@ -186,7 +191,22 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
             if fits:
                 break  # recomputation only where the plain set-up does not fit
     _decide(plan, allowed)
+    note = measurement_note(spec)
+    if note:
+        plan.reasons.append(note)
     return plan
+
+
+def measurement_note(spec: ModelSpec) -> str:
+    """How the activations of a model outside the analytic families were found, or that they are unknown."""
+    if spec.family in ("llama", "vit", "deepfm"):
+        return ""
+    measured = spec.extra.get("activations")
+    if measured is None:
+        return ("activations unknown (counted as 0): nothing to run this module on; give the LightningModule an"
+                " example_input_array (or pass model= a config or model disttrain knows)")
+    return (f"activations and FLOPs measured by running the model's forward on the meta device with"
+            f" {measured.what}; fused attention (SDPA/FlashAttention) counted as it saves for backward")
 
 
 def _preference(spec: ModelSpec, c: Candidate) -> int:

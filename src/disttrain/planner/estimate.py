@@ -7,7 +7,8 @@ Memory of one rank, in bytes, split the way a user can act on it:
   actual implementations (transformers' Llama, timm's ViT) with saved-tensor hooks and are checked the same way by
   ``tests/test_planner_accuracy.py``; they follow Korthikanti et al. (2022), "sbh(34 + 5as/h)", adapted: no dropout,
   SwiGLU's four ``f``-wide tensors, and SDPA/FlashAttention keeps a per-head log-sum-exp instead of the ``a x s x s``
-  scores that eager attention keeps.
+  scores that eager attention keeps. Every other model (GPT-2, BERT, T5, ResNet, any module) is measured: its own
+  forward runs on the meta device under the same hooks (:mod:`disttrain.planner.measured`).
 - ``buffers``: temporaries a strategy adds: DDP's gradient buckets, FSDP/ZeRO-3's gathered unit (and the one being
   prefetched), ZeRO-3's reduce bucket, tensor-parallel and all-to-all buffers, the logits' gradient.
 - ``host``: host RAM per rank under CPU offload (optimizer state, master weights, gradients).
@@ -121,7 +122,10 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, compute_by
         per_sample = 3 * features * spec.embedding_dim + 2 * sum(spec.mlp_widths) + spec.dense_in_features
         return int(b * (per_sample * compute_bytes + 8 * len(spec.table_rows)))
     else:
-        return 0
+        measured = spec.extra.get("activations")
+        if measured is None:  # a module without an input to run it on: see Plan.reasons
+            return 0
+        return measured.profile(b, s).activation_bytes(compute_bytes, t, activation_checkpointing)
     if activation_checkpointing:
         # Each block keeps only its input; backward recomputes one block at a time.
         return int(spec.layers * b * s * h * compute_bytes + per_layer + base)
@@ -139,6 +143,9 @@ def flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
         return transformer_flops_per_token(spec.params, spec.layers, spec.hidden, seq_len) * seq_len
     if spec.family == "deepfm":
         return 6.0 * spec.dense_params
+    measured = spec.extra.get("activations")
+    if measured is not None:  # backward costs about twice the forward that was counted
+        return 3.0 * measured.profile(1, seq_len).flops
     return 6.0 * spec.params * max(1, seq_len)
 
 
@@ -174,7 +181,8 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
     est = dict(strategy=strategy, world_size=n, micro_batch=micro_batch, seq_len=seq, precision=precision,
                activation_checkpointing=activation_checkpointing, tensor_parallel_size=t, pipeline_parallel_size=p)
     acts = activation_bytes(spec, micro_batch, seq, cb if precision != "32-true" else 4, activation_checkpointing)
-    logits_grad = micro_batch * seq * spec.vocab * 4 if spec.family == "llama" else 0
+    lm = spec.family == "llama" or spec.extra.get("lm_logits", False)
+    logits_grad = micro_batch * seq * spec.vocab * 4 if lm else 0
     samples = micro_batch * n  # the global batch every strategy is compared on (one micro-batch per rank)
 
     if strategy == "disttrain_ddp":
@@ -211,12 +219,25 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
     return _recsys(spec, est, n, micro_batch, (pb, gb, ob, cb, rb), acts, opt)
 
 
+def tensor_parallel(spec: ModelSpec) -> bool:
+    """Whether disttrain_megatron has a tensor-parallel plan for the model."""
+    return spec.family in ("llama", "vit") or bool(spec.extra.get("tensor_parallel"))
+
+
+def pipelines(spec: ModelSpec) -> bool:
+    """Whether disttrain_megatron can split the model into pipeline stages."""
+    return spec.family in ("llama", "vit") or bool(spec.extra.get("pipeline"))
+
+
 def _megatron(spec: ModelSpec, est: dict, n: int, t: int, p: int, b: int, s: int, ac: bool,
               sizes: tuple[int, int, int, int, int], samples: int, m: int) -> Estimate:
     pb, gb, ob, cb, rb = sizes
-    if spec.family not in ("llama", "vit"):
-        raise ValueError(f"disttrain_megatron splits attention heads and MLPs of Llama/ViT blocks; a {spec.family} "
-                         f"model has none")
+    if not tensor_parallel(spec):
+        raise ValueError(f"disttrain_megatron splits attention heads and MLPs of Llama, GPT-2, BERT-style and ViT "
+                         f"blocks; a {spec.family} model has none it knows")
+    if p > 1 and not pipelines(spec):
+        raise ValueError(f"pipeline_parallel_size={p}: disttrain_megatron has no pipeline stages for this"
+                         f" {spec.family} model (see disttrain.parallel.pipeline)")
     if n % (t * p):
         raise ValueError(f"tensor_parallel_size={t} x pipeline_parallel_size={p} does not divide world_size={n}")
     if spec.heads % t or spec.kv_heads % t:
@@ -226,11 +247,11 @@ def _megatron(spec: ModelSpec, est: dict, n: int, t: int, p: int, b: int, s: int
     if spec.layers % p:
         raise ValueError(f"pipeline_parallel_size={p} does not divide the {spec.layers} layers")
     dp = n // (t * p)
-    # The busiest stage: its share of the blocks plus (pipeline) the bigger end, or (no pipeline) both ends, all
-    # split across the tensor-parallel ranks (vocab-parallel embedding and head, column/row-split blocks).
+    # The busiest stage: its share of the blocks, split across the tensor-parallel ranks (column/row-split
+    # layers), plus (pipeline) the bigger end or (no pipeline) both ends, which stay whole on every tensor-parallel
+    # rank (the plans split blocks only; embeddings, final norm and head are replicated, then FSDP-sharded).
     root = spec.root_params
-    stage = spec.layers // p * spec.layer_params + (root if p == 1 else math.ceil(root / 2))
-    local = math.ceil(stage / t)
+    local = math.ceil(spec.layers // p * spec.layer_params / t) + (root if p == 1 else math.ceil(root / 2))
     shard = math.ceil(local / dp)  # FSDP on the data dimension
     cb_act = cb if est["precision"] != "32-true" else 4
     per_mb = activation_bytes(spec, b, s, cb_act, ac, tensor_parallel_size=t)

@@ -1,12 +1,14 @@
-"""What the planner needs to know of a model, read from a config (dict or YAML path) or an ``nn.Module``.
+"""What the planner needs to know of a model, read from a config (dict, recipe YAML, HF config.json or folder), a
+timm model name, or an ``nn.Module``.
 
 Nothing here allocates a model: Llama, ViT and DeepFM configs are counted analytically (the tests check the counts
-against models built on the meta device), and a module is only inspected (its parameters may live on the meta
-device).
+against models built on the meta device); every other model is built on the meta device (HF configs of other
+families, timm names) or inspected as it is, and measured there (:mod:`disttrain.planner.generic`).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -16,7 +18,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-FAMILIES = ("llama", "vit", "deepfm", "module")
+from disttrain.parallel.tp import LLAMA_FAMILY  # HF model types counted with the Llama formulas
+
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class ModelSpec:
     sequence length of one sample (ViT: patches + class token), ``hidden``/``ffn``/``heads``/``kv_heads`` the
     block's widths. DeepFM keeps its tables (rows per table) apart from the dense part (``dense_params``).
     ``attention`` is "sdpa" (stores no seq x seq scores) or "eager" (stores the softmax output).
+    ``extra["activations"]`` (models outside the analytic families): the model measured on the meta device.
     """
 
     family: str
@@ -53,7 +57,7 @@ class ModelSpec:
 
     @property
     def root_params(self) -> int:
-        return self.params - self.layers * self.layer_params
+        return max(0, self.params - self.layers * self.layer_params)  # blocks of unequal size: the largest counted
 
     @property
     def head_dim(self) -> int:
@@ -77,20 +81,63 @@ ModelLike = Union[ModelSpec, dict, str, os.PathLike, nn.Module, Any]
 
 
 def model_spec(model_or_config: ModelLike) -> ModelSpec:
-    """A :class:`ModelSpec` from a spec, a recipe YAML path or its dict (with a top-level ``model:`` mapping or the
-    mapping itself), a ``transformers`` config, or an ``nn.Module`` (HF causal LM, timm ViT, anything else)."""
+    """A :class:`ModelSpec` from a spec; a recipe YAML path or its dict (with a top-level ``model:`` mapping or the
+    mapping itself; an HF ``model_type`` key makes it an HF config of that family); an HF config folder, its
+    config.json, or a ``transformers`` config object; a timm model name ("resnet18"); or an ``nn.Module`` (HF
+    model of any family, timm model, anything else)."""
     if isinstance(model_or_config, ModelSpec):
         return model_or_config
     if isinstance(model_or_config, (str, os.PathLike)):
-        return _from_yaml(Path(model_or_config))
+        return _from_name_or_path(model_or_config)
     if isinstance(model_or_config, dict):
         return _from_mapping(model_or_config)
     if isinstance(model_or_config, nn.Module):
         return _from_module(model_or_config)
-    if hasattr(model_or_config, "to_dict") and hasattr(model_or_config, "hidden_size"):  # a transformers config
-        return llama_spec(model_or_config.to_dict())
+    if hasattr(model_or_config, "to_dict") and hasattr(model_or_config, "model_type"):  # a transformers config
+        return _from_hf_config(model_or_config)
     raise TypeError(f"cannot plan for {type(model_or_config).__name__}; pass an nn.Module, a recipe YAML path, a "
-                    f"dict of its `model:` mapping, or a disttrain.planner.ModelSpec")
+                    f"dict of its `model:` mapping, an HF config (folder or config.json), a timm model name, or a"
+                    f" disttrain.planner.ModelSpec")
+
+
+def _from_name_or_path(source: str | os.PathLike) -> ModelSpec:
+    from disttrain.planner import generic
+
+    path = Path(source)
+    if path.is_dir() or path.suffix == ".json":
+        return _from_hf_config(generic.read_hf_config(path))
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        return _from_yaml(path)
+    name = str(source)
+    import timm
+
+    if timm.is_model(name):
+        return _from_module(generic.timm_model(name))
+    close = difflib.get_close_matches(name, timm.list_models(), n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ValueError(f"model {name!r} is neither a recipe YAML, an HF config folder or config.json, nor a timm model"
+                     f" name{hint}; pass e.g. configs/nlp/dialogue_10b.yaml, a folder holding config.json, or"
+                     f" resnet18")
+
+
+def _from_hf_config(config: Any, module: nn.Module | None = None) -> ModelSpec:
+    """Llama-family configs by the Llama formulas, every other HF family built (on meta) and measured."""
+    from disttrain.planner import generic
+
+    if config.model_type in LLAMA_FAMILY:
+        cfg = config.to_dict()
+        cfg.setdefault("attn_implementation", getattr(config, "_attn_implementation", None))
+        spec = llama_spec(cfg)
+        # exact, whatever the model adds to the Llama layout (Qwen3's q/k norms)
+        return replace(spec, params=count_params(module if module is not None else meta_llama(config)))
+    return generic.hf_spec(config, module)
+
+
+def meta_llama(config: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def _from_yaml(path: Path) -> ModelSpec:
@@ -110,15 +157,20 @@ def _from_yaml(path: Path) -> ModelSpec:
 def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec:
     if isinstance(mapping.get("model"), dict):
         mapping = mapping["model"]
+    if "model_type" in mapping and mapping["model_type"] not in LLAMA_FAMILY:  # an HF config of another family
+        from transformers import AutoConfig
+
+        settings = {k: v for k, v in mapping.items() if k != "model_type"}
+        return _from_hf_config(AutoConfig.for_model(mapping["model_type"], **settings))
     if "num_embeddings_per_feature" in mapping:
         return deepfm_spec(mapping)
     if "patch_size" in mapping or "embed_dim" in mapping:
         return vit_spec(mapping)
     if "hidden_size" in mapping:
-        return llama_spec(mapping)
+        return llama_spec({k: v for k, v in mapping.items() if k != "model_type"})
     raise ValueError(f"cannot tell the model family of {source} (keys: {', '.join(sorted(mapping))}); expected "
-                     f"LlamaConfig keys (hidden_size, ...), timm VisionTransformer keys (embed_dim, patch_size, ...)"
-                     f" or DeepFM keys (embedding_dim, num_embeddings_per_feature, ...)")
+                     f"LlamaConfig keys (hidden_size, ...), an HF config with model_type, timm VisionTransformer keys"
+                     f" (embed_dim, patch_size, ...) or DeepFM keys (embedding_dim, num_embeddings_per_feature, ...)")
 
 
 def _need(mapping: dict, key: str, family: str) -> Any:
@@ -204,26 +256,29 @@ def _attention(impl: Any) -> str:
 
 
 def _from_module(module: nn.Module) -> ModelSpec:
-    """An HF model from its config, a timm ViT from its attributes; anything else from its parameters and blocks
-    (activations then need a family: such a spec has ``family="module"``)."""
+    """An HF model from its config, a timm ViT from its attributes, other timm models and anything else from the
+    module itself (parameters, repeated blocks, activations measured on the meta device). A LightningModule's
+    ``model`` attribute is planned for when it is a model disttrain knows; else the LightningModule itself, with
+    its ``example_input_array`` as the input to measure."""
+    from disttrain.planner import generic
+
     config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "hidden_size") and hasattr(config, "num_hidden_layers"):
-        cfg = config.to_dict()
-        cfg.setdefault("attn_implementation", getattr(config, "_attn_implementation", None))
-        spec = llama_spec(cfg)
-        return replace(spec, params=_count(module))  # exact, whatever the model adds to the Llama layout
-    inner = getattr(module, "model", None)
-    if isinstance(inner, nn.Module) and not hasattr(module, "patch_embed"):
-        try:
-            return _from_module(inner)
-        except TypeError:
-            pass
+    if config is not None and hasattr(config, "model_type") and hasattr(module, "base_model_prefix"):
+        return _from_hf_config(config, module)
     if hasattr(module, "patch_embed") and hasattr(module, "blocks"):
         return _vit_from_module(module)
-    return _generic(module)
+    if type(module).__module__.startswith("timm.") and hasattr(module, "pretrained_cfg"):
+        return generic.image_spec(module, f"timm {type(module).__name__}")
+    inner = getattr(module, "model", None)
+    if isinstance(inner, nn.Module):
+        spec = _from_module(inner)
+        if spec.family != "module":
+            return spec
+    return generic.module_spec(module, getattr(module, "example_input_array", None))
 
 
-def _count(module: nn.Module) -> int:
+def count_params(module: nn.Module) -> int:
+    """Parameters of ``module`` (DeepSpeed-partitioned ones by their full size)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
@@ -239,18 +294,7 @@ def _vit_from_module(vit: nn.Module) -> ModelSpec:
            "mlp_ratio": block.mlp.fc1.out_features / h, "fused_attn": getattr(block.attn, "fused_attn", True),
            "class_token": getattr(vit, "cls_token", None) is not None}
     spec = vit_spec(cfg)
-    return replace(spec, params=_count(vit), layer_params=_count(block))
-
-
-def _generic(module: nn.Module) -> ModelSpec:
-    from disttrain.parallel.blocks import find_blocks
-
-    try:
-        blocks = find_blocks(module)
-    except (ValueError, RuntimeError):
-        blocks = []
-    layer = max((_count(b) for b in blocks), default=0)
-    return ModelSpec("module", _count(module), layers=len(blocks), layer_params=layer)
+    return replace(spec, params=count_params(vit), layer_params=count_params(block))
 
 
 def parse_bytes(text: str | float) -> int:
