@@ -457,3 +457,25 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
 
     done = [p for p in folder.iterdir() if not p.name.startswith(".") and is_complete(p)]
     return max(done, key=order) if done else None
+
+
+def read_as_single_file(path: str | os.PathLike, key: str = "state_dict", weights_only: bool = True) -> dict[str, Any]:
+    """One process, no collective, no GPU: a checkpoint folder as the one dict its single-file form would hold
+    (``save_distributed_checkpoint=False``): ``meta.pt``'s entries plus the tensor entry ``key`` read whole
+    (``{fqn: full tensor}`` on the CPU). Optimizer states stay on disk. ``meta.pt`` is unpickled with
+    ``weights_only`` (only an explicit False lifts it). Every failure is one line naming the folder."""
+    path = check_checkpoint(path)
+    metadata = _read_meta(path, weights_only)
+    stored = metadata.pop(FORMAT_KEY, {}).get("tensor_keys", [])
+    if key not in stored:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds {stored}, no {key!r} (fabric.save writes the keys it is given): load it"
+            f" with fabric.load, or write the model out with `disttrain export {path} model.safetensors --key KEY`")
+    try:
+        tensors = read_full(path, keys={key})
+    except CheckpointError as e:
+        cause = e.__cause__ or e
+        first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: its tensors cannot be read ({first[:200]});"
+                              " load an earlier checkpoint") from e
+    return {**metadata, key: tensors[key]}
