@@ -465,7 +465,14 @@ def read_as_single_file(path: str | os.PathLike, key: str = "state_dict", weight
     (``{fqn: full tensor}`` on the CPU). Optimizer states stay on disk. ``meta.pt`` is unpickled with
     ``weights_only`` (only an explicit False lifts it). Every failure is one line naming the folder."""
     path = check_checkpoint(path)
-    metadata = _read_meta(path, weights_only)
+    try:
+        metadata = _read_meta(path, weights_only)
+    except CheckpointError as e:
+        if "\n" not in str(e):
+            raise
+        # torch's weights-only error text suggests weights_only=False, which a corrupt file does not need.
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: cannot read {META_FILE}"
+                              f" ({type(e.__cause__ or e).__name__}); load an earlier checkpoint") from e
     stored = metadata.pop(FORMAT_KEY, {}).get("tensor_keys", [])
     if key not in stored:
         raise CheckpointError(
@@ -474,8 +481,17 @@ def read_as_single_file(path: str | os.PathLike, key: str = "state_dict", weight
     try:
         tensors = read_full(path, keys={key})
     except CheckpointError as e:
-        cause = e.__cause__ or e
-        first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: its tensors cannot be read ({first[:200]});"
-                              " load an earlier checkpoint") from e
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: its tensors cannot be read"
+                              f" ({_first_line(e.__cause__ or e)}); load an earlier checkpoint") from e
     return {**metadata, key: tensors[key]}
+
+
+def _first_line(error: BaseException) -> str:
+    """The first sentence of an error, for one-line messages: DCP wraps each rank's error (with its traceback) in
+    a CheckpointException whose own text names only the ranks; torch.load's errors span many lines."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failure = next(iter(failures.values()))
+        error = failure[0] if isinstance(failure, tuple) else failure
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first.split('. ')[0][:200]}"
