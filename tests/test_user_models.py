@@ -26,7 +26,8 @@ SHARDED = ["disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_megatron"]  # 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    return run_dist("user_loops.py", tmp_path_factory.mktemp("user_loops"), "ddp", *SHARDED, timeout=1200)[0]
+    return run_dist("user_loops.py", tmp_path_factory.mktemp("user_loops"), "ddp", *SHARDED, "disttrain_ddp",
+                    timeout=1200)[0]
 
 
 def part(runs: dict, strategy: str, name: str) -> dict:
@@ -58,13 +59,14 @@ def test_fabric_container_is_callable_whole_after_its_parts(runs, strategy):
 
 
 # -- the model after fit -----------------------------------------------------------------------------------------
-def test_model_called_after_fit_equals_export_and_ddp(runs):
-    fsdp, ddp = part(runs, "disttrain_fsdp", "classifier"), part(runs, "ddp", "classifier")
-    assert relative_diff(fsdp["losses"], ddp["losses"]) <= 1e-4
-    assert close(fsdp["full_model"], fsdp["export"], 1e-6)  # the documented way, on rank 0 alone
-    assert close(fsdp["full_model"], ddp["called_directly"], 1e-4)
+@pytest.mark.parametrize("strategy", ["disttrain_fsdp", "disttrain_ddp"])
+def test_model_called_after_fit_equals_export_and_ddp(runs, strategy):
+    got, ddp = part(runs, strategy, "classifier"), part(runs, "ddp", "classifier")
+    assert relative_diff(got["losses"], ddp["losses"]) <= 1e-4
+    assert close(got["full_model"], got["export"], 1e-6)  # the documented way, on rank 0 alone
+    assert close(got["full_model"], ddp["called_directly"], 1e-4)
     for way in ("called_directly", "called_through_module", "head_only"):  # every rank calling, or any part
-        assert close(fsdp[way], fsdp["full_model"], 1e-6), way
+        assert close(got[way], got["full_model"], 1e-6), way
 
 
 def test_layer_called_outside_its_unit_is_one_line_naming_full_model(runs):

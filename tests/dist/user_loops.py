@@ -1,5 +1,5 @@
 """Users' own loops and models on 2 CPU processes, one launch for several checks. Usage:
-user_loops.py OUT STRATEGY [STRATEGY ...] ("ddp" is Lightning's own reference).
+user_loops.py OUT STRATEGY [STRATEGY ...] ("ddp" is Lightning's own reference; PARTS and SKIP say what runs).
 
 Per strategy: Lightning's GAN (manual optimization, two optimizers) under the Trainer; the same GAN under Fabric
 set up as two modules and (disttrain only) as one container; a timm classifier fitted by the Trainer and then
@@ -9,6 +9,7 @@ Each part records its error instead of ending the run, so every test reports its
 import os
 import sys
 import traceback
+from functools import partial
 
 import lightning as L
 import torch
@@ -143,14 +144,14 @@ def attempt(part, *args) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-results: dict = {}
-for strategy in sys.argv[2:]:
-    results[strategy] = {
-        "trainer_gan": attempt(trainer_gan, strategy),
-        "fabric_gan": attempt(fabric_gan, strategy, False),
-    }
-    if strategy != "ddp":
-        results[strategy]["fabric_pair"] = attempt(fabric_gan, strategy, True)
-    if strategy in ("ddp", "disttrain_fsdp"):
-        results[strategy]["classifier"] = attempt(classifier_after_fit, strategy)
+PARTS = {  # what runs under which strategy ("ddp": Lightning's reference)
+    "trainer_gan": trainer_gan,
+    "fabric_gan": partial(fabric_gan, one_module=False),
+    "fabric_pair": partial(fabric_gan, one_module=True),  # no DDP counterpart: DDP syncs only what runs in forward
+    "classifier": classifier_after_fit,
+}
+SKIP = {"ddp": {"fabric_pair"}, "disttrain_ddp": {"trainer_gan", "fabric_gan", "fabric_pair"},
+        "disttrain_fsdp_offload": {"classifier"}, "disttrain_megatron": {"classifier"}}
+results = {strategy: {name: attempt(run, strategy) for name, run in PARTS.items()
+                      if name not in SKIP.get(strategy, ())} for strategy in sys.argv[2:]}
 write_result(results)

@@ -91,12 +91,12 @@ def sub_networks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """The direct children of ``model`` that get an FSDP unit of their own: those holding parameters outside the
     blocks, unless they share one with another part of the model (tied weights must stay in one unit).
 
-    The root unit gathers its parameters only around the root's forward (the model's ``forward``, or a
-    LightningModule's ``training_step``), and resharding after the first backward inside it. A sub-network the
-    user calls on its own -- a GAN's generator and discriminator with a backward after each, a container set up by
-    ``fabric.setup`` whose parts are called directly, ``module.model(x)`` after ``trainer.fit`` -- then saw shards.
-    As a unit of its own it gathers around each of its own calls, any number per step. Memory is unchanged for one
-    forward per step: the root unit used to hold these parameters for the same span.
+    The root unit's parameters are gathered only around the root's forward (the model's ``forward``, a
+    LightningModule's ``training_step``) and are resharded by the first backward inside it, so a sub-network
+    called on its own would see shards: a GAN's generator and discriminator with a backward after each, the parts
+    of a container set up by one ``fabric.setup``, ``module.model(x)`` after ``trainer.fit``. A unit of its own
+    gathers around each of its calls, any number per step; with one forward per step its parameters are gathered
+    for the span the root's would be.
     """
     block_ids = {id(b) for b in blocks}
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
