@@ -1,6 +1,7 @@
 """disttrain: large-model distributed strategies for PyTorch Lightning (Trainer) and Lightning Fabric.
 
-``import disttrain`` registers every implemented ``disttrain_*`` strategy name in both Lightning registries.
+``import disttrain`` registers every implemented ``disttrain_*`` strategy name in both Lightning registries and lets
+``MyModule.load_from_checkpoint`` read the checkpoint folders those strategies write.
 """
 
 from disttrain import fabric, parallel, strategies
