@@ -151,6 +151,7 @@ def test_corrupt_meta_is_one_line(gan_folder):
 
 
 # -- in one process, no launch ------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP saving in this one process
 def test_fabric_checkpoint_names_fabric_load_and_export(tmp_path):
     module = GAN()
     folder = save_sharded(tmp_path / "fabric-ckpt", {"model": model_state(module)}, {"step": 3})
@@ -164,5 +165,10 @@ def test_files_and_other_folders_still_go_to_lightning(tmp_path):
                 "hyper_parameters": dict(module.hparams)}, tmp_path / "plain.ckpt")  # a single-file checkpoint
     assert GAN.load_from_checkpoint(tmp_path / "plain.ckpt").hparams.hidden == 16
     (tmp_path / "not-a-checkpoint").mkdir()
-    with pytest.raises(IsADirectoryError):
-        GAN.load_from_checkpoint(tmp_path / "not-a-checkpoint")
+    lightning_fsdp = tmp_path / "lightning-fsdp"  # Lightning's own sharded layout: meta.pt without our format entry
+    lightning_fsdp.mkdir()
+    torch.save({"pytorch-lightning_version": L.__version__}, lightning_fsdp / "meta.pt")
+    (lightning_fsdp / ".metadata").write_bytes(b"")
+    for folder in ("not-a-checkpoint", "lightning-fsdp"):
+        with pytest.raises(IsADirectoryError):
+            GAN.load_from_checkpoint(tmp_path / folder)

@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from disttrain.parallel.checkpoint import META_FILE, read_as_single_file
+from disttrain.parallel.checkpoint import is_disttrain_folder, read_as_single_file
 
 
 def is_checkpoint_folder(path: Any) -> bool:
-    """A local folder holding a disttrain checkpoint's parts (or what an interrupted save left of one)."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in str(path):
-        return False
-    folder = Path(path)
-    return folder.is_dir() and ((folder / META_FILE).exists() or (folder / ".metadata").exists()
-                                or any(folder.glob("*.distcp")))
+    """A local folder a disttrain strategy wrote (or what an interrupted save left of one)."""
+    return isinstance(path, (str, os.PathLike)) and "://" not in str(path) and is_disttrain_folder(path)
 
 
 def read_checkpoint_folder(path: str | os.PathLike, map_location: Any = None,

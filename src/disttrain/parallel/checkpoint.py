@@ -495,3 +495,18 @@ def _first_line(error: BaseException) -> str:
         error = failure[0] if isinstance(failure, tuple) else failure
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
     return f"{type(error).__name__}: {first.split('. ')[0][:200]}"
+
+
+def is_disttrain_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder a disttrain strategy wrote, or what an interrupted or damaged save left of one:
+    its ``meta.pt`` names the format, or cannot be read, or is missing next to DCP files. False for files and other
+    folders (Lightning's own FSDP checkpoints have a ``meta.pt`` without the format entry)."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    if not (path / META_FILE).is_file():
+        return (path / ".metadata").exists() or any(path.glob("*.distcp"))
+    try:
+        return FORMAT_KEY in torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    except Exception:  # damaged, or holding what safe loading refuses: reading it names the problem
+        return True
