@@ -129,7 +129,9 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         every rank holds the full parameters and the LightningModule, or any part of it, can be called on any rank
         (rank 0 alone too) without communication, under ``torch.no_grad()``; shards are restored on exit. For use
         after ``trainer.fit`` (a notebook, an evaluation script); yields the LightningModule."""
-        assert self.model is not None, "full_model() needs a model the strategy has set up (after trainer.fit)"
+        if self.model is None:
+            raise RuntimeError("full_model() needs the model trainer.fit/validate/test/predict set up: call it after"
+                               " one of them")
         return self.engine.full_model(self.model)
 
     def teardown(self) -> None:
