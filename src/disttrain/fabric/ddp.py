@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from lightning.fabric.strategies import DDPStrategy as _LightningDDP
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -43,6 +46,13 @@ class DDPStrategy(_LightningDDP):
         ddp = super().setup_module(module)
         register_compression(ddp, self.ddp_options)
         return ddp
+
+    @contextmanager
+    def full_model(self, module: nn.Module) -> Iterator[nn.Module]:
+        """The sharded strategies' ``with fabric.strategy.full_model(model): y = model(x)``, so such code runs
+        unchanged under DDP: every rank already holds the whole model; this only enters ``torch.no_grad()``."""
+        with torch.no_grad():
+            yield module
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict] = None) -> None:

@@ -110,6 +110,12 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
         return self.engine.clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type,
                                            error_if_nonfinite)
 
+    def full_model(self, module: nn.Module) -> AbstractContextManager[nn.Module]:
+        """Collective, on every rank: ``with fabric.strategy.full_model(model): y = model(x)``. Inside the block every
+        rank holds the full parameters and ``model``, or any part of it, can be called on any rank without
+        communication, under ``torch.no_grad()``; shards are restored on exit. Yields ``module``."""
+        return self.engine.full_model(module)
+
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, path: Any, state: dict[str, Union[nn.Module, Optimizer, Any]],
                         storage_options: Optional[Any] = None,

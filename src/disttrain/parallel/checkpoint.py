@@ -553,3 +553,56 @@ def load_into(path: str | os.PathLike, targets: dict[str, Any], strict: bool = T
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
         raise unwrap_dcp_error(e) or CheckpointError(
             f"checkpoint {str(path)!r} is corrupt or does not match the model: {e}") from e
+
+
+def read_as_single_file(path: str | os.PathLike, key: str = "state_dict", weights_only: bool = True) -> dict[str, Any]:
+    """One process, no collective, no GPU: a checkpoint folder as the one dict its single-file form would hold
+    (``save_distributed_checkpoint=False``): ``meta.pt``'s entries plus the tensor entry ``key`` read whole
+    (``{fqn: full tensor}`` on the CPU). Optimizer states stay on disk. ``meta.pt`` is unpickled with
+    ``weights_only`` (only an explicit False lifts it). Every failure is one line naming the folder."""
+    path = check_checkpoint(path)
+    try:
+        metadata = _read_meta(path, weights_only)
+    except CheckpointError as e:
+        if "\n" not in str(e):
+            raise
+        # torch's weights-only error text suggests weights_only=False, which a corrupt file does not need.
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: cannot read {META_FILE}"
+                              f" ({type(e.__cause__ or e).__name__}); load an earlier checkpoint") from e
+    stored = metadata.pop(FORMAT_KEY, {}).get("tensor_keys", [])
+    if key not in stored:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds {stored}, no {key!r} (fabric.save writes the keys it is given): load it"
+            f" with fabric.load, or write the model out with `disttrain export {path} model.safetensors --key KEY`")
+    try:
+        tensors = read_full(path, keys={key})
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: its tensors cannot be read"
+                              f" ({_first_line(e.__cause__ or e)}); load an earlier checkpoint") from e
+    return {**metadata, key: tensors[key]}
+
+
+def _first_line(error: BaseException) -> str:
+    """The first sentence of an error, for one-line messages: DCP wraps each rank's error (with its traceback) in
+    a CheckpointException whose own text names only the ranks; torch.load's errors span many lines."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failure = next(iter(failures.values()))
+        error = failure[0] if isinstance(failure, tuple) else failure
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first.split('. ')[0][:200]}"
+
+
+def is_disttrain_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder a disttrain strategy wrote, or what an interrupted or damaged save left of one:
+    its ``meta.pt`` names the format, or cannot be read, or is missing next to DCP files. False for files and other
+    folders (Lightning's own FSDP checkpoints have a ``meta.pt`` without the format entry)."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    if not (path / META_FILE).is_file():
+        return (path / ".metadata").exists() or any(path.glob("*.distcp"))
+    try:
+        return FORMAT_KEY in torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    except Exception:  # damaged, or holding what safe loading refuses: reading it names the problem
+        return True

@@ -25,7 +25,7 @@ from disttrain.parallel.buffers import (
     sync_buffers_after_forward,
 )
 from disttrain.parallel.clip import clip_grad_norm_
-from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp
+from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, gathered
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.recsys import refuse_torchrec_tables
@@ -89,6 +89,7 @@ class FSDPEngine:
                 if callable(getattr(module, name, None)):
                     register_fsdp_forward_method(module, name)
         materialize(module, device)
+        claim_root(module)
         return module
 
     def parallelize_with_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -164,6 +165,11 @@ class FSDPEngine:
                         error_if_nonfinite: bool = True) -> torch.Tensor:
         """Clip by the norm of the whole model's gradients (every shard, tp rank and pipeline stage)."""
         return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pp_group=self.pipeline_group())
+
+    def full_model(self, model: nn.Module) -> AbstractContextManager[nn.Module]:
+        """Collective: ``with engine.full_model(model):`` every rank holds the full parameters, and ``model`` or any
+        part of it can be called on any rank without communication (under ``torch.no_grad()``)."""
+        return gathered(model)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     @property

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from disttrain.parallel.ac import apply_ac
 from disttrain.parallel.blocks import BlockSpec, find_blocks
@@ -64,9 +67,10 @@ def apply_fsdp(
     precision: str = "32-true",
     device: torch.device | None = None,
 ) -> list[nn.Module]:
-    """Shard ``model`` in place: activation checkpointing and ``fully_shard`` per block, then the root.
+    """Shard ``model`` in place: activation checkpointing and ``fully_shard`` per block, then per sub-network (see
+    :func:`sub_networks`), then the root.
 
-    Returns the FSDP units (blocks, or their checkpoint wrappers). ``mesh`` is the data-parallel mesh.
+    Returns the FSDP units of the blocks (or their checkpoint wrappers). ``mesh`` is the data-parallel mesh.
     """
     device = device or torch.device(mesh.device_type)
     blocks = find_blocks(model, options.wrap_classes)
@@ -79,10 +83,79 @@ def apply_fsdp(
         reshard = options.reshard_after_forward if i < len(blocks) - 1 else False
         fully_shard(block, reshard_after_forward=reshard, **common,
                     **({"mp_policy": block_policy} if block_policy else {}))
+    # A sub-network is an entry point like the root (its outputs feed a loss computed outside it): fp32 outputs.
     root_policy = mixed_precision_policy(precision, root=True)
+    for child in sub_networks(model, blocks):
+        fully_shard(child, reshard_after_forward=options.reshard_after_forward, **common,
+                    **({"mp_policy": root_policy} if root_policy else {}))
     fully_shard(model, reshard_after_forward=options.reshard_after_forward, **common,
                 **({"mp_policy": root_policy} if root_policy else {}))
+    guard_sharded_calls(model, blocks, mesh)
     return blocks
+
+
+def sub_networks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The direct children of ``model`` that get an FSDP unit of their own: those holding parameters outside the
+    blocks, unless they share one with another part of the model (tied weights must stay in one unit).
+
+    The root unit's parameters are gathered only around the root's forward (the model's ``forward``, a
+    LightningModule's ``training_step``) and are resharded by the first backward inside it, so a sub-network
+    called on its own would see shards: a GAN's generator and discriminator with a backward after each, the parts
+    of a container set up by one ``fabric.setup``, ``module.model(x)`` after ``trainer.fit``. A unit of its own
+    gathers around each of its calls, any number per step; with one forward per step its parameters are gathered
+    for the span the root's would be.
+    """
+    block_ids = {id(b) for b in blocks}
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    holders: dict[int, set[str]] = {}  # parameter -> names of the children holding it ("" for the root itself)
+    for p in model.parameters(recurse=False):
+        holders.setdefault(id(p), set()).add("")
+    for name, child in model.named_children():
+        for p in child.parameters():
+            holders.setdefault(id(p), set()).add(name)
+    chosen = []
+    for name, child in model.named_children():
+        params = list(child.parameters())
+        if id(child) in block_ids or all(id(p) in in_blocks for p in params):
+            continue  # already a unit, or nothing of its own to gather
+        if all(holders[id(p)] == {name} for p in params):
+            chosen.append(child)
+    return chosen
+
+
+def guard_sharded_calls(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Replace torch's ``aten.addmm.default got mixed torch.Tensor and DTensor`` by one line naming the fix when a
+    layer outside the blocks (embedding, head, norm) is called while its unit holds only shards: called on its own,
+    outside the forward of the unit that gathers it. Only those few layers get the check (the blocks' layers would
+    add a hook call per layer per step); a unit's own gather hook runs before it, so calls inside a forward pass."""
+    fsdp_dims = set(mesh.mesh_dim_names or ())
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    units = {id(m): name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+
+    def unit_of(name: str) -> str:
+        parts = name.split(".")
+        for end in range(len(parts) - 1, -1, -1):
+            prefix = ".".join(parts[:end])
+            if id(model.get_submodule(prefix)) in units:
+                return prefix
+        return ""
+
+    for name, module in model.named_modules():
+        if id(module) in in_blocks or id(module) in units or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        module.register_forward_pre_hook(_refuse_shards(name, unit_of(name), fsdp_dims))
+
+
+def _refuse_shards(name: str, unit: str, fsdp_dims: set[str]):
+    def check(module: nn.Module, args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            if isinstance(p, DTensor) and fsdp_dims & set(p.device_mesh.mesh_dim_names or ()):
+                raise RuntimeError(
+                    f"{type(module).__name__} '{name}' holds FSDP shards here: it was called outside the forward of"
+                    f" {repr(unit) if unit else 'the model'}, which gathers its parameters; call"
+                    f" {repr(unit) if unit else 'the model'} itself on every rank, or gather the whole model first:"
+                    " `with trainer.strategy.full_model(): ...` (Fabric: `fabric.strategy.full_model(model)`)")
+    return check
 
 
 def is_fsdp(model: nn.Module) -> bool:
@@ -94,3 +167,40 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def claim_root(model: nn.Module) -> None:
+    """Make ``model`` the root of its FSDP units now, as its first forward would. FSDP2 otherwise picks as root the
+    first unit called: after a sub-network was called directly (``pair.generator(z)`` under Fabric), a later call of
+    the whole model would fail with "requires running forward through the root module first". torch has no public
+    call for this; the attribute check keeps a torch without it on the lazy path."""
+    state = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
+    if state is not None and hasattr(state, "_lazy_init"):
+        state._lazy_init()
+
+
+@contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Collective (every rank enters): every FSDP unit of ``model`` holds its full parameters until the block ends,
+    and calls of ``model`` or any part of it inside run without communication, on any rank (e.g. on rank 0 only),
+    under ``torch.no_grad()``. Parameters are resharded on exit. The memory of the whole model is needed meanwhile.
+
+    FSDP2 has no ``summon_full_params``: unshard every unit and stop the units from resharding after their forward
+    (restored exactly on exit, an int ``reshard_after_forward`` included, hence the saved per-group setting).
+    """
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.reshard()
+    saved = [(group, group.post_forward_mesh_info) for unit in units
+             for group in unit._get_fsdp_state()._fsdp_param_groups]
+    try:
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        with torch.no_grad():
+            yield model
+    finally:
+        for group, info in saved:
+            group.post_forward_mesh_info = info
+        for unit in units:
+            unit.reshard()

@@ -27,7 +27,10 @@ def _own_init(module: nn.Module):
             if callable(getattr(module, "tie_weights", None)):
                 module.tie_weights()
         return hf_init
-    if callable(getattr(module, "init_weights", None)) and type(module).__module__.startswith("timm."):
+    # fully_shard swaps a module's class for a generated subclass ("FSDPVisionTransformer") defined in torch: the
+    # timm class is found in its bases.
+    if callable(getattr(module, "init_weights", None)) and any(
+            cls.__module__.startswith("timm.") for cls in type(module).__mro__):
         return module.init_weights
     return None
 

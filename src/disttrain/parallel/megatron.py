@@ -7,6 +7,7 @@ the data-parallel dimension. The Trainer and Fabric ``MegatronStrategy`` adapter
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -21,7 +22,7 @@ from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel.ac import apply_ac
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, offload_policy
+from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, offload_policy
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.pipeline import Pipeline, pipeline_model
@@ -125,7 +126,21 @@ class MegatronEngine(FSDPEngine):
                 if callable(getattr(module, name, None)):
                     register_fsdp_forward_method(module, name)
         materialize(module, device)
+        if dims.pp == 1:  # under PP each stage module is a root of its own, called by the schedule
+            claim_root(module)
         return module
+
+    def full_model(self, model: nn.Module) -> AbstractContextManager[nn.Module]:
+        """As :meth:`FSDPEngine.full_model` when only the data dimension is sharded. Tensor-parallel layers compute
+        collectively whatever their parameters hold, and other pipeline stages' layers are not on this rank, so
+        there is no whole model to gather in place: export it instead."""
+        assert self.dims is not None
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            raise RuntimeError(
+                f"full_model() needs tensor_parallel_size=1 and pipeline_parallel_size=1 (got {self.dims.tp} and"
+                f" {self.dims.pp}): write the full model with strategy.export_full(path) and load that file into the"
+                " plain model")
+        return super().full_model(model)
 
     def _shard_stages(self, device: torch.device, precision: str) -> None:
         """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP): the schedule

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,6 +54,13 @@ class DDPStrategy(_LightningDDP):
 
     def _register_ddp_hooks(self) -> None:
         register_compression(self.model, self.ddp_options)
+
+    @contextmanager
+    def full_model(self) -> Iterator[torch.nn.Module]:
+        """The sharded strategies' ``with trainer.strategy.full_model(): y = module.model(x)``, so such code runs
+        unchanged under DDP: every rank already holds the whole model; this only enters ``torch.no_grad()``."""
+        with torch.no_grad():
+            yield self.lightning_module
 
     # -- checkpoints: the one disttrain layout (DCP folders by parameter name), which every strategy loads -------
     @property

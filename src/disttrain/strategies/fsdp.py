@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -140,6 +140,16 @@ class FSDPStrategy(DistributedPlumbing, ParallelStrategy):
             yield
         finally:
             set_gradient_sync(self.model, True)
+
+    def full_model(self) -> AbstractContextManager[torch.nn.Module]:
+        """Collective, on every rank: ``with trainer.strategy.full_model(): y = module.model(x)``. Inside the block
+        every rank holds the full parameters and the LightningModule, or any part of it, can be called on any rank
+        (rank 0 alone too) without communication, under ``torch.no_grad()``; shards are restored on exit. For use
+        after ``trainer.fit`` (a notebook, an evaluation script); yields the LightningModule."""
+        if self.model is None:
+            raise RuntimeError("full_model() needs the model trainer.fit/validate/test/predict set up: call it after"
+                               " one of them")
+        return self.engine.full_model(self.model)
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
