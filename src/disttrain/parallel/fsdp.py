@@ -107,20 +107,32 @@ def sub_networks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """
     block_ids = {id(b) for b in blocks}
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    children = list(_callable_children(model))
     holders: dict[int, set[str]] = {}  # parameter -> names of the children holding it ("" for the root itself)
     for p in model.parameters(recurse=False):
         holders.setdefault(id(p), set()).add("")
-    for name, child in model.named_children():
+    for name, child in children:
         for p in child.parameters():
             holders.setdefault(id(p), set()).add(name)
     chosen = []
-    for name, child in model.named_children():
+    for name, child in children:
         params = list(child.parameters())
         if id(child) in block_ids or all(id(p) in in_blocks for p in params):
             continue  # already a unit, or nothing of its own to gather
         if all(holders[id(p)] == {name} for p in params):
             chosen.append(child)
     return chosen
+
+
+def _callable_children(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """The children of ``module`` that can be called, looking through containers that cannot (a ModuleDict or
+    ModuleList has no forward: fully_shard refuses them, and their parts are what gets called, e.g. litgpt's
+    ``transformer.wte`` and ``transformer.ln_f``)."""
+    for name, child in module.named_children():
+        if type(child).forward is nn.Module.forward:
+            yield from _callable_children(child, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", child
 
 
 def guard_sharded_calls(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> None:
