@@ -11,70 +11,17 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Union
 
 import torch
 from torch import nn
 
-from disttrain.parallel.tp import LLAMA_FAMILY  # HF model types counted with the Llama formulas
+from disttrain.parallel.families.llama import LLAMA
+from disttrain.parallel.families.spec import ModelSpec, count_params  # noqa: F401  (public here too)
 
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The structure of a model, as far as memory and communication go.
-
-    ``params`` counts every parameter; ``layer_params`` one repeated block (0 when the model has none);
-    ``root_params`` what is outside the blocks (embeddings, head, final norm): FSDP's root unit. ``tokens`` is the
-    sequence length of one sample (ViT: patches + class token), ``hidden``/``ffn``/``heads``/``kv_heads`` the
-    block's widths. DeepFM keeps its tables (rows per table) apart from the dense part (``dense_params``).
-    ``attention`` is "sdpa" (stores no seq x seq scores) or "eager" (stores the softmax output).
-    ``extra["activations"]`` (models outside the analytic families): the model measured on the meta device.
-    """
-
-    family: str
-    params: int
-    layers: int = 0
-    layer_params: int = 0
-    hidden: int = 0
-    ffn: int = 0
-    heads: int = 0
-    kv_heads: int = 0
-    vocab: int = 0
-    tokens: int = 0
-    attention: str = "sdpa"
-    image_size: int = 0
-    in_chans: int = 3
-    num_classes: int = 0
-    embedding_dim: int = 0
-    table_rows: tuple[int, ...] = ()
-    dense_params: int = 0
-    dense_in_features: int = 0
-    mlp_widths: tuple[int, ...] = ()  # DeepFM: bottom and deep MLP widths (their activations)
-    extra: dict = field(default_factory=dict, compare=False)
-
-    @property
-    def root_params(self) -> int:
-        return max(0, self.params - self.layers * self.layer_params)  # blocks of unequal size: the largest counted
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads if self.heads else 0
-
-    @property
-    def table_params(self) -> int:
-        return sum(self.table_rows) * self.embedding_dim
-
-    @property
-    def largest_unit(self) -> int:
-        """Parameters of the largest FSDP unit: a block, the root, or (DeepFM) the largest table."""
-        table = max(self.table_rows, default=0) * self.embedding_dim
-        return max(self.layer_params, self.root_params if self.layers else 0, table) or self.params
-
-    def with_tokens(self, tokens: int) -> ModelSpec:
-        return replace(self, tokens=tokens)
+LLAMA_FAMILY = LLAMA.model_types  # HF model types counted with the Llama formulas
 
 
 ModelLike = Union[ModelSpec, dict, str, os.PathLike, nn.Module, Any]
@@ -275,11 +222,6 @@ def _from_module(module: nn.Module) -> ModelSpec:
         if spec.family != "module":
             return spec
     return generic.module_spec(module, getattr(module, "example_input_array", None))
-
-
-def count_params(module: nn.Module) -> int:
-    """Parameters of ``module`` (DeepSpeed-partitioned ones by their full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
 def _vit_from_module(vit: nn.Module) -> ModelSpec:
