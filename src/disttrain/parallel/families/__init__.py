@@ -31,6 +31,7 @@ from torch import nn
 
 from disttrain.parallel.families.base import ExportFormat, Family, Plan
 from disttrain.parallel.families.bert import BERT
+from disttrain.parallel.families.deepfm import DEEPFM
 from disttrain.parallel.families.gpt2 import GPT2
 from disttrain.parallel.families.layout import Reorder
 from disttrain.parallel.families.llama import LLAMA
@@ -38,7 +39,7 @@ from disttrain.parallel.families.spec import ModelSpec
 from disttrain.parallel.families.vit import VIT
 
 # Looked up in this order: the first family that recognises a model or a config is its family.
-FAMILIES: tuple[Family, ...] = (LLAMA, GPT2, BERT, VIT)
+FAMILIES: tuple[Family, ...] = (LLAMA, GPT2, BERT, VIT, DEEPFM)
 
 
 def family_of(model: nn.Module) -> Optional[Family]:
@@ -59,22 +60,6 @@ def family_for_model_type(model_type: Optional[str]) -> Optional[Family]:
 def family_for_config(mapping: Mapping[str, Any]) -> Optional[Family]:
     """The family a recipe's ``model:`` mapping describes, or None."""
     return next((f for f in FAMILIES if f.reads_config(mapping)), None)
-
-
-def closest_family(mapping: Mapping[str, Any]) -> Optional[Family]:
-    """The family whose ``model:`` keys a mapping no family reads shares most keys with (a misspelt key that tells
-    the family, e.g. ``hiden_size``), so its schema can say which key was meant; None on a tie or no overlap."""
-    if "model_type" in mapping:
-        return None
-    scores = []
-    for family in FAMILIES:
-        schema = family.config_schema(mapping)
-        if schema is not None:
-            scores.append((len(set(mapping) & set(schema)), family))
-    scores.sort(key=lambda pair: -pair[0])
-    if not scores or scores[0][0] == 0 or (len(scores) > 1 and scores[1][0] == scores[0][0]):
-        return None
-    return scores[0][1]
 
 
 def find_model(root: nn.Module) -> Optional[tuple[str, nn.Module, Family]]:
@@ -106,6 +91,6 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     return None
 
 
-__all__ = ["FAMILIES", "ExportFormat", "Family", "ModelSpec", "Plan", "Reorder", "closest_family", "export_formats",
+__all__ = ["FAMILIES", "ExportFormat", "Family", "ModelSpec", "Plan", "Reorder", "export_formats",
            "family_for_config",
            "family_for_model_type", "family_named", "family_of", "find_model", "unsupported_reason"]
