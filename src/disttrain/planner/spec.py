@@ -17,7 +17,8 @@ from typing import Any, Union
 
 from torch import nn
 
-from disttrain.parallel.families import family_for_config, family_for_model_type, family_of
+from disttrain.config import read_recipe
+from disttrain.parallel.families import closest_family, family_for_config, family_for_model_type, family_of
 from disttrain.parallel.families.spec import ModelSpec, count_params
 
 ModelLike = Union[ModelSpec, dict, str, os.PathLike, nn.Module, Any]
@@ -72,18 +73,15 @@ def _from_hf_config(config: Any, module: nn.Module | None = None) -> ModelSpec:
     return spec if spec is not None else generic.hf_spec(config, module)
 
 
-def _from_yaml(path: Path) -> ModelSpec:
-    import yaml
+def _model_schema(mapping: Any) -> Any:
+    """The keys the ``model:`` mapping's family takes (the closest family's when a misspelt key hides it)."""
+    family = (family_for_config(mapping) or closest_family(mapping)) if isinstance(mapping, dict) else None
+    return family.config_schema(mapping) if family is not None else None
 
-    if not path.is_file():
-        raise FileNotFoundError(f"model config {str(path)!r} does not exist; pass a recipe YAML such as "
-                                f"configs/nlp/dialogue_10b.yaml")
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-        raise ValueError(f"{str(path)!r} has no top-level `model:` mapping; a recipe YAML describes its model under"
-                         f" `model:` (LlamaConfig, timm VisionTransformer or DeepFM arguments)")
-    return _from_mapping(data["model"], source=str(path))
+
+def _from_yaml(path: Path) -> ModelSpec:
+    """A recipe YAML of any kind, read (and its ``model:`` keys checked) as the recipes read it."""
+    return _from_mapping(read_recipe(path, model_schema=_model_schema)["model"], source=str(path))
 
 
 def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec:

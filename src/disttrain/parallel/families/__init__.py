@@ -62,6 +62,22 @@ def family_for_config(mapping: Mapping[str, Any]) -> Optional[Family]:
     return next((f for f in FAMILIES if f.reads_config(mapping)), None)
 
 
+def closest_family(mapping: Mapping[str, Any]) -> Optional[Family]:
+    """The family whose ``model:`` keys a mapping no family reads shares most keys with (a misspelt key that tells
+    the family, e.g. ``hiden_size``), so its schema can say which key was meant; None on a tie or no overlap."""
+    if "model_type" in mapping:
+        return None
+    scores = []
+    for family in FAMILIES:
+        schema = family.config_schema(mapping)
+        if schema is not None:
+            scores.append((len(set(mapping) & set(schema)), family))
+    scores.sort(key=lambda pair: -pair[0])
+    if not scores or scores[0][0] == 0 or (len(scores) > 1 and scores[1][0] == scores[0][0]):
+        return None
+    return scores[0][1]
+
+
 def find_model(root: nn.Module) -> Optional[tuple[str, nn.Module, Family]]:
     """The outermost submodule of ``root`` (itself included) of a known family: ``(path, module, family)``."""
     for name, module in root.named_modules():
@@ -91,6 +107,6 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     return None
 
 
-__all__ = ["FAMILIES", "ExportFormat", "Family", "ModelSpec", "Plan", "Reorder", "export_formats",
+__all__ = ["FAMILIES", "ExportFormat", "Family", "ModelSpec", "Plan", "Reorder", "closest_family", "export_formats",
            "family_for_config",
            "family_for_model_type", "family_named", "family_of", "find_model", "unsupported_reason"]
