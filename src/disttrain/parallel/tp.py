@@ -20,8 +20,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from disttrain.parallel.blocks import BlockSpec, find_blocks
 from disttrain.parallel.families import Family, Plan, Reorder, family_of, find_model, unsupported_reason
-from disttrain.parallel.families.base import check_heads, divisors  # noqa: F401  (public here too)
+# Public names of this module before the families moved out of it: kept importable from here.
+from disttrain.parallel.families.base import check_heads, divisors, per_head_norm  # noqa: F401
 from disttrain.parallel.families.layout import QKVRowsLayout, qkv_rank_major, restore_rows  # noqa: F401
+from disttrain.parallel.families.llama import LLAMA, llama_plan  # noqa: F401
+from disttrain.parallel.families.vit import vit_plan  # noqa: F401
+
+LLAMA_FAMILY = LLAMA.model_types  # the HF model types tensor parallel splits with llama_plan
 
 
 @dataclass

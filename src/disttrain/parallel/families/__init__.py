@@ -42,6 +42,11 @@ from disttrain.parallel.families.vit import VIT
 FAMILIES: tuple[Family, ...] = (LLAMA, GPT2, BERT, VIT, DEEPFM)
 
 
+def registered() -> tuple[Family, ...]:
+    """Every family, in lookup order (:data:`FAMILIES`)."""
+    return FAMILIES
+
+
 def family_of(model: nn.Module) -> Optional[Family]:
     """The family of ``model`` itself (not of a submodule), or None."""
     return next((f for f in FAMILIES if f.matches(model)), None)
