@@ -77,6 +77,36 @@ class EngineAdapter:
         self.engine = self.engine_cls(build_options(self.options_cls, self.strategy_name, options), self.strategy_name)
 
 
+class DeepSpeedPlumbing(EngineAdapter):
+    """Mixin (before Lightning's Trainer or Fabric ``DeepSpeedStrategy``): what both ZeRO-3 adapters do alike over
+    the ZeRO engine: its options, its device (CPU too), and starting DeepSpeed's process group."""
+
+    local_rank: int
+    parallel_devices: Optional[list[torch.device]]
+
+    def _deepspeed_init_kwargs(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Build the engine from ``options``; returns the keywords for Lightning's ``DeepSpeedStrategy.__init__``
+        (its own config is built later by the engine, from the Trainer/Fabric settings)."""
+        self._init_engine(options)
+        return {"stage": 3, "config": {}, "remote_device": self.engine.options.offload_parameters}
+
+    @property
+    def zero_options(self) -> Any:
+        return self.engine.options
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.engine.deepspeed_device(super().root_device, self.local_rank)  # type: ignore[misc]
+
+    def _start_deepspeed(self, set_world_ranks: Any) -> None:
+        """Lightning's DeepSpeed start-up (seed, ranks, DeepSpeed's process group) on CPU as on CUDA."""
+        validate_gpu_indices(self.parallel_devices)
+        reset_seed()
+        set_world_ranks()
+        self._init_deepspeed_distributed()  # type: ignore[attr-defined]
+        register_clean_exit()
+
+
 class DistributedPlumbing:
     """Mixin for the adapters over a Lightning ``ParallelStrategy`` (Trainer or Fabric) whose engine sets models up:
     process group, ranks, launcher, sampler, collectives, written once for both entry points."""

@@ -7,11 +7,10 @@ import functools
 from typing import Any, Union
 
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.fabric.utilities.seed import reset_seed
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from disttrain._lightning import register_clean_exit, validate_gpu_indices
+from disttrain._lightning import DeepSpeedPlumbing
 from disttrain.fabric.base import FabricAdapter
 from disttrain.parallel.zero import ZeroOptions
 from disttrain.parallel.zero_engine import ZeroEngine
@@ -19,7 +18,7 @@ from disttrain.parallel.zero_engine import ZeroEngine
 
 # Lightning's DeepSpeed strategy stays the base: Fabric runs backward through the DeepSpeed engine for it (and asks
 # which model to step when several are set up), and the Trainer-side callbacks check for its class.
-class ZeroStrategy(FabricAdapter, DeepSpeedStrategy):
+class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 3 for ``lightning.Fabric``; the same options as the Trainer strategy, plus
     ``micro_batch_size`` and ``gradient_accumulation_steps`` (Fabric has no DataLoader to read them from).
     ``fabric.init_module(empty_init=True)`` builds under ``deepspeed.zero.Init``.
@@ -36,29 +35,15 @@ class ZeroStrategy(FabricAdapter, DeepSpeedStrategy):
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  precision: Any = None, process_group_backend: Any = None, **options: Any) -> None:
-        self._init_engine(options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision,
-                         process_group_backend=process_group_backend, stage=3, config={},
-                         remote_device=self.engine.options.offload_parameters)
-
-    @property
-    def zero_options(self) -> ZeroOptions:
-        return self.engine.options
-
-    @property
-    def root_device(self) -> Any:
-        return self.engine.deepspeed_device(super().root_device, self.local_rank)
+                         process_group_backend=process_group_backend, **self._deepspeed_init_kwargs(options))
 
     def setup_environment(self) -> None:
         DDPStrategy.setup_environment(self)  # skips Lightning's "DeepSpeed needs CUDA" check
 
     def _setup_distributed(self) -> None:
-        validate_gpu_indices(self.parallel_devices)
-        reset_seed()
-        self._set_world_ranks()
-        self._init_deepspeed_distributed()
-        register_clean_exit()
+        self._start_deepspeed(self._set_world_ranks)
         self._format_config()
         self._config_initialized = True
         _allow_setup_optimizers_after_setup_module()

@@ -6,13 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from disttrain._lightning import layer_sync_request, register_clean_exit, validate_gpu_indices
+from disttrain._lightning import DeepSpeedPlumbing, layer_sync_request
 from disttrain.parallel.zero import ZeroOptions
 from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.strategies.base import TrainerAdapter
@@ -21,7 +19,7 @@ from disttrain.strategies.base import TrainerAdapter
 # Lightning's DeepSpeed strategy stays the base: the Trainer gives it DeepSpeedPrecision (an isinstance check),
 # whose backward and optimizer step go through DeepSpeed's engine, and ModelSummary (partitioned parameter counts),
 # BaseFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging and torch.compile check for it.
-class ZeroStrategy(TrainerAdapter, DeepSpeedStrategy):
+class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 3 for ``lightning.Trainer``, on CUDA (nccl) and on CPU (gloo).
 
     Options as keywords (:class:`disttrain.parallel.zero.ZeroOptions`): ``offload_optimizer``,
@@ -35,29 +33,15 @@ class ZeroStrategy(TrainerAdapter, DeepSpeedStrategy):
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  precision_plugin: Any = None, process_group_backend: Any = None, **options: Any) -> None:
-        self._init_engine(options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
-                         process_group_backend=process_group_backend, stage=3, config={},
-                         remote_device=self.engine.options.offload_parameters)
-
-    @property
-    def zero_options(self) -> ZeroOptions:
-        return self.engine.options
-
-    @property
-    def root_device(self) -> torch.device:
-        return self.engine.deepspeed_device(super().root_device, self.local_rank)
+                         process_group_backend=process_group_backend, **self._deepspeed_init_kwargs(options))
 
     def setup_environment(self) -> None:
         DDPStrategy.setup_environment(self)  # skips Lightning's "DeepSpeed needs CUDA" check
 
     def setup_distributed(self) -> None:
-        validate_gpu_indices(self.parallel_devices)
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
-        register_clean_exit()
+        self._start_deepspeed(self.set_world_ranks)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
