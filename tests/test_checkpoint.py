@@ -90,7 +90,7 @@ def test_wrong_state_keys(tmp_path, trained):
 def test_engine_reports_missing_path(tmp_path, trained):
     engine = FSDPEngine(FSDPOptions())
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        engine.load(tmp_path / "missing", {"model": trained[0]}, trained[0])
+        engine.load_checkpoint(tmp_path / "missing", trained[0], {"model": trained[0]})
 
 
 def test_consolidate_to_safetensors(tmp_path, trained):

@@ -10,25 +10,21 @@ import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from disttrain.parallel import checkpoint as ckpt
-from disttrain.parallel.ac import apply_ac
-from disttrain.parallel.blocks import find_blocks
-from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.engine import FSDPEngine, register_forward_methods
 from disttrain.parallel.families import family_of, find_model
 from disttrain.parallel.families.layout import QKVRowsLayout  # noqa: F401  (public here too)
-from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, offload_policy
+from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, shard_blocks, shard_root
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.pipeline import Pipeline, pipeline_model
-from disttrain.parallel.precision import mixed_precision_policy
 from disttrain.parallel.tp import Plan, TPResult, apply_tp
 
 
@@ -63,8 +59,8 @@ class MegatronEngine(FSDPEngine):
 
     options: MegatronOptions
 
-    def __init__(self, options: MegatronOptions) -> None:
-        super().__init__(options)
+    def __init__(self, options: MegatronOptions, name: str = "disttrain_megatron") -> None:
+        super().__init__(options, name)
         self.pipeline: Optional[Pipeline] = None
         self.tp_result = TPResult()
         self._target_prefix = ""
@@ -80,6 +76,19 @@ class MegatronEngine(FSDPEngine):
 
     def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
         return self.mesh["pp"].get_group() if self.pipeline is not None and self.mesh is not None else None
+
+    def check_accumulation(self, steps: int) -> None:
+        if self.options.pipeline_parallel_size > 1 and steps > 1:
+            raise ValueError(f"accumulate_grad_batches={steps} with pipeline parallelism: the schedule already"
+                             " accumulates over microbatches; set accumulate_grad_batches=1 and raise microbatches"
+                             " (and the batch size) instead")
+
+    def prepare_step(self, module: nn.Module) -> None:
+        # Lightning clears gradients after training_step, right before backward; the pipeline schedule runs its
+        # backward inside training_step, so clear them before it instead (the loss's backward puts them back).
+        if self.pipeline is not None:
+            for param in module.parameters():
+                param.grad = None
 
     def is_parallelized(self, module: nn.Module) -> bool:
         return bool(getattr(module, "_disttrain_megatron", False))
@@ -124,9 +133,7 @@ class MegatronEngine(FSDPEngine):
             self._shard_stages(device, precision)
         else:
             apply_fsdp(module, self.mesh["dp"], opts, precision, device)
-            for name in forward_methods:
-                if callable(getattr(module, name, None)):
-                    register_fsdp_forward_method(module, name)
+            register_forward_methods(module, forward_methods)
         materialize(module, device)
         if dims.pp == 1:  # under PP each stage module is a root of its own, called by the schedule
             claim_root(module)
@@ -145,22 +152,14 @@ class MegatronEngine(FSDPEngine):
         return super().full_model(model)
 
     def _shard_stages(self, device: torch.device, precision: str) -> None:
-        """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP): the schedule
-        calls the stage modules, so FSDP's root hooks run around every microbatch."""
+        """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP), as
+        :func:`apply_fsdp` shards a whole model: the schedule calls the stage modules, so FSDP's root hooks run
+        around every microbatch."""
         assert self.pipeline is not None and self.mesh is not None
-        opts = self.options
-        common = dict(mesh=self.mesh["dp"], offload_policy=offload_policy(opts.cpu_offload, device))
-        block_policy = mixed_precision_policy(precision)
-        root_policy = mixed_precision_policy(precision, root=True)
         for stage in self.pipeline.stage_modules:
             blocks = list((stage.layers if hasattr(stage, "layers") else stage.blocks).values())
-            if opts.activation_checkpointing:
-                blocks = apply_ac(stage, blocks)
-            for block in blocks:
-                fully_shard(block, reshard_after_forward=opts.reshard_after_forward, **common,
-                            **({"mp_policy": block_policy} if block_policy else {}))
-            fully_shard(stage, reshard_after_forward=opts.reshard_after_forward, **common,
-                        **({"mp_policy": root_policy} if root_policy else {}))
+            shard_blocks(stage, blocks, self.mesh["dp"], self.options, precision, device)
+            shard_root(stage, self.mesh["dp"], self.options, precision, device)
 
     # -- checkpoints and export -----------------------------------------------------------------------------
     def storage_layout(self) -> ckpt.StorageLayout:
