@@ -36,10 +36,34 @@ def free_port() -> int:
 
 
 def child_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     return env
+
+
+# Launch variables a rank's environment gets from its launcher; a process a test starts must not inherit them.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT")
+
+
+_current_is_slow = True  # whether the test being run is marked slow (run_dist refuses to launch otherwise)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, its fixtures' setup included, starts from the environment the one before it started from. An
+    in-process Trainer or Fabric run sets LOCAL_RANK, WORLD_SIZE, NODE_RANK... in os.environ and leaves them: a
+    later `--devices 2` script then takes itself for an already-launched rank 0 and waits for a peer nobody
+    starts, which happened only in some test orders."""
+    global _current_is_slow
+    saved = dict(os.environ)
+    _current_is_slow = item.get_closest_marker("slow") is not None
+    try:
+        return (yield)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: int = 600,
@@ -48,6 +72,9 @@ def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: in
 
     The ranks are forked from pre-imported zygotes (tests/zygote.py: the same processes as torchrun's, seconds of
     imports cheaper); ``launcher="torchrun"`` or DISTTRAIN_TEST_LAUNCHER=torchrun runs them under torchrun."""
+    if not _current_is_slow:
+        pytest.fail(f"this test launches {script} on {nproc} processes: mark it @pytest.mark.slow, so that "
+                    "`make test-fast` stays a quick loop (CI runs slow tests too)")
     out = out_dir / "result"
     env = child_env()
     if (launcher or LAUNCHER) == "torchrun" or not _launcher.serves(env):
