@@ -22,11 +22,13 @@ from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from disttrain._lightning import DEFAULT_TIMEOUT, STEP_METHODS, DistributedPlumbing, EngineAdapter, layer_sync_request
@@ -38,6 +40,23 @@ MODEL_KEY = "state_dict"
 
 def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
+
+
+def refuse_callbacks(trainer: "pl.Trainer", strategy_name: str, refused: Mapping[type[Callback], str]) -> None:
+    """Stop before training when a callback this strategy cannot serve is attached, with the reason and the way
+    out; without it the callback fails deep inside a step (a DTensor or optimizer-type error)."""
+    for callback in trainer.callbacks:
+        for kind, why in refused.items():
+            if isinstance(callback, kind):
+                raise MisconfigurationException(f"{type(callback).__name__} cannot run under {strategy_name}: {why}")
+
+
+# Lightning refuses SWA under its own FSDP and DeepSpeed strategies for the same reason (an isinstance check our
+# FSDP-based strategies do not pass, so they say it themselves).
+SHARDED_REFUSALS: dict[type[Callback], str] = {
+    StochasticWeightAveraging: "it keeps a whole copy of the model and averages the parameters in place, and this"
+    " strategy shards them across ranks; use disttrain_ddp for SWA",
+}
 
 
 class TrainerAdapter(EngineAdapter):
@@ -216,6 +235,7 @@ class EngineStrategy(TrainerAdapter, DistributedPlumbing, ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        refuse_callbacks(trainer, self.strategy_name, SHARDED_REFUSALS)
         if fitting:
             self.engine.check_accumulation(trainer.accumulate_grad_batches)
         self.accelerator.setup(trainer)

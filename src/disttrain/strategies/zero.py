@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -13,7 +14,12 @@ from typing_extensions import override
 from disttrain._lightning import DeepSpeedPlumbing, layer_sync_request
 from disttrain.parallel.zero import ZeroOptions
 from disttrain.parallel.zero_engine import ZeroEngine
-from disttrain.strategies.base import TrainerAdapter
+from disttrain.strategies.base import TrainerAdapter, refuse_callbacks
+
+ZERO3_REFUSALS = {
+    LearningRateFinder: "DeepSpeed wraps the optimizer in its ZeRO-3 optimizer, which the finder's learning-rate"
+    " scheduler cannot drive; find the rate under disttrain_fsdp or disttrain_ddp and pass it to your optimizer",
+}
 
 
 # Lightning's DeepSpeed strategy stays the base: the Trainer gives it DeepSpeedPrecision (an isinstance check),
@@ -45,6 +51,7 @@ class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        refuse_callbacks(trainer, self.strategy_name, ZERO3_REFUSALS)
         asked, convert = layer_sync_request(self._layer_sync)
         self.model = self.engine.prepare(self.model, self.root_device, trainer.state.fn == TrainerFn.FITTING,
                                          asked, convert)
