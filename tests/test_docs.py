@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -57,7 +58,7 @@ class Block:
 
     def commands(self) -> list[str]:
         """The shell commands of the block: continuation lines joined, comments and blank lines left out."""
-        joined = re.sub(r"\\\n\s*", " ", self.text)
+        joined = re.sub(r"\s*\\\n\s*", " ", self.text)
         return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
@@ -114,10 +115,11 @@ def parse(path: Path, text: Optional[str] = None) -> Page:
         body.append(line)
     if open_at is not None:
         page.problems.append(f"{rel}:{open_at}: the fence opened here is never closed (unbalanced fences)")
-    for block in page.blocks:
+    for before, block in zip([None, *page.blocks], page.blocks):
         kind = block.marker[0] if block.marker else None
-        if kind == "output" and block.lang != "text":
-            page.problems.append(f"{block.where}: an output marker belongs before a ```text block")
+        if kind == "output" and (block.lang != "text" or before is None or not before.runs):
+            page.problems.append(f"{block.where}: an output marker belongs before a ```text block that follows a block"
+                                 " the test runs")
         if kind in ("skip", "covered", "fails") and block.lang not in SHELL | PYTHON:
             page.problems.append(f"{block.where}: a {kind} marker belongs before a ```bash or ```python block")
         if block.lang in ("console", "shell-session"):
@@ -369,9 +371,9 @@ def printed(expected: str, output: str) -> Optional[str]:
     return None
 
 
-def workspace(tmp_path: Path, data: Path) -> Path:
+def workspace(folder: Path, data: Path) -> Path:
     """A folder that looks like the repository (links to its files) with its own runs/ and a shared data/."""
-    work = tmp_path / "work"
+    work = folder / "work"
     work.mkdir()
     for entry in ROOT.iterdir():
         if entry.name not in NOT_LINKED:
@@ -389,6 +391,10 @@ def environment() -> dict[str, str]:
     return env
 
 
+class BlockFailed(Exception):
+    pass
+
+
 def run_block(block: Block, work: Path, env: dict[str, str]) -> tuple[str, list[str]]:
     """Run a block's commands (a Python block as a script); return what it printed and its commands' timings."""
     if block.lang in PYTHON:
@@ -402,39 +408,73 @@ def run_block(block: Block, work: Path, env: dict[str, str]) -> tuple[str, list[
     expect_failure = bool(block.marker and block.marker[0] == "fails")
     for command in commands:
         start = time.perf_counter()
-        proc = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True,
-                              timeout=COMMAND_TIMEOUT)
+        # Lightning's launchers take MASTER_PORT when it is set: two pages run at once must not pick the same one.
+        proc = subprocess.run(["bash", "-c", command], cwd=work, env={**env, "MASTER_PORT": str(free_port())},
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
         timings.append(f"{time.perf_counter() - start:6.1f}s  {block.where}  {command}")
         output += proc.stdout + proc.stderr
         failed = proc.returncode != 0
         if failed != expect_failure:
             outcome = f"exited {proc.returncode}" if failed else "succeeded but the page says it fails"
-            pytest.fail(f"{block.where}: `{command}` {outcome}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+            raise BlockFailed(f"{block.where}: `{command}` {outcome}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return output, timings
+
+
+def run_page(path: Path, work: Path) -> tuple[Optional[str], list[str]]:
+    """Every runnable block of the page in order, shown output checked: (what failed or None, timings)."""
+    env, last_output, timings = environment(), "", []
+    try:
+        for block in PARSED[path].blocks:
+            if block.runs:
+                last_output, spent = run_block(block, work, env)
+                timings += spent
+            elif block.marker and block.marker[0] == "output":  # parse() saw to it that a run block comes before
+                missing = printed(block.text, last_output)
+                if missing is not None:
+                    raise BlockFailed(f"{block.where}: the block above did not print {missing!r}:\n{last_output}")
+    except (BlockFailed, subprocess.TimeoutExpired) as e:
+        return str(e), timings
+    return None, timings
+
+
+def test_commands_ports_and_shown_output_are_read_as_documented():
+    block = Block(Path("x.md"), 1, "bash", "# a comment\nlightning run model s.py --devices 2 \\\n    --steps 4\n\n"
+                                            "torchrun --master_port 29500 a.py\ntorchrun --master_port=29500 b.py\n")
+    first, second, third = block.commands()
+    assert first == "lightning run model s.py --devices 2 --steps 4"
+    assert re.fullmatch(r"lightning run model --main-port \d+ s.py --devices 2 --steps 4", with_ports(first, {}))
+    ports: dict[str, str] = {}
+    a, b = with_ports(second, ports), with_ports(third, ports)
+    assert a.split()[2] == b.split("=")[1].split()[0] == ports["29500"] != "29500"  # one free port for both nodes
+    assert printed("model: llama ...\n...\nrecommendation: x", "noise\nmodel: llama, 10B\nrow\nrecommendation: x") is None
+    assert printed("second\nfirst", "first\nsecond") == "first"  # in order
 
 
 def runnable_pages() -> list[Path]:
     return [path for path, page in PARSED.items() if any(b.runs for b in page.blocks)]
 
 
-@pytest.fixture(scope="module")
-def shared_data(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("docs-data")
+@pytest.fixture(scope="session")
+def page_runs(request, tmp_path_factory) -> dict[Path, tuple[Optional[str], list[str]]]:
+    """Runs the selected pages, two at a time: most of a command's time is one process importing torch and
+    Lightning, which leaves the second core idle. Each page gets its own folder; data/ is shared."""
+    wanted = [item.callspec.params["path"] for item in request.session.items
+              if getattr(item, "originalname", "") == "test_documented_commands_run"]
+    data = tmp_path_factory.mktemp("docs-data")
+    works = {path: workspace(tmp_path_factory.mktemp("docs-page"), data) for path in wanted}
+    longest_first = sorted(wanted, key=lambda p: -sum(len(b.commands()) if b.lang in SHELL else 2
+                                                        for b in PARSED[p].blocks if b.runs))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {path: pool.submit(run_page, path, works[path]) for path in longest_first}
+    return {path: future.result() for path, future in futures.items()}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first page's test waits for all of them (page_runs)
 @pytest.mark.parametrize("path", runnable_pages(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_documented_commands_run(path, tmp_path, shared_data):
-    """Every runnable block of the page, in order, in a fresh folder; shown output is checked."""
-    work, env = workspace(tmp_path, shared_data), environment()
-    last_output: Optional[str] = None
-    timings: list[str] = []
-    for block in PARSED[path].blocks:
-        if block.runs:
-            last_output, spent = run_block(block, work, env)
-            timings += spent
-        elif block.marker and block.marker[0] == "output":
-            assert last_output is not None, f"{block.where}: an output block with no command run before it"
-            missing = printed(block.text, last_output)
-            assert missing is None, f"{block.where}: the command above did not print {missing!r}:\n{last_output}"
+def test_documented_commands_run(path, page_runs):
+    """Every runnable block of the page ran as the page says (see run_page)."""
+    failure, timings = page_runs[path]
     print("\n" + "\n".join(timings))
+    if failure:
+        pytest.fail(failure)
