@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from zygote import Launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = Path(__file__).parent / "dist"
 sys.path.insert(0, str(DIST))
+# DeepSpeed JIT-builds its CPU communication op into TORCH_EXTENSIONS_DIR when a ZeRO run starts. The default,
+# ~/.cache/torch_extensions, is shared by every virtual environment on the machine, and the build's command line
+# names the environment's paths: two environments in turn rebuild it for each other (a minute of CPU each time).
+# One folder per environment in this checkout: built once, then reused by every run of the session and the next.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
+    ROOT / ".cache" / "torch_extensions" / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]))
+# "torchrun": every rank of run_dist a fresh interpreter under torchrun, as a user launches the scripts.
+LAUNCHER = os.environ.get("DISTTRAIN_TEST_LAUNCHER", "zygote")
+_launcher = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-ranks-")))
 
 
 def free_port() -> int:
@@ -23,22 +36,73 @@ def free_port() -> int:
 
 
 def child_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     return env
 
 
-def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: int = 600) -> list[dict]:
-    """Run tests/dist/<script> on ``nproc`` CPU processes; return the per-rank JSON results (rank order)."""
+# Launch variables a rank's environment gets from its launcher; a process a test starts must not inherit them.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT")
+
+
+_current_is_slow = True  # whether the test being run is marked slow (run_dist refuses to launch otherwise)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, its fixtures' setup included, starts from the environment the one before it started from. An
+    in-process Trainer or Fabric run sets LOCAL_RANK, WORLD_SIZE, NODE_RANK... in os.environ and leaves them: a
+    later `--devices 2` script then takes itself for an already-launched rank 0 and waits for a peer nobody
+    starts, which happened only in some test orders."""
+    global _current_is_slow
+    saved = dict(os.environ)
+    _current_is_slow = item.get_closest_marker("slow") is not None
+    try:
+        return (yield)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: int = 600,
+             launcher: str | None = None) -> list[dict]:
+    """Run tests/dist/<script> on ``nproc`` CPU processes; return the per-rank JSON results (rank order).
+
+    The ranks are forked from pre-imported zygotes (tests/zygote.py: the same processes as torchrun's, seconds of
+    imports cheaper); ``launcher="torchrun"`` or DISTTRAIN_TEST_LAUNCHER=torchrun runs them under torchrun."""
+    if not _current_is_slow:
+        pytest.fail(f"this test launches {script} on {nproc} processes: mark it @pytest.mark.slow, so that "
+                    "`make test-fast` stays a quick loop (CI runs slow tests too)")
     out = out_dir / "result"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(DIST / script), str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"{script} {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-8000:]}")
+    env = child_env()
+    if (launcher or LAUNCHER) == "torchrun" or not _launcher.serves(env):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(DIST / script), str(out), *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            pytest.fail(f"{script} {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                        f"{proc.stderr[-8000:]}")
+    else:
+        logs = _launcher.logs(script, nproc)
+        try:
+            codes = _launcher.run([str(DIST / script), str(out), *args], env, nproc, free_port(), logs, timeout)
+        except TimeoutError as timeout_error:
+            pytest.fail(f"{timeout_error}\n{rank_logs(logs)}")
+        if any(codes):
+            pytest.fail(f"{script} {' '.join(args)} failed (exit codes {codes}):\n{rank_logs(logs)}")
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(nproc)]
+
+
+def rank_logs(logs: list[Path], tail: int = 6000) -> str:
+    return "\n".join(f"--- rank {rank} ---\n{log.read_text(errors='replace')[-tail:]}"
+                     for rank, log in enumerate(logs) if log.exists())
+
+
+def pytest_sessionfinish(session) -> None:
+    _launcher.close()
+    shutil.rmtree(_launcher.log_dir, ignore_errors=True)
 
 
 # Runs shared by several test modules: each launches 2 processes once per session (reused across modules).

@@ -30,6 +30,7 @@ def runs(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["disttrain_fsdp", "disttrain_ddp"])
 def test_world_1_and_2_give_the_same_losses(runs, strategy):
     one, two = runs(1, "disttrain_fsdp", "8"), runs(2, strategy, "8")
@@ -37,6 +38,7 @@ def test_world_1_and_2_give_the_same_losses(runs, strategy):
     assert relative_diff(two["losses"], one["losses"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_zero3_accumulates_inside_deepspeed_without_double_scaling(runs):
     # Global batch 4 (3 whole windows per epoch): DeepSpeed ignores epoch ends when it accumulates.
     one, two = runs(1, "disttrain_zero3", "4"), runs(2, "disttrain_zero3", "4")
@@ -69,6 +71,7 @@ def token_normalized_reference(steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,strategy", [(1, "disttrain_fsdp"), (2, "disttrain_fsdp"), (2, "disttrain_ddp")])
 def test_token_normalization_matches_the_global_token_mean(runs, world, strategy):
     result = runs(world, strategy, "8", "tokens")

@@ -51,3 +51,40 @@ def test_unknown_wrap_class_names_the_value_and_the_candidates():
 
 def test_candidates():
     assert block_candidates(Tower()) == {"Sequential": 3}
+
+
+class LitGPTShaped(nn.Module):
+    """litgpt's GPT layout: the embedding, blocks and final norm inside a ModuleDict (a container with no forward),
+    the head beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(16, 8), h=nn.ModuleList(nn.Linear(8, 8) for _ in range(2)),
+                                              ln_f=nn.LayerNorm(8)))
+        self.lm_head = nn.Linear(8, 16)
+
+    def forward(self, idx):
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_sub_networks_look_through_containers_without_forward():
+    """fully_shard refuses a ModuleDict ("containers that do not implement forward"): its callable parts are the
+    units, as litgpt's GPT needs under disttrain_fsdp (its losses then match Lightning's ddp)."""
+    from disttrain.parallel.fsdp import sub_networks
+
+    model = LitGPTShaped()
+    blocks = find_blocks(model)
+    assert blocks == list(model.transformer.h)
+    units = sub_networks(model, blocks)
+    assert units == [model.transformer.wte, model.transformer.ln_f, model.lm_head]
+
+
+def test_sub_networks_keep_tied_parts_in_the_root():
+    from disttrain.parallel.fsdp import sub_networks
+
+    model = LitGPTShaped()
+    model.lm_head.weight = model.transformer.wte.weight  # tied: both stay in the root unit
+    assert sub_networks(model, find_blocks(model)) == [model.transformer.ln_f]

@@ -90,7 +90,7 @@ def test_wrong_state_keys(tmp_path, trained):
 def test_engine_reports_missing_path(tmp_path, trained):
     engine = FSDPEngine(FSDPOptions())
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        engine.load(tmp_path / "missing", {"model": trained[0]}, trained[0])
+        engine.load_checkpoint(tmp_path / "missing", trained[0], {"model": trained[0]})
 
 
 def test_consolidate_to_safetensors(tmp_path, trained):
@@ -103,6 +103,7 @@ def test_consolidate_to_safetensors(tmp_path, trained):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_export_command(tmp_path, trained):
     path = save(tmp_path / "ckpt", *trained)
     out = tmp_path / "cli.safetensors"
@@ -112,6 +113,7 @@ def test_export_command(tmp_path, trained):
     assert set(load_file(out)) == set(trained[0].state_dict())
 
 
+@pytest.mark.slow
 def test_export_command_reports_missing_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "disttrain.cli", "export", str(tmp_path / "none"), str(tmp_path / "o.safetensors")]
     proc = subprocess.run(cmd, capture_output=True, text=True)

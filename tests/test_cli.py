@@ -6,7 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, child_env, free_port
+
+# Every test here starts processes (launches or the CLI).
+pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
 

@@ -137,6 +137,7 @@ def test_missing_file_and_all_bad_are_clear(tmp_path):
         read_jsonl(write_lines(tmp_path / "bad.jsonl", ["[]"]), skip_bad_lines=True)
 
 
+@pytest.mark.slow
 def test_recipe_names_the_bad_line(tmp_path, demo):
     path = write_lines(tmp_path / "chats.jsonl", [GOOD] * 3 + ["oops"])
     cmd = [sys.executable, "recipes/nlp/dialogue_llm.py", "--devices", "1", "--strategy", "auto",

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from common import probe_input, reference_losses, tiny_llama, validation_loss
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 WORLD = 2
 
 

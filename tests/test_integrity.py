@@ -85,6 +85,7 @@ def assert_one_line_naming(error: str, name: str) -> None:
     assert "\n" not in error and f"cannot read {name}" in error and "resume from an earlier checkpoint" in error, error
 
 
+@pytest.mark.slow
 def test_save_writes_a_manifest_and_an_untouched_checkpoint_verifies(checkpoint):
     path, model = checkpoint
     manifest = json.loads((path / MANIFEST_FILE).read_text())
@@ -99,6 +100,7 @@ def test_save_writes_a_manifest_and_an_untouched_checkpoint_verifies(checkpoint)
     assert meta == {"step": 1} and all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
 
 
+@pytest.mark.slow
 def test_a_sha256_manifest_of_the_first_version_still_verifies(checkpoint):
     """The first manifests used sha256: the manifest names its hash, so they verify, and damage is still found."""
     path, _ = checkpoint
@@ -118,6 +120,7 @@ def test_a_sha256_manifest_of_the_first_version_still_verifies(checkpoint):
         verify_checkpoint(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped bytes", "nan rows"])
 def test_damaged_tensor_fails_every_load_path_and_verify_naming_the_file(checkpoint, tmp_path, damage):
     path, model = checkpoint
@@ -157,6 +160,7 @@ def test_damaged_tensor_fails_every_load_path_and_verify_naming_the_file(checkpo
     assert not torch.equal(loaded[0].weight, weight)
 
 
+@pytest.mark.slow
 def test_checkpoint_without_manifest_loads_and_says_so_once(checkpoint):
     path, model = checkpoint
     (path / MANIFEST_FILE).unlink()  # as written before checksums existed
@@ -171,6 +175,7 @@ def test_checkpoint_without_manifest_loads_and_says_so_once(checkpoint):
     assert proc.returncode == 0 and "no manifest.json" in proc.stdout and "cannot be verified" in proc.stdout
 
 
+@pytest.mark.slow
 def test_missing_and_truncated_files_are_named(checkpoint):
     path, _ = checkpoint
     (path / "__0_0.distcp").write_bytes((path / "__0_0.distcp").read_bytes()[:100])
@@ -201,6 +206,7 @@ def rehash(path: Path, name: str) -> None:
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("manifest", ["consistent manifest", "no manifest"])
 def test_crafted_metadata_does_not_run_its_payload(checkpoint, tmp_path, manifest):
     path, _ = checkpoint
@@ -265,6 +271,7 @@ def copy_of(crashed: Path, tmp_path: Path) -> Path:
     return tmp_path / "ckpts" / crashed.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("restart", ["latest_checkpoint", "load", "save"])
 def test_killed_swap_is_recovered_by_whatever_a_restart_does_first(crashed_swap, tmp_path, restart):
     path = copy_of(crashed_swap, tmp_path)
@@ -282,6 +289,7 @@ def test_killed_swap_is_recovered_by_whatever_a_restart_does_first(crashed_swap,
     assert verify_checkpoint(path) == path
 
 
+@pytest.mark.slow
 def test_killed_swap_with_an_unfinished_new_folder_restores_the_old_one(crashed_swap, tmp_path):
     path = copy_of(crashed_swap, tmp_path)
     tmp = path.with_name(".last.tmp")

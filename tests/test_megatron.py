@@ -72,6 +72,7 @@ def test_fused_qkv_reorder_gives_each_rank_its_heads_and_is_undone_for_export():
 
 
 # -- tensor parallel: forward and backward equal one process ----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "vit"])
 def test_tp2_forward_and_backward_match_one_process(tmp_path, family):
     result = run_dist("megatron_fabric.py", tmp_path, megatron(tensor_parallel_size=2), f"grads-{family}")[0]
@@ -92,8 +93,8 @@ TRAINER_CASES = {  # name: (model, strategy, processes); llama-gpipe also saves 
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if TRAINER_CASES[c][2] > 2
-                                  or TRAINER_CASES[c][0] == "gpt2" else c for c in TRAINER_CASES])
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(TRAINER_CASES))
 def test_trainer_matches_one_process(tmp_path, case):
     family, spec, nproc = TRAINER_CASES[case]
     resume = case == "llama-gpipe"
@@ -109,6 +110,7 @@ def test_trainer_matches_one_process(tmp_path, case):
 
 
 # -- gradient clipping by the whole model's norm: FSDP shards, TP's two meshes, pipeline stages ----------------
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["disttrain_fsdp", megatron(tensor_parallel_size=2),
                                   megatron(pipeline_parallel_size=2, microbatches=2)])
 def test_fabric_clip_gradients_uses_the_whole_model_norm(tmp_path, spec):
@@ -140,6 +142,7 @@ def test_clip_equals_torch_in_one_process_and_refuses_nonfinite_norms(norm_type)
 
 
 # -- pipeline parallel through Fabric: 1F1B, memory per rank, DCP save and resume -------------------------------
+@pytest.mark.slow
 def test_fabric_pp2_1f1b_trains_keeps_one_stage_and_resumes(tmp_path):
     from common import reference_losses, tiny_llama
 

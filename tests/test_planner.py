@@ -162,6 +162,7 @@ def test_parse_bytes():
      "recommendation: disttrain_megatron tp=2"),
     ("configs/recsys/deepfm_5b.yaml", "8", ["--gpu", "T4", "--micro-batch", "4096"], "recommendation: disttrain_recsys"),
 ])
+@pytest.mark.slow
 def test_cli_plan_reproduces_the_articles_cases_from_the_recipe_configs(config, gpus, args, expected):
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "disttrain.cli", "plan", "--model", str(root / config), "--gpus", gpus,
@@ -170,6 +171,7 @@ def test_cli_plan_reproduces_the_articles_cases_from_the_recipe_configs(config, 
     assert expected in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_cli_plan(tmp_path):
     path = tmp_path / "dialogue_10b.yaml"
     path.write_text(yaml.safe_dump({"model": DIALOGUE_10B}))

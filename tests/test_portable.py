@@ -61,6 +61,7 @@ def test_vit_checkpoint_keeps_timm_qkv_order_across_tensor_parallel_sizes(tmp_pa
     assert close(losses, vit_reference_losses(3)), losses
 
 
+@pytest.mark.slow
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     ckpts = tmp_path / "ckpts"
     proc = subprocess.run([sys.executable, str(ROOT / "tests/dist/crash_save.py"), str(tmp_path / "out"), str(ckpts)],
@@ -135,6 +136,7 @@ def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.slow
 def test_export_hf_directory_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -21,6 +21,7 @@ def runs(tmp_path_factory):
     return run_dist("precision_run.py", tmp_path_factory.mktemp("precision"))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,plugin,scaler", [("disttrain_fsdp", "FSDP2MixedPrecision", "ShardedGradScaler"),
                                                     ("disttrain_ddp", "MixedPrecision", "GradScaler")])
 def test_fp16_on_cpu_skips_the_overflow_step(runs, strategy, plugin, scaler):
@@ -34,16 +35,19 @@ def test_fp16_on_cpu_skips_the_overflow_step(runs, strategy, plugin, scaler):
     assert relative_diff(result["losses"][:2], reference_losses(2, 2)) <= 1e-3
 
 
+@pytest.mark.slow
 def test_fp16_callback_under_zero3_uses_deepspeed_loss_scaling(runs):
     result = runs["disttrain_zero3"]
     assert result["fp16"] and result["plugin"] == "DeepSpeedPrecision"
     assert result["skipped_steps"] == 1 and all(math.isfinite(x) for x in result["losses"])
 
 
+@pytest.mark.slow
 def test_bf16_callback_matches_fp32_closely(runs):
     assert relative_diff(runs["bf16_losses"], reference_losses(5, 2)) <= 2e-2
 
 
+@pytest.mark.slow
 def test_fp8_under_fsdp_trains_close_to_bf16(runs):
     assert runs["fp8_layers"] == ["Float8Linear", "Linear"]
     assert len(runs["fp8_converted"]) == 14  # q, k, v, o, gate, up, down in 2 layers

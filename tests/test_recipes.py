@@ -9,6 +9,9 @@ import pytest
 from conftest import ROOT, child_env, free_port
 from safetensors.torch import load_file
 
+# Every test here starts processes (launches or the CLI).
+pytestmark = pytest.mark.slow
+
 BIN = Path(sys.executable).parent
 
 

@@ -15,8 +15,9 @@ NAMES = [name for name, *_ in STRATEGIES]
 @pytest.mark.parametrize("registry,package", [(StrategyRegistry, disttrain.strategies),
                                               (STRATEGY_REGISTRY, disttrain.fabric)])
 def test_every_name_is_registered_in_both_registries(registry, package):
-    for name, cls_name, defaults, _ in STRATEGIES:
-        assert registry[name]["strategy"] is getattr(package, cls_name)
+    for name, adapters, defaults, _ in STRATEGIES:
+        cls = adapters.trainer if registry is StrategyRegistry else adapters.fabric
+        assert registry[name]["strategy"] is cls is getattr(package, cls.__name__)
         assert registry[name]["init_params"] == defaults
 
 

@@ -188,6 +188,7 @@ def test_a_batch_without_tokens_for_a_transformer_is_an_error():
         tp.step(fabric, torch.randn(4, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_global_rate_is_the_sum_of_both(tmp_path):
     ranks = run_dist("throughput_run.py", tmp_path)

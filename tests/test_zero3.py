@@ -25,17 +25,20 @@ def checks(tmp_path_factory):
     return run_dist("zero3_checks.py", tmp_path_factory.mktemp("zero3"))[0]
 
 
+@pytest.mark.slow
 def test_zero_init_partitions_the_model_at_build(checks):
     local, total = checks["at_build"]
     assert local * 2 == total  # each of 2 ranks holds half, from construction on
     assert checks["after_fit"] == checks["at_build"]
 
 
+@pytest.mark.slow
 def test_fabric_init_module_runs_under_zero_init(fabric_zero3):
     local, total = fabric_zero3[0]["zero_partition"]
     assert local * 2 == total
 
 
+@pytest.mark.slow
 def test_fp16_overflow_step_is_skipped_and_training_continues(checks):
     assert checks["fp16_enabled"]
     assert checks["skipped_steps"] == 1
@@ -43,11 +46,13 @@ def test_fp16_overflow_step_is_skipped_and_training_continues(checks):
     assert checks["global_step"] == 5 and all(torch.isfinite(torch.tensor(checks["fp16_losses"])))
 
 
+@pytest.mark.slow
 def test_cpu_offload_matches_single_process(checks):
     assert checks["offload"] == ["cpu", "cpu"] and checks["offload_param_device"] == "cpu"
     assert relative_diff(checks["offload_losses"], reference_losses(5, 2)) <= 1e-4
 
 
+@pytest.mark.slow
 def test_consolidated_zero_checkpoint_loads_into_plain_model(tmp_path, trainer_zero3):
     result = trainer_zero3[0]
     ckpt = Path(result["ckpt_dir"]) / "epoch=1-step=5.ckpt"  # the state after the last step

@@ -206,7 +206,7 @@ def test_llama_moves_between_zero3_world_sizes_and_fsdp(tmp_path):
 def test_stored_entries_lists_a_folder_without_reading_tensors(tmp_path):
     model = torch.nn.Linear(3, 3)
     save_sharded(tmp_path / "ckpt", {"weights": model_state(model)}, {})
-    with pytest.raises(CheckpointError, match=r"corrupt: cannot read its .metadata"):
+    with pytest.raises(CheckpointError, match=r"not a disttrain checkpoint: missing .metadata"):
         stored_entries(tmp_path / "nothing")
     assert set(stored_entries(tmp_path / "ckpt")) == {"weights.weight", "weights.bias"}
 

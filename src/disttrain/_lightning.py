@@ -1,5 +1,5 @@
 """Lightning-side plumbing shared by the Trainer and Fabric adapters (both subclass a ``ParallelStrategy`` with
-the same attribute names): process-group start and clean exit, ranks, barrier, broadcast, registration."""
+the same attribute names): process-group start and clean exit, ranks, launcher, sampler, collectives."""
 
 from __future__ import annotations
 
@@ -17,15 +17,18 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from disttrain.names import names_for
+from disttrain.parallel.engine import Engine
+from disttrain.parallel.options import build_options
 
 DEFAULT_TIMEOUT: timedelta = default_pg_timeout
+# Methods the Trainer and Fabric call on a LightningModule instead of ``forward``: engines that gather parameters
+# around ``forward`` (FSDP2) gather around these too.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _EXIT_GRACE_S = 0.1  # a worker needs microseconds once scheduled; 0.1 s covers a loaded 2-core machine
 
 
@@ -55,23 +58,63 @@ def destroy_process_groups_on_clean_exit() -> None:
         time.sleep(_EXIT_GRACE_S)
 
 
-atexit.register(destroy_process_groups_on_clean_exit)  # every adapter imports this module
+def register_clean_exit() -> None:
+    """Install :func:`destroy_process_groups_on_clean_exit` for this process (once); every adapter calls it right
+    after it created the process group."""
+    atexit.unregister(destroy_process_groups_on_clean_exit)  # no-op the first time: keeps one registration
+    atexit.register(destroy_process_groups_on_clean_exit)
 
 
-def register_names(cls: type, registry: Any) -> None:
-    """Register ``cls`` under its rows of the name table (idempotent: importing twice is harmless)."""
-    for name, defaults, description in names_for(cls.__name__):
-        if name not in registry:
-            registry.register(name, cls, description=description, **defaults)
+class EngineAdapter:
+    """What every adapter (Trainer and Fabric) holds: the strategy's engine, built from the options."""
+
+    strategy_name: str
+    engine_cls: type[Engine]  # the strategy's engine and its options dataclass: what a subclass names
+    options_cls: type
+
+    def _init_engine(self, options: dict[str, Any]) -> None:
+        """Called first in every adapter's ``__init__``: the engine exists before Lightning sets the precision."""
+        self.engine = self.engine_cls(build_options(self.options_cls, self.strategy_name, options), self.strategy_name)
+
+
+class DeepSpeedPlumbing(EngineAdapter):
+    """Mixin (before Lightning's Trainer or Fabric ``DeepSpeedStrategy``): what both ZeRO-3 adapters do alike over
+    the ZeRO engine: its options, its device (CPU too), and starting DeepSpeed's process group."""
+
+    local_rank: int
+    parallel_devices: Optional[list[torch.device]]
+
+    def _deepspeed_init_kwargs(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Build the engine from ``options``; returns the keywords for Lightning's ``DeepSpeedStrategy.__init__``
+        (its own config is built later by the engine, from the Trainer/Fabric settings)."""
+        self._init_engine(options)
+        return {"stage": 3, "config": {}, "remote_device": self.engine.options.offload_parameters}
+
+    @property
+    def zero_options(self) -> Any:
+        return self.engine.options
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.engine.deepspeed_device(super().root_device, self.local_rank)  # type: ignore[misc]
+
+    def _start_deepspeed(self, set_world_ranks: Any) -> None:
+        """Lightning's DeepSpeed start-up (seed, ranks, DeepSpeed's process group) on CPU as on CUDA."""
+        validate_gpu_indices(self.parallel_devices)
+        reset_seed()
+        set_world_ranks()
+        self._init_deepspeed_distributed()  # type: ignore[attr-defined]
+        register_clean_exit()
 
 
 class DistributedPlumbing:
-    """Mixin for the engine-backed adapters (FSDP now; TP/PP next): process group, ranks, launcher, sampler,
-    collectives, written once for the Trainer and Fabric. DDP and ZeRO subclass Lightning's own strategies."""
+    """Mixin for the adapters over a Lightning ``ParallelStrategy`` (Trainer or Fabric) whose engine sets models up:
+    process group, ranks, launcher, sampler, collectives, written once for both entry points."""
 
+    engine: Engine
     parallel_devices: Optional[list[torch.device]]
-    _process_group_backend: Optional[str]
-    _timeout: Optional[timedelta]
+    _process_group_backend: Optional[str] = None
+    _timeout: Optional[timedelta] = DEFAULT_TIMEOUT
     _launcher_cls: type  # the Trainer's or Fabric's _SubprocessScriptLauncher
     _num_nodes: int = 1  # Fabric's connector sets _num_nodes, the Trainer's num_nodes
 
@@ -82,10 +125,6 @@ class DistributedPlumbing:
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
-
-    def setup_environment(self) -> None:
-        super().setup_environment()  # type: ignore[misc]  (the Lightning strategy after this mixin)
-        self._setup_processes_and_mesh()
 
     @property
     def root_device(self) -> torch.device:
@@ -100,6 +139,26 @@ class DistributedPlumbing:
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.engine.sampler_kwargs()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]  (the Lightning strategy after this mixin)
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(self.root_device)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
+        register_clean_exit()
+        self.engine.setup_mesh(self.world_size, self.root_device, local_size=self.num_processes)
+
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -108,57 +167,19 @@ class DistributedPlumbing:
 
     _set_world_ranks = set_world_ranks  # Fabric's name
 
-    def _init_process_group(self) -> None:
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
-
-    def _init_common(self, engine: Any, process_group_backend: Optional[str], timeout: Optional[timedelta]) -> None:
-        """The state every engine-backed adapter keeps (called from both adapters' ``__init__``)."""
-        self.engine = engine
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.engine.sampler_kwargs()
-
     def _configure_launcher(self) -> None:
         """Start the other local processes ourselves unless torchrun/SLURM/the launcher already did."""
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = self._launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def add_module_transform(self, transform: Any) -> None:
-        """Run ``transform(model)`` on the plain model right before it is sharded (used by the FP8 callback)."""
-        self.engine.module_transforms.append(transform)
-
-    def _setup_processes_and_mesh(self) -> Any:
-        self._init_process_group()
-        return self.engine.setup_mesh(self.world_size, self.root_device, local_size=self.num_processes)
-
-    @staticmethod
-    def _reduce_tensor(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._reduce_tensor(tensor, group, reduce_op)
+        return self.engine.reduce(tensor, reduce_op, group)
 
     all_reduce = reduce  # Fabric's name for it
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        self.engine.barrier(self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
@@ -167,7 +188,59 @@ class DistributedPlumbing:
         dist.broadcast_object_list(box, src)
         return box[0]
 
-    register_strategies = classmethod(register_names)
+
+def validate_gpu_indices(devices: Optional[list[torch.device]]) -> None:
+    """Lightning's check that DeepSpeed's CUDA devices are numbered from 0 (CPU devices have no such rule)."""
+    if devices and devices[0].type == "cuda":
+        from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+
+        _validate_device_index_selection(devices)
+
+
+def choose_strategy(stand_in: Any, options: Any, source: Any, registry: Any, precision_attr: str) -> Any:
+    """What ``disttrain_auto`` runs as: the planner's choice for ``source`` (a module, a recipe YAML, its ``model:``
+    dict) on the devices of ``stand_in`` (the auto strategy as Lightning set it up), built from ``registry`` (the
+    Trainer's or Fabric's) with the plan's options and everything Lightning had set on the stand-in: accelerator,
+    devices, cluster environment, precision (``precision_attr``: "precision_plugin" or "precision"), layer sync
+    and launcher. The planner's report is its ``plan``."""
+    from disttrain.planner.runtime import plan_for
+
+    devices = stand_in.parallel_devices
+    plugin = getattr(stand_in, precision_attr)
+    plan = plan_for(source, options, stand_in.num_nodes * len(devices), stand_in.root_device, plugin.precision,
+                    gpus_per_node=len(devices), available=list(registry))
+    if stand_in.global_rank == 0:
+        print(f"disttrain_auto:\n{plan.report()}", flush=True)
+    row = registry[plan.strategy]
+    chosen = row["strategy"](**{**row["init_params"], **plan.choice.strategy_options()})
+    chosen.accelerator = stand_in.accelerator
+    chosen.parallel_devices = devices
+    chosen.cluster_environment = stand_in.cluster_environment
+    chosen.num_nodes = stand_in.num_nodes
+    if hasattr(chosen, "_layer_sync"):
+        chosen._layer_sync = getattr(stand_in, "_layer_sync", None)  # the Trainer's sync_batchnorm=True
+    setattr(chosen, precision_attr, _deepspeed_precision_for(chosen, plugin))
+    (getattr(chosen, "set_world_ranks", None) or chosen._set_world_ranks)()
+    chosen._configure_launcher()
+    if stand_in._launcher is not None and chosen._launcher is not None:
+        chosen._launcher = stand_in._launcher  # the processes may already have been started by this one
+    chosen.plan = plan
+    return chosen
+
+
+def _deepspeed_precision_for(strategy: Any, plugin: Any) -> Any:
+    """Lightning's DeepSpeed strategies need their own precision plugin, which Lightning picks by ``isinstance``
+    when it builds the Trainer/Fabric: before the auto strategy has chosen."""
+    from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
+    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    for strategy_cls, precision_cls in ((DeepSpeedStrategy, DeepSpeedPrecision),
+                                        (FabricDeepSpeedStrategy, FabricDeepSpeedPrecision)):
+        if isinstance(strategy, strategy_cls) and not isinstance(plugin, precision_cls):
+            return precision_cls(plugin.precision)
+    return plugin
 
 
 def layer_sync_request(layer_sync: Any) -> tuple[bool, Optional[Any]]:
@@ -179,94 +252,3 @@ def layer_sync_request(layer_sync: Any) -> tuple[bool, Optional[Any]]:
     if layer_sync is None:
         return False, None
     return True, None if isinstance(layer_sync, TorchSyncBatchNorm) else layer_sync.apply
-
-
-def fsdp2_mixed_precision_class(mixed_cls: type) -> type:
-    """A subclass of Lightning's (Trainer or Fabric) ``MixedPrecision`` that keeps loss scaling but drops autocast:
-    FSDP2's MixedPrecisionPolicy already runs each block in half precision and reduces gradients in fp32."""
-    from contextlib import nullcontext
-
-    class FSDP2MixedPrecision(mixed_cls):  # type: ignore[misc, valid-type]
-        def forward_context(self):  # noqa: ANN202
-            return nullcontext()
-
-    FSDP2MixedPrecision.__qualname__ = f"FSDP2MixedPrecision[{mixed_cls.__module__.split('.')[1]}]"
-    return FSDP2MixedPrecision
-
-
-def to_fsdp2_precision(plugin: Any, mixed_cls: type, fsdp2_cls: type) -> Any:
-    """Swap the AMP plugin Lightning picked for ``*-mixed`` for the FSDP2 one (sharded grad scaler for fp16)."""
-    from disttrain.parallel.precision import sharded_grad_scaler
-
-    if isinstance(plugin, mixed_cls) and not isinstance(plugin, fsdp2_cls):
-        scaler = sharded_grad_scaler(plugin.device) if plugin.precision == "16-mixed" else None
-        return fsdp2_cls(plugin.precision, plugin.device, scaler)
-    return plugin
-
-
-class ZeroPlumbing:
-    """What the Trainer and Fabric ZeRO-3 adapters (subclasses of Lightning's DeepSpeed strategies) add, written
-    once: CPU support, our config, the CPU-Adam swap, atomic checkpoints, full export."""
-
-    zero_options: Any
-
-    @property
-    def root_device(self) -> torch.device:
-        # DeepSpeed reads the device index as its device rank (None on CPU would crash `device_rank >= 0`);
-        # a CPU device with the local rank as index places tensors on the CPU all the same.
-        device = super().root_device  # type: ignore[misc]
-        return torch.device("cpu", self.local_rank) if device.type == "cpu" else device
-
-    def _build_zero_config(self, precision: str, micro_batch_size: int, accumulation: int,
-                           gradient_clipping: Optional[float]) -> dict:
-        from disttrain.parallel.zero import zero3_config
-
-        self._allow_fp16_on_cpu(precision)
-        return zero3_config(self.zero_options, precision=precision, micro_batch_size=micro_batch_size,
-                            accumulation=accumulation, world_size=self.world_size,
-                            gradient_clipping=gradient_clipping, device_type=self.root_device.type)
-
-    def _allow_fp16_on_cpu(self, precision: str) -> None:
-        """DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has native fp16 kernels (AVX512-FP16/AMX).
-        torch computes fp16 on any CPU, slowly, which is enough for what CPU runs are for: testing a set-up
-        (loss scaling, overflow skips) before paying for GPUs. Only CPU runs in fp16 are affected."""
-        if self.root_device.type == "cpu" and precision.startswith("16"):
-            from deepspeed.accelerator import get_accelerator
-
-            accelerator = get_accelerator()
-            if not accelerator.is_fp16_supported():
-                accelerator.is_fp16_supported = lambda: True
-                accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
-
-    def _maybe_cpu_adam(self, optimizer: Any) -> Any:
-        from disttrain.parallel.zero import to_cpu_adam
-
-        if optimizer is not None and self.zero_options.use_cpu_adam(self.root_device.type):
-            return to_cpu_adam(optimizer)
-        return optimizer
-
-    # -- buffers: BatchNorm statistics as DDP keeps them ----------------------------------------------------
-    def _prepare_batchnorm(self, module: Any, training: bool, asked: bool = False, convert: Any = None) -> Any:
-        """Before the engine: SyncBatchNorm when the option or the Trainer asks (see
-        :meth:`disttrain.parallel.engine.FSDPEngine.convert_batchnorm`), refused on CPU for training as ``ddp``
-        refuses it. Returns the module to hand to DeepSpeed."""
-        from disttrain.parallel.buffers import convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
-
-        if self.zero_options.sync_batchnorm or asked:
-            module = convert(module) if convert is not None else convert_sync_batchnorm(module)
-        if training:
-            refuse_sync_batchnorm_on_cpu(module, self.root_device, self.strategy_name)  # type: ignore[attr-defined]
-        return module
-
-    def _broadcast_buffers(self, module: Any) -> None:
-        """Rank 0's buffers to every rank (option ``broadcast_buffers``, on by default), as DDP does."""
-        if self.zero_options.broadcast_buffers:
-            from disttrain.parallel.buffers import broadcast_buffers
-
-            broadcast_buffers(module)
-
-    def _validate_devices(self) -> None:
-        if self.root_device.type == "cuda":  # Lightning's index check is for GPUs only
-            from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
-
-            _validate_device_index_selection(self.parallel_devices)

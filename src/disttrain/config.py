@@ -1,10 +1,21 @@
-"""Recipe configs (``model:``, ``data:``, ``train:``, ``strategy:``, ``daily:`` sections in one YAML file): reading
-them safely and refusing unknown keys with one did-you-mean line.
+"""Recipe configs (``model:``, ``data:``, ``train:``, ``strategy:``, ``daily:`` sections in one YAML file): the one
+reader every recipe, trainer and the planner goes through, and the one did-you-mean line for an unknown key.
 
 A *schema* says which keys a config may hold: a mapping from each allowed key to ``None`` (any value) or to the
-schema of the mapping below it, e.g. ``{"train": {"batch_size": None, "lr": None}, "strategy": {...}}``. A
-domain builds its schema from the classes that consume the keys (:func:`keys_of` on a dataclass or a function
-signature), so the check and the consumer cannot disagree.
+schema of the mapping below it, e.g. ``{"train": {"batch_size": None, "lr": None}, "strategy": {...}}``. Each kind
+of recipe is a :class:`Recipe` whose schema is built from the classes that consume the keys (``model:`` from the
+model family's config class, see :mod:`disttrain.parallel.families`; the other sections from the trainer's
+dataclasses and options, :func:`keys_of`), so the check and the consumer cannot disagree:
+
+- ``disttrain.nlp.module.DIALOGUE_RECIPE`` (``configs/nlp``: ``model:`` LlamaConfig, ``data:``, ``train:``),
+- ``disttrain.vision.config.VIT_RECIPE`` (``configs/vision``: ``model:`` timm VisionTransformer, ``data:``,
+  ``train:``),
+- ``disttrain.recsys.daily.DEEPFM_RECIPE`` (``configs/recsys``: ``model:`` DeepFMNet, ``train:``, ``strategy:``,
+  ``daily:``).
+
+A new key is added to the class that consumes it (and, for the shipped configs, commented in their YAML); a new
+section to the recipe's ``sections`` and to :data:`SECTIONS`. The planner reads any recipe with
+:func:`read_recipe` and no kind: it checks the section names and, through the model's family, the ``model:`` keys.
 """
 
 from __future__ import annotations
@@ -14,10 +25,18 @@ import difflib
 import inspect
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 Schema = Mapping[str, Optional["Schema"]]
+ConfigSource = Union[str, os.PathLike, Mapping[str, Any]]
+
+# Every section a recipe config may have, whatever its kind.
+SECTIONS = ("model", "data", "train", "strategy", "daily")
+# Where the shipped configs live (absent when disttrain is installed without its repository).
+CONFIG_ROOT = Path(__file__).resolve().parents[2]
+DICT_SOURCE = "the config dict"
 
 
 class ConfigError(ValueError):
@@ -62,6 +81,16 @@ def check_keys(config: Mapping[str, Any], schema: Schema, source: str = "config"
             check_keys(value, below, source, f"{section}.{key}" if section else str(key))
 
 
+def _missing(path: Path, example: str) -> FileNotFoundError:
+    """The error for a config file that does not exist: a shipped example, and the configs next to it."""
+    hint = ""
+    if example:
+        folder = CONFIG_ROOT / Path(example).parent
+        found = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
+        hint = f"; pass e.g. {example}" + (f" (found in {Path(example).parent}: {', '.join(found)})" if found else "")
+    return FileNotFoundError(f"config {str(path)!r} does not exist{hint}")
+
+
 def read_config(path: Union[str, os.PathLike], schema: Schema, required: Iterable[str] = ("model",),
                 example: str = "") -> dict[str, Any]:
     """A recipe YAML as a dict, read with ``yaml.safe_load`` and checked against ``schema``; ``required`` sections
@@ -71,7 +100,7 @@ def read_config(path: Union[str, os.PathLike], schema: Schema, required: Iterabl
     path = Path(path)
     hint = f"; start from {example}" if example else ""
     if not path.is_file():
-        raise FileNotFoundError(f"config {str(path)!r} does not exist{'; pass e.g. ' + example if example else ''}")
+        raise _missing(path, example)
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
@@ -83,4 +112,50 @@ def read_config(path: Union[str, os.PathLike], schema: Schema, required: Iterabl
     for name in required:
         if not isinstance(config.get(name), Mapping):
             raise ConfigError(f"{path}: has no {name}: section{hint}")
+    return config
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One kind of recipe config. ``sections`` builds its schema (``{"model": ..., "train": ...}``) on first use:
+    the classes it reads the keys from may import transformers or timm. ``example`` is a shipped config of the kind,
+    named in the errors."""
+
+    name: str
+    example: str
+    sections: Callable[[], Schema]
+    required: tuple[str, ...] = ("model",)
+
+    def schema(self) -> Schema:
+        return self.sections()
+
+    def read(self, source: ConfigSource) -> dict[str, Any]:
+        """The whole recipe: a YAML path read and checked, or a dict checked (named "the config dict")."""
+        if isinstance(source, Mapping):
+            config = dict(source)
+            check_keys(config, self.schema(), DICT_SOURCE)
+            return config
+        return read_config(source, self.schema(), self.required, self.example)
+
+    def model(self, source: ConfigSource) -> dict[str, Any]:
+        """The ``model:`` section of a recipe: a YAML path, the whole recipe as a dict, or the ``model:`` mapping
+        itself; checked either way."""
+        if isinstance(source, Mapping):
+            model = dict(source["model"] if isinstance(source.get("model"), Mapping) else source)
+            check_keys(model, self.schema()["model"], DICT_SOURCE, "model")
+            return model
+        return dict(self.read(source)["model"])
+
+
+def read_recipe(source: Union[str, os.PathLike], recipe: Optional[Recipe] = None,
+                model_schema: Optional[Callable[[Mapping[str, Any]], Optional[Schema]]] = None) -> dict[str, Any]:
+    """A recipe YAML of ``recipe``'s kind, or of any kind (``recipe=None``: the planner's way): then the sections are
+    checked against :data:`SECTIONS`, and ``model:`` against ``model_schema(model_mapping)`` when it gives one."""
+    if recipe is not None:
+        return recipe.read(source)
+    config = read_config(source, dict.fromkeys(SECTIONS), ("model",),
+                         example="configs/nlp/dialogue_10b.yaml")
+    schema = model_schema(config["model"]) if model_schema is not None else None
+    if schema is not None:
+        check_keys(config["model"], schema, str(source), "model")
     return config

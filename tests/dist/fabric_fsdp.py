@@ -9,6 +9,7 @@ import torch
 
 import disttrain  # noqa: F401  (registers the strategy names)
 from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
+from disttrain.parallel.engine import FSDPEngine
 from disttrain.parallel.zero import zero_partition_numel
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -65,7 +66,7 @@ zero_partition = zero_partition_numel(fresh)  # under disttrain_zero3: (this ran
 fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
 fresh, fresh_opt = fabric2.setup(fresh, fresh_opt)
 inner = fresh.module
-sharded = hasattr(fabric2.strategy, "engine")
+sharded = isinstance(getattr(fabric2.strategy, "engine", None), FSDPEngine)
 meta_init = {} if not sharded else {  # the model's own init ran on the shards: norms at 1, Linear std 0.02, rotary buffers recomputed
     "norm_ones": bool((inner.model.layers[0].input_layernorm.weight.full_tensor() == 1).all()),
     "q_std": inner.model.layers[0].self_attn.q_proj.weight.full_tensor().std().item(),
@@ -101,7 +102,7 @@ write_result({
     "losses": losses, "resumed_losses": resumed, "resumed_from": state["step"], "rest": sorted(rest),
     "memory": memory, "unsharded": unsharded_param_bytes(model), "logits": logits.tolist(), "export": export,
     "meta_before_setup": meta_before_setup, "meta_init": meta_init, "zero_partition": zero_partition, "sampler": fabric.strategy.distributed_sampler_kwargs
-    if hasattr(fabric.strategy, "engine") else None,
+    if sharded else None,
     "local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in fresh.parameters()),
     "numel": sum(p.numel() for p in fresh.parameters()),
 })

@@ -143,15 +143,17 @@ class FP8(L.Callback):
         self.report: Optional[FP8Report] = None
 
     def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
-        add = getattr(trainer.strategy, "add_module_transform", None)
-        if add is None:
+        from disttrain.parallel.engine import FSDPEngine
+
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None or not engine.takes_module_transforms:
             raise ValueError(f"FP8 needs disttrain_fsdp or disttrain_ddp (got {type(trainer.strategy).__name__});"
                              " DeepSpeed ZeRO-3 keeps its own fp16/bf16 partitions")
         nccl = trainer.strategy.root_device.type == "cuda"
-        fsdp = hasattr(trainer.strategy, "engine")
+        fsdp = isinstance(engine, FSDPEngine)  # FSDP2 (also under disttrain_megatron) can gather weights in float8
 
         def convert(model: nn.Module) -> None:
             self.report = convert_to_fp8(model, self.recipe, fp8_all_gather=nccl and fsdp,
                                          skip_names=self.skip_names)
 
-        add(convert)
+        trainer.strategy.add_module_transform(convert)

@@ -35,6 +35,8 @@ from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from disttrain.parallel.families.spec import transformer_flops_per_token  # noqa: F401  (public here too)
+
 # Dense (no 2:4 sparsity) peak tensor-core FLOP/s per device, from NVIDIA's datasheets. The datasheets' starred
 # figures are "with sparsity" and are twice these; dense training never reaches them.
 #   A100: "NVIDIA A100 Tensor Core GPU" datasheet (SXM4 and PCIe have the same peaks).
@@ -109,22 +111,6 @@ def peak_flops_per_device(device_name: str, dtype: str) -> float:
         raise ValueError(f"{device_name!r} ({row_name}) has no {dtype} peak in the table (it has "
                          f"{', '.join(row)}); train in one of those or pass peak_flops=<FLOP/s per device>")
     return row[dtype]
-
-
-def transformer_flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int,
-                                causal: bool = False) -> float:
-    """Training FLOPs (forward + backward) per token of a decoder transformer: ``6 * n_params + 12 * n_layers *
-    hidden * seq_len`` (PaLM, Chowdhery et al. 2022, appendix B: "6N + 12LHQT").
-
-    ``6N``: every parameter does one multiply-add (2 FLOPs) per token forward and two backward. The second term is
-    the attention scores and the weighted sum (``Q K^T`` and ``A V``: 2 matmuls x 2 FLOPs x ``seq_len x hidden``
-    per token forward, x3 with backward), which ``N`` does not see. ``n_params`` should leave out the input
-    embedding (a lookup, not a matmul); ``hidden`` is the attention width, heads x head dim. The default counts the
-    whole score matrix, the convention of PaLM, Megatron-LM and torchtitan, so MFUs compare with published ones;
-    ``causal=True`` counts only the unmasked half, what a causal FlashAttention kernel computes.
-    """
-    attention = 12 * n_layers * hidden * seq_len
-    return 6 * n_params + (attention / 2 if causal else attention)
 
 
 def mfu(flops_per_s: float, n_devices: int, peak_flops: float) -> float:

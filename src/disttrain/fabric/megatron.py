@@ -1,13 +1,12 @@
-"""``disttrain_megatron`` for Lightning Fabric: tensor x pipeline x data parallelism, an adapter over
-MegatronEngine (everything else is the FSDP adapter's)."""
+"""``disttrain_megatron`` for Lightning Fabric: tensor x pipeline x data parallelism."""
 
 from __future__ import annotations
 
-from disttrain.fabric.fsdp import FSDPStrategy
+from disttrain.fabric.base import EngineStrategy
 from disttrain.parallel.megatron import MegatronEngine, MegatronOptions
 
 
-class MegatronStrategy(FSDPStrategy):
+class MegatronStrategy(EngineStrategy):
     """Megatron-style 3D parallelism for ``lightning.Fabric``; options as on the Trainer strategy
     (:class:`disttrain.parallel.megatron.MegatronOptions`).
 
@@ -19,4 +18,4 @@ class MegatronStrategy(FSDPStrategy):
     """
 
     strategy_name = "disttrain_megatron"
-    _engine_cls, _options_cls = MegatronEngine, MegatronOptions
+    engine_cls, options_cls = MegatronEngine, MegatronOptions

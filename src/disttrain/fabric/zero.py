@@ -1,38 +1,24 @@
-"""``disttrain_zero3`` / ``disttrain_zero3_offload`` for Lightning Fabric: Lightning's DeepSpeed strategy,
-changed only where it refuses CPU or builds a config whose batch settings can disagree."""
+"""``disttrain_zero3`` / ``disttrain_zero3_offload`` for Lightning Fabric: Lightning's DeepSpeed strategy over our
+ZeRO engine (CPU support, a config whose batch settings always agree, the one checkpoint layout)."""
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
-import torch
-from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies import DeepSpeedStrategy as _LightningDeepSpeed
-from lightning.fabric.utilities.seed import reset_seed
-from torch import nn
+from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from disttrain._lightning import ZeroPlumbing, register_names
-from disttrain.parallel.buffers import sync_buffers_after_forward
-from disttrain.parallel.checkpoint import check_checkpoint
-from disttrain.parallel.options import build_options
-from disttrain.parallel.recsys import refuse_torchrec_tables
-from disttrain.parallel.zero import (
-    ZeroOptions,
-    attach_zero3_optimizer,
-    export_zero3,
-    is_zero_checkpoint,
-    load_zero3_checkpoint,
-    save_zero3_checkpoint,
-    set_extensions_dir,
-    zero3_grad_norm,
-)
+from disttrain._lightning import DeepSpeedPlumbing
+from disttrain.fabric.base import FabricAdapter
+from disttrain.parallel.zero import ZeroOptions
+from disttrain.parallel.zero_engine import ZeroEngine
 
 
-class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
+# Lightning's DeepSpeed strategy stays the base: Fabric runs backward through the DeepSpeed engine for it (and asks
+# which model to step when several are set up), and the Trainer-side callbacks check for its class.
+class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 3 for ``lightning.Fabric``; the same options as the Trainer strategy, plus
     ``micro_batch_size`` and ``gradient_accumulation_steps`` (Fabric has no DataLoader to read them from).
     ``fabric.init_module(empty_init=True)`` builds under ``deepspeed.zero.Init``.
@@ -45,82 +31,46 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
     """
 
     strategy_name = "disttrain_zero3"
-    register_strategies = classmethod(register_names)
+    engine_cls, options_cls = ZeroEngine, ZeroOptions
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  precision: Any = None, process_group_backend: Any = None, **options: Any) -> None:
-        self.zero_options = build_options(ZeroOptions, self.strategy_name, options)
-        set_extensions_dir(self.zero_options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision,
-                         process_group_backend=process_group_backend, stage=3, config={},
-                         remote_device=self.zero_options.offload_parameters)
+                         process_group_backend=process_group_backend, **self._deepspeed_init_kwargs(options))
 
     def setup_environment(self) -> None:
         DDPStrategy.setup_environment(self)  # skips Lightning's "DeepSpeed needs CUDA" check
 
     def _setup_distributed(self) -> None:
-        self._validate_devices()
-        reset_seed()
-        self._set_world_ranks()
-        self._init_deepspeed_distributed()
+        self._start_deepspeed(self._set_world_ranks)
         self._format_config()
         self._config_initialized = True
         _allow_setup_optimizers_after_setup_module()
 
     def _format_config(self) -> None:
-        self.config = self._build_zero_config(self.precision.precision,
-                                              micro_batch_size=self.zero_options.micro_batch_size,
-                                              accumulation=self.zero_options.gradient_accumulation_steps,
-                                              gradient_clipping=None)
+        options = self.engine.options
+        self.config = self.engine.build_config(self.precision.precision, options.micro_batch_size,
+                                               options.gradient_accumulation_steps, self.world_size, None,
+                                               self.root_device)
 
     def _initialize_engine(self, model: Any, optimizer: Any = None, scheduler: Any = None) -> Any:
-        refuse_torchrec_tables(model, self.strategy_name)
-        model = self._prepare_batchnorm(model, training=True)
-        engine, zero_optimizer, scheduler = super()._initialize_engine(model, self._maybe_cpu_adam(optimizer),
-                                                                       scheduler)
-        self._broadcast_buffers(engine.module)
-        if self.zero_options.broadcast_buffers:
-            sync_buffers_after_forward(engine)
-        return engine, zero_optimizer, scheduler
+        engine, optimizers = self.engine.setup(model, self.root_device, self.precision.precision,
+                                               [optimizer] if optimizer is not None else [], scheduler=scheduler)
+        self.engine.sync_buffers_after_forward(engine)
+        return engine, optimizers[0] if optimizers else None, engine.lr_scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Any:
         """``fabric.setup_optimizers(optimizer)`` after ``fabric.setup_module(model)``: the ZeRO-3 optimizer over the
         partitioned parameters, attached to the engine ``setup_module`` made (DeepSpeed takes one per model)."""
-        engine = self._deepspeed_engine
-        if engine is None:
+        if self._deepspeed_engine is None:
             raise RuntimeError(f"{self.strategy_name}: fabric.setup_optimizers needs the model first; call model ="
                                " fabric.setup_module(model), make the optimizer from model.parameters(), then"
                                " fabric.setup_optimizers(optimizer) (or fabric.setup(model, optimizer) at once)")
-        own = {id(p) for p in engine.module.parameters()}
-        if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError(f"{self.strategy_name}: the optimizer holds parameters that are not the last model set"
-                             " up with fabric.setup_module; make it from that model's parameters, right after"
-                             " setting it up")
-        zero_optimizer = attach_zero3_optimizer(engine, self._maybe_cpu_adam(optimizer))
+        zero_optimizer = self.engine.attach_optimizer(self._deepspeed_engine, optimizer, self.root_device)
         self._set_deepspeed_activation_checkpointing()
         return zero_optimizer
-
-    # -- gradient clipping by DeepSpeed ---------------------------------------------------------------------
-    @override
-    def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: Union[float, int],
-                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
-        """Returns the whole model's gradient 2-norm and has DeepSpeed clip to ``max_norm`` in the next optimizer
-        step (its ZeRO-3 optimizer computes the same norm there and scales the fp32 gradient partitions)."""
-        if float(norm_type) != 2.0:
-            raise ValueError(f"norm_type={norm_type}: {self.strategy_name} clips with DeepSpeed, by the 2-norm only;"
-                             " pass norm_type=2")
-        zero_optimizer = getattr(module, "optimizer", None)  # the DeepSpeedEngine's
-        if zero_optimizer is None or not hasattr(zero_optimizer, "clip_grad"):
-            raise RuntimeError(f"{self.strategy_name}: fabric.clip_gradients needs the optimizer set up with the model"
-                               " (fabric.setup(model, optimizer) or fabric.setup_optimizers(optimizer))")
-        norm = zero3_grad_norm(zero_optimizer)
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({norm.item()}), so it"
-                               " cannot be clipped; pass error_if_nonfinite=False to let DeepSpeed skip the step")
-        zero_optimizer.clip_grad = float(max_norm)
-        return norm
 
     @override
     def clip_gradients_value(self, module: Any, optimizer: Any, clip_val: Union[float, int]) -> None:
@@ -132,35 +82,9 @@ class ZeroStrategy(ZeroPlumbing, _LightningDeepSpeed):
         engine = self._deepspeed_engine
         stepping = engine is not None and engine.is_gradient_accumulation_boundary()
         output = super().optimizer_step(optimizer, **kwargs)
-        if stepping and hasattr(engine.optimizer, "clip_grad"):
-            engine.optimizer.clip_grad = engine.gradient_clipping()  # clip_gradients holds for one step
+        if stepping:
+            self.engine.reset_clipping(engine)
         return output
-
-    def save_checkpoint(self, path: Any, state: dict, storage_options: Optional[Any] = None,
-                        filter: Optional[dict] = None) -> None:
-        """Writes the one disttrain layout (a DCP folder, parameters and optimizer state by FQN, each rank writing
-        only its partitions) that every disttrain strategy reads at any world size; see
-        :func:`disttrain.parallel.zero.zero3_model_state`."""
-        if storage_options is not None or filter is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
-        save_zero3_checkpoint(self.broadcast(path), state)
-
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restores a disttrain checkpoint of any strategy and world size, each rank reading only what its
-        partitions need; a DeepSpeed folder (written by
-        disttrain before 0.2 or by DeepSpeed itself) is still read by DeepSpeed, at the world size it was saved."""
-        path = Path(self.broadcast(path))
-        if is_zero_checkpoint(path):
-            return super().load_checkpoint(check_checkpoint(path, layout="zero"), state, strict, weights_only)
-        if isinstance(state, nn.Module):
-            state = {"model": state}
-        return load_zero3_checkpoint(path, state or {}, strict=strict, weights_only=weights_only is not False)
-
-    def export_full(self, module: nn.Module, path: Any, prefix: str = "") -> Path:
-        """The full model (in its training dtype) as one safetensors file (rank 0)."""
-        module = getattr(module, "module", module)  # _FabricModule -> DeepSpeedEngine -> the user's module
-        return export_zero3(getattr(module, "module", module), path, prefix=prefix)
 
 
 def _allow_setup_optimizers_after_setup_module() -> None:

@@ -8,7 +8,6 @@ assistant turns); the loss is never computed outside the model.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from pathlib import Path
@@ -18,8 +17,9 @@ import lightning as L
 import torch
 from torch import nn
 
-from disttrain.config import Schema, check_keys, read_config
+from disttrain.config import Recipe, Schema
 from disttrain.nlp.data import loss_tokens
+from disttrain.parallel.families.llama import LLAMA
 
 ConfigSource = Union[str, os.PathLike, dict, None]
 
@@ -32,22 +32,21 @@ TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "lr", "weight_decay", "wa
 
 def llama_keys() -> set[str]:
     """The keys a ``model:`` mapping may hold: ``LlamaConfig`` arguments and attributes."""
-    from transformers import LlamaConfig
-
-    # rope_theta is a legacy argument transformers 5 still takes (it moves into rope_parameters).
-    arguments = set(inspect.signature(LlamaConfig.__init__).parameters) - {"self", "kwargs"}
-    return set(LlamaConfig().to_dict()) | arguments | {"rope_theta"}
+    return set(LLAMA.config_schema({}))
 
 
 def recipe_schema() -> Schema:
     """What a dialogue recipe YAML may hold (see :mod:`disttrain.config`)."""
-    return {"model": dict.fromkeys(llama_keys()), "data": dict.fromkeys(DATA_KEYS), "train": dict.fromkeys(TRAIN_KEYS)}
+    return {"model": LLAMA.config_schema({}), "data": dict.fromkeys(DATA_KEYS), "train": dict.fromkeys(TRAIN_KEYS)}
+
+
+DIALOGUE_RECIPE = Recipe("dialogue", "configs/nlp/dialogue_tiny.yaml", recipe_schema)
 
 
 def read_recipe_config(path: str | os.PathLike) -> dict[str, Any]:
     """A recipe YAML (``model:``, ``data:``, ``train:`` sections) as a dict; one clear error if it is not one or
     holds an unknown key (with the closest valid key)."""
-    return read_config(path, recipe_schema(), example="configs/nlp/dialogue_tiny.yaml")
+    return DIALOGUE_RECIPE.read(path)
 
 
 def llama_config(source: ConfigSource, **overrides: Any) -> Any:
@@ -56,14 +55,9 @@ def llama_config(source: ConfigSource, **overrides: Any) -> Any:
 
     if source is None:
         raise ValueError("pass config= (a YAML path or a dict of LlamaConfig arguments) or pretrained= (a folder)")
-    if isinstance(source, dict):
-        kwargs = dict(source.get("model", source))
-        check_keys(kwargs, dict.fromkeys(llama_keys()), "the config dict", "model")
-    elif Path(source).is_dir():
+    if not isinstance(source, dict) and Path(source).is_dir():
         return AutoConfig.from_pretrained(str(source), **overrides)
-    else:
-        kwargs = dict(read_recipe_config(source)["model"])
-    return LlamaConfig(**{**kwargs, **overrides})
+    return LlamaConfig(**{**DIALOGUE_RECIPE.model(source), **overrides})
 
 
 def build_model(config: Any, attn_implementation: str = "sdpa") -> nn.Module:

@@ -439,8 +439,6 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, key: s
 def full_model_state(checkpoint: str | os.PathLike, key: str | None = None) -> dict[str, torch.Tensor]:
     """Offline, one process: the model's full state dict (FQN -> tensor) from a checkpoint folder of any
     strategy (our DCP layout, or a DeepSpeed ZeRO folder: its fp32 master weights). ``key`` as in consolidate."""
-    from disttrain.parallel.zero import is_zero_checkpoint, zero_fp32_state_dict
-
     path = Path(checkpoint)
     path = check_checkpoint(path, layout="zero" if is_zero_checkpoint(path) else "dcp")
     if not path.is_dir():
@@ -462,6 +460,19 @@ def full_model_state(checkpoint: str | os.PathLike, key: str | None = None) -> d
     if key not in state:
         raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}; it holds {sorted(state)}")
     return dict(state[key])
+
+
+def is_zero_checkpoint(path: Path) -> bool:
+    """A DeepSpeed checkpoint folder (``latest`` names its tag folder)."""
+    return path.is_dir() and (path / "latest").is_file()
+
+
+def zero_fp32_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a ZeRO checkpoint folder, merged from every rank's shards (DeepSpeed's
+    zero_to_fp32; it unpickles DeepSpeed's own checkpoint files, so load only checkpoints you wrote)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(path))
 
 
 def _is_optimizer_state(state: Mapping[str, Any]) -> bool:

@@ -1,12 +1,21 @@
-"""DDP with optional gradient compression (communication hooks from torch.distributed.algorithms)."""
+"""DDP with optional gradient compression (communication hooks from torch.distributed.algorithms): the engine of
+``disttrain_ddp``."""
 
 from __future__ import annotations
 
+import os
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Iterator, Optional
 
+import torch
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
+
+from disttrain.parallel.checkpoint import is_sharded_checkpoint
+from disttrain.parallel.engine import Engine, Optimizers
+from disttrain.parallel.tables import refuse_torchrec_tables
 
 COMPRESSIONS = ("fp16", "bf16", "powersgd")
 
@@ -53,3 +62,57 @@ def register_compression(model: DistributedDataParallel, options: DDPOptions) ->
             min_compression_rate=1,  # compress small test models too; real models pass the default check anyway
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+class DDPEngine(Engine):
+    """Every rank holds the whole model; DistributedDataParallel all-reduces the gradients (compressed as the options
+    say) and keeps the buffers equal itself. Checkpoints are the one DCP layout, so they move to and from every
+    sharded strategy."""
+
+    options: DDPOptions
+
+    def __init__(self, options: DDPOptions, name: str = "disttrain_ddp") -> None:
+        super().__init__(options, name)
+
+    @property
+    def follows_rank0_buffers(self) -> bool:
+        return False  # DDP's own broadcast_buffers=True does it
+
+    def setup(self, module: nn.Module, device: torch.device, precision: str, optimizers: Optimizers = (), *,
+              container: bool = False, training: bool = True, forward_methods: tuple[str, ...] = (),
+              sync_batchnorm: bool = False, convert: Callable[[nn.Module], nn.Module] | None = None,
+              ) -> tuple[nn.Module, Optimizers]:
+        """``module`` on ``device`` wrapped in DistributedDataParallel (its parameters stay the same objects, so
+        optimizers made before need nothing)."""
+        refuse_torchrec_tables(module, self.name)
+        for transform in self.module_transforms:
+            transform(module)
+        if sync_batchnorm:
+            module = convert(module) if convert is not None else nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        return self.wrap(module.to(device), device), list(optimizers)
+
+    def wrap(self, module: nn.Module, device: torch.device) -> DistributedDataParallel:
+        """DistributedDataParallel with the options' arguments and compression hook."""
+        device_ids = None if device.type == "cpu" else [device.index]
+        # DDP's constructor broadcasts the parameters; on CUDA that goes on a side stream, as torch's notes advise.
+        stream = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+        with stream:
+            ddp = DistributedDataParallel(module, device_ids=device_ids, **self.options.ddp_kwargs())
+        register_compression(ddp, self.options)
+        return ddp
+
+    def no_sync(self, module: nn.Module) -> AbstractContextManager:
+        return module.no_sync() if isinstance(module, DistributedDataParallel) else nullcontext()
+
+    def reads_checkpoint(self, path: str | os.PathLike) -> bool:
+        return is_sharded_checkpoint(path)  # a single file is Lightning's own DDP format
+
+    @contextmanager
+    def full_model(self, module: nn.Module) -> Iterator[nn.Module]:
+        """Every rank already holds the whole model: only ``torch.no_grad()``, so code written for the sharded
+        strategies runs unchanged."""
+        with torch.no_grad():
+            yield module
+
+    def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Any:
+        return super().export(module.module if isinstance(module, DistributedDataParallel) else module, path, prefix)

@@ -1,7 +1,24 @@
-"""The shared core of the FSDP strategies: everything they do, in torch terms.
+"""The engine protocol every disttrain strategy implements, in torch terms, and the FSDP2 engine.
 
-``disttrain.strategies.FSDPStrategy`` (Trainer) and ``disttrain.fabric.FSDPStrategy`` (Fabric) only translate
-Lightning's hooks into calls on one :class:`FSDPEngine`.
+An engine does everything a strategy does to a model; the Lightning adapters (``disttrain.strategies`` for the
+Trainer, ``disttrain.fabric`` for Fabric) only translate Lightning's hooks into these calls:
+
+=============================================  ==================================================================
+processes                                      ``setup_mesh``, ``data_parallel_group``, ``sampler_kwargs``,
+                                               ``reduce``, ``barrier``
+where modules are built                        ``init_context`` (the meta device, ``deepspeed.zero.Init``)
+set up a module and its optimizers             ``setup``, ``check_optimizers``, ``module_transforms`` (FP8)
+gradient accumulation                          ``no_sync`` (no gradient sync on non-final micro-steps)
+backward the engine owns                       ``prepare_step`` (the pipeline schedule), ``backward`` (DeepSpeed)
+clipping by the whole model's norm             ``clip_grad_norm_``
+buffers as DDP keeps them                      ``broadcast_buffers``, ``sync_buffers_after_forward``
+checkpoints in the one DCP layout              ``model_state``, ``optimizer_state``, ``reads_checkpoint``,
+                                               ``save_checkpoint``, ``load_checkpoint``
+the full model                                 ``full_model``, ``export``
+=============================================  ==================================================================
+
+Engines: :class:`FSDPEngine` (here), ``parallel.ddp.DDPEngine``, ``parallel.zero_engine.ZeroEngine``,
+``parallel.megatron.MegatronEngine``, ``parallel.recsys.RecsysEngine``.
 """
 
 from __future__ import annotations
@@ -9,9 +26,10 @@ from __future__ import annotations
 import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
@@ -25,26 +43,210 @@ from disttrain.parallel.buffers import (
     sync_buffers_after_forward,
 )
 from disttrain.parallel.clip import clip_grad_norm_
-from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, gathered
+from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, gathered, set_gradient_sync
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
-from disttrain.parallel.recsys import refuse_torchrec_tables
+from disttrain.parallel.tables import refuse_torchrec_tables
+
+Optimizers = list[torch.optim.Optimizer]
 
 
-class FSDPEngine:
-    """Holds the options and the data-parallel mesh; shards, checkpoints and exports a model."""
+class Engine:
+    """The protocol, with what most engines share. ``options`` is the strategy's option dataclass; ``name`` the
+    registered strategy name that errors quote."""
 
-    def __init__(self, options: FSDPOptions) -> None:
+    #: The engine casts to half precision itself (FSDP2's MixedPrecisionPolicy): adapters must not autocast.
+    casts_itself: ClassVar[bool] = False
+    #: Checkpoints hold the optimizers' state by parameter name (``optimizer_state``), restored in place by
+    #: ``load_checkpoint``; False: the optimizers' own ``state_dict()`` goes to ``meta.pt`` with the metadata.
+    optimizers_by_name: ClassVar[bool] = True
+    #: ``module_transforms`` run on the plain model before it is parallelised (the FP8 callback's Linear swap).
+    takes_module_transforms: ClassVar[bool] = True
+
+    def __init__(self, options: Any, name: str = "disttrain") -> None:
         self.options = options
-        self.dims: ParallelDims | None = None
-        self.mesh: DeviceMesh | None = None
-        # Functions that change the plain model before it is sharded (e.g. the FP8 callback's Linear swap).
+        self.name = name
+        self.world_size, self.rank = 1, 0
+        self.mesh: DeviceMesh | None = None  # engines that shard over a device mesh build it in setup_mesh
+        # Functions that change the plain model right before it is parallelised (the FP8 callback's Linear swap).
         self.module_transforms: list[Callable[[nn.Module], None]] = []
+
+    # -- processes --------------------------------------------------------------------------------------------
+    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh | None:
+        """Called once the process group exists. ``local_size``: processes per node (Lightning's count)."""
+        self.world_size, self.rank = world_size, dist.get_rank() if dist.is_initialized() else 0
+        return None
+
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold the same part of the model and see different samples (None: all ranks)."""
+        return None
+
+    def sampler_kwargs(self) -> dict[str, int]:
+        """``DistributedSampler`` arguments: one replica per data-parallel rank."""
+        return {"num_replicas": self.world_size, "rank": self.rank}
+
+    @staticmethod
+    def reduce(tensor: Any, op: Any = "mean", group: dist.ProcessGroup | None = None) -> Any:
+        """All-reduce a tensor in place over ``group`` ("mean"/"avg", "sum", "max", "min" or a ``ReduceOp``);
+        other values and single processes are returned as they are."""
+        if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        name = {"mean": "avg"}.get(op, op).lower() if isinstance(op, str) else None
+        # gloo has no AVG: sum, then divide.
+        average = name == "avg" and dist.get_backend(group) == "gloo"
+        reduce_op = dist.ReduceOp.SUM if average else getattr(dist.ReduceOp, name.upper()) if name else op
+        dist.barrier(group=group)
+        dist.all_reduce(tensor, op=reduce_op, group=group)
+        if not average:
+            return tensor
+        size = dist.get_world_size(group)
+        return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
+
+    @staticmethod
+    def barrier(device: torch.device | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == "nccl" and device is not None:
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+
+    # -- the model --------------------------------------------------------------------------------------------
+    def init_context(self, empty_init: bool | None) -> AbstractContextManager:
+        """Where modules are created (Trainer ``configure_model`` / ``init_module``, Fabric ``init_module``)."""
+        return nullcontext()
+
+    def setup(self, module: nn.Module, device: torch.device, precision: str, optimizers: Optimizers = (), *,
+              container: bool = False, training: bool = True, forward_methods: tuple[str, ...] = (),
+              sync_batchnorm: bool = False, convert: Callable[[nn.Module], nn.Module] | None = None,
+              ) -> tuple[nn.Module, Optimizers]:
+        """Parallelise ``module`` for ``device`` and ``precision`` (a Lightning precision string); returns the module
+        to train (maybe a wrapper) and ``optimizers`` pointing at its parameters.
+
+        ``optimizers``: made before set-up (Fabric); the Trainer creates its own afterwards and passes them to
+        :meth:`check_optimizers`. ``container``: the model is inside ``module`` (the Trainer's LightningModule,
+        which stays the object Lightning calls). ``training``: False for validate/test/predict. ``forward_methods``:
+        methods called instead of ``forward`` (a LightningModule's step methods). ``sync_batchnorm``: BatchNorm
+        layers as SyncBatchNorm over the data-parallel ranks (``Trainer(sync_batchnorm=True)``), with ``convert``
+        when a user's own plugin converts them."""
+        raise NotImplementedError(f"{type(self).__name__} does not set up modules")
+
+    def check_optimizers(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Refuse optimizers the engine cannot step (made after :meth:`setup`, by the Trainer)."""
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def no_sync(self, module: nn.Module) -> AbstractContextManager:
+        """Around a non-final micro-step of gradient accumulation: gradients are not synchronised."""
+        return nullcontext()
+
+    def prepare_step(self, module: nn.Module) -> None:
+        """Before a training step's forward (Trainer), for engines whose backward runs inside the forward."""
+
+    def check_accumulation(self, steps: int) -> None:
+        """Refuse gradient accumulation over ``steps`` micro-steps (Trainer) that the engine cannot do."""
+
+    def clip_grad_norm_(self, module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Clip ``parameters`` (an optimizer's, of ``module``) by the norm of the whole model's gradients (every
+        shard, tp rank and pipeline stage); returns that norm."""
+        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pp_group=self.pipeline_group())
+
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding different parts of the model along the layers (None without pipeline parallelism)."""
+        return None
+
+    # -- buffers: BatchNorm statistics as DDP keeps them ------------------------------------------------------
+    @property
+    def follows_rank0_buffers(self) -> bool:
+        """Whether every data-parallel rank keeps the first rank's buffers (option ``broadcast_buffers``)."""
+        return bool(getattr(self.options, "broadcast_buffers", False))
+
+    def convert_batchnorm(self, module: nn.Module, asked: bool = False,
+                          convert: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+        """Before parallelising: BatchNorm layers as SyncBatchNorm over the data-parallel ranks when the option
+        ``sync_batchnorm`` or the caller (``asked``) asks, with torch's conversion or the caller's ``convert``."""
+        if not (getattr(self.options, "sync_batchnorm", False) or asked):
+            return module
+        if convert is not None:
+            return convert(module)
+        return convert_sync_batchnorm(module, self.data_parallel_group())
+
+    def settle_buffers(self, module: nn.Module, device: torch.device, training: bool = True) -> None:
+        """After parallelising: refuse SyncBatchNorm on CPU for training (as ``ddp`` does) and start every rank
+        from the first rank's buffers (DDP broadcasts them when it wraps a model)."""
+        if training:
+            refuse_sync_batchnorm_on_cpu(module, device, self.name)
+        self.broadcast_buffers(module)
+
+    def broadcast_buffers(self, module: nn.Module) -> None:
+        """The first data-parallel rank's buffers to the others (after each Trainer training step)."""
+        if self.follows_rank0_buffers:
+            broadcast_buffers(module, self.data_parallel_group())
+
+    def sync_buffers_after_forward(self, module: nn.Module) -> None:
+        """Fabric calls the model's forward: broadcast the buffers after each one that can change them."""
+        if self.follows_rank0_buffers:
+            sync_buffers_after_forward(module, self.data_parallel_group())
+
+    # -- checkpoints: the one layout (DCP folders, tensors by parameter name) ---------------------------------
+    def model_state(self, module: nn.Module) -> dict[str, Any]:
+        """The module's tensors in the one layout (what ``save_checkpoint`` writes under the module's key)."""
+        return ckpt.model_state(module)
+
+    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state by parameter name (flattened: ``"state.<fqn>.exp_avg"``)."""
+        return ckpt.optimizer_state(module, optimizer)
+
+    def is_optimizer(self, value: Any) -> bool:
+        """Whether a value of a checkpoint's state is an optimizer this engine set up."""
+        return isinstance(value, torch.optim.Optimizer)
+
+    def reads_checkpoint(self, path: str | os.PathLike) -> bool:
+        """Whether ``load_checkpoint`` reads ``path``; False hands it to Lightning's own loader (a single-file
+        DDP checkpoint, a DeepSpeed folder)."""
+        return True
+
+    def save_checkpoint(self, path: str | os.PathLike, module: nn.Module, tensors: dict[str, Any],
+                        metadata: dict[str, Any]) -> Path:
+        """Collective: ``tensors`` (``{key: model_state | optimizer_state}``) as one DCP folder, ``metadata``
+        (step, loop state) in its ``meta.pt``, written atomically."""
+        return ckpt.save_sharded(path, tensors, metadata)
+
+    def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Collective: restore ``targets`` (``{key: module | optimizer}``, ``module`` among them; optimizers only
+        when ``optimizers_by_name``) in place from a checkpoint of any strategy and world size; returns the metadata. Non-tensor state is unpickled safely
+        unless the caller explicitly passes ``weights_only=False``."""
+        return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False)
+
+    # -- the full model ---------------------------------------------------------------------------------------
+    def full_model(self, module: nn.Module) -> AbstractContextManager[nn.Module]:
+        """Collective: ``with engine.full_model(module):`` every rank holds the full parameters and ``module``, or
+        any part of it, can be called on any rank without communication (under ``torch.no_grad()``)."""
+        raise NotImplementedError(f"{self.name} has no full_model(): write the full model with"
+                                  " strategy.export_full(path) and load that file into the plain model")
+
+    def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
+        """Collective: the full model as one safetensors file written by rank 0; ``prefix`` (``"model."``) keeps
+        only that submodule's keys, without the prefix."""
+        return ckpt.export_safetensors(module, path, prefix=prefix)
+
+
+class FSDPEngine(Engine):
+    """FSDP2: holds the options and the data-parallel mesh; shards, checkpoints and exports a model."""
+
+    casts_itself = True
+    options: FSDPOptions
+
+    def __init__(self, options: FSDPOptions, name: str = "disttrain_fsdp") -> None:
+        super().__init__(options, name)
+        self.dims: ParallelDims | None = None
 
     # -- processes ------------------------------------------------------------------------------------------
     def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh:
         """``local_size``: processes per node (the adapters pass Lightning's count; else torchrun's
         LOCAL_WORLD_SIZE): under hybrid sharding the processes of one node form one shard group."""
+        super().setup_mesh(world_size, device, local_size)
         replicate = 1
         if self.options.hybrid_shard:
             shard = self.options.shard_size or local_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -61,11 +263,38 @@ class FSDPEngine:
         dp = self.mesh["dp"]
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
-    # -- model ----------------------------------------------------------------------------------------------
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        assert self.mesh is not None, "setup_mesh() first"
+        return self.mesh["dp"].get_group()
+
+    # -- the model ------------------------------------------------------------------------------------------
     def init_context(self, empty_init: bool | None) -> AbstractContextManager:
-        """Where modules are created: the meta device (nothing allocated) when empty_init, else as usual."""
+        """The meta device (nothing allocated) when ``empty_init`` (default: the option), else as usual."""
         meta = self.options.empty_init if empty_init is None else empty_init
         return torch.device("meta") if meta else nullcontext()
+
+    def setup(self, module: nn.Module, device: torch.device, precision: str, optimizers: Optimizers = (), *,
+              container: bool = False, training: bool = True, forward_methods: tuple[str, ...] = (),
+              sync_batchnorm: bool = False, convert: Callable[[nn.Module], nn.Module] | None = None,
+              ) -> tuple[nn.Module, Optimizers]:
+        """Shard in place (per block, then root), allocate meta tensors on ``device``, point ``optimizers`` made
+        before (even on meta parameters) at the shards, so users can create them before or after set-up as with
+        DDP (parameters that left this rank, other pipeline stages, leave them too)."""
+        module = self._convert_batchnorm_once(module, sync_batchnorm, convert)
+        before = {id(p): name for name, p in _named_parameters(module)}
+        self.parallelize(module, device, precision, forward_methods)
+        after = dict(_named_parameters(module))
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise RuntimeError("the optimizer already has state (it stepped before setup); create or step it"
+                                   " only after fabric.setup()")
+            for group in optimizer.param_groups:
+                names = [before.get(id(p)) for p in group["params"]]
+                if None in names:
+                    raise RuntimeError("the optimizer holds a parameter that is not in the model given to setup")
+                group["params"] = [after[n] for n in names if n in after]
+        self.settle_buffers(module, device, training)
+        return module, list(optimizers)
 
     def parallelize(self, module: nn.Module, device: torch.device, precision: str,
                     forward_methods: tuple[str, ...] = ()) -> nn.Module:
@@ -85,130 +314,88 @@ class FSDPEngine:
             for transform in self.module_transforms:
                 transform(module)
             apply_fsdp(module, self.dims.fsdp_mesh(self.mesh), self.options, precision, device)
-            for name in forward_methods:
-                if callable(getattr(module, name, None)):
-                    register_fsdp_forward_method(module, name)
+            register_forward_methods(module, forward_methods)
         materialize(module, device)
         claim_root(module)
-        return module
-
-    def parallelize_with_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
-                                    device: torch.device, precision: str,
-                                    forward_methods: tuple[str, ...] = ()) -> nn.Module:
-        """``parallelize``, then point optimizers created before sharding (even on meta parameters) at the new
-        sharded parameters, so users can create the optimizer before or after setup as with DDP. Parameters that
-        left this rank (other pipeline stages) leave the optimizer too."""
-        before = {id(p): name for name, p in _named_parameters(module)}
-        self.parallelize(module, device, precision, forward_methods)
-        after = dict(_named_parameters(module))
-        for optimizer in optimizers:
-            if optimizer.state:
-                raise RuntimeError("the optimizer already has state (it stepped before setup); create or step it"
-                                   " only after fabric.setup()")
-            for group in optimizer.param_groups:
-                names = [before.get(id(p)) for p in group["params"]]
-                if None in names:
-                    raise RuntimeError("the optimizer holds a parameter that is not in the model given to setup")
-                group["params"] = [after[n] for n in names if n in after]
         return module
 
     def is_parallelized(self, module: nn.Module) -> bool:
         """Whether ``module`` was set up before (a Trainer's validate, then fit): it is not sharded again."""
         return isinstance(module, FSDPModule)
 
-    # -- buffers: BatchNorm statistics as DDP keeps them ------------------------------------------------------
-    def data_parallel_group(self) -> torch.distributed.ProcessGroup:
-        """The ranks that hold the same part of the model and see different samples."""
-        assert self.mesh is not None, "setup_mesh() first"
-        return self.mesh["dp"].get_group()
-
-    def convert_batchnorm(self, module: nn.Module, asked: bool = False,
-                          convert: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
-        """Before sharding: BatchNorm layers as SyncBatchNorm over the data-parallel ranks when the option
-        ``sync_batchnorm`` or the Trainer (``asked``: ``Trainer(sync_batchnorm=True)``) asks, with torch's
-        conversion (Lightning's), or with ``convert`` (a user's own Lightning layer-sync plugin). Returns the module
-        to shard."""
-        if not (self.options.sync_batchnorm or asked):
-            return module
-        if self.is_parallelized(module):  # converted (or not asked) when it was set up first
-            if has_plain_batchnorm(module):
-                raise RuntimeError("sync_batchnorm=True, but the model was already sharded without it (an earlier"
-                                   " fit, validate or fabric.setup); ask for it at the model's first setup")
-            return module
-        if convert is not None:
-            return convert(module)
-        return convert_sync_batchnorm(module, self.data_parallel_group())
-
-    def settle_buffers(self, module: nn.Module, device: torch.device, strategy: str, training: bool = True) -> None:
-        """After sharding: refuse SyncBatchNorm on CPU for training (as ``ddp`` does) and start every rank from the
-        first rank's buffers (DDP broadcasts them when it wraps a model)."""
-        if training:
-            refuse_sync_batchnorm_on_cpu(module, device, strategy)
-        self.broadcast_buffers(module)
-
-    def broadcast_buffers(self, module: nn.Module) -> None:
-        """The first data-parallel rank's buffers to the others (option ``broadcast_buffers``, on by default)."""
-        if self.options.broadcast_buffers:
-            broadcast_buffers(module, self.data_parallel_group())
-
-    def broadcast_buffers_after_forward(self, module: nn.Module) -> None:
-        """Fabric calls the model's forward: broadcast the buffers after each one that can change them."""
-        if self.options.broadcast_buffers:
-            sync_buffers_after_forward(module, self.data_parallel_group())
+    def _convert_batchnorm_once(self, module: nn.Module, asked: bool,
+                                convert: Callable[[nn.Module], nn.Module] | None) -> nn.Module:
+        """A model sharded before (an earlier fit, validate or fabric.setup) keeps the layers it was sharded with."""
+        if not self.is_parallelized(module):
+            return self.convert_batchnorm(module, asked, convert)
+        if (self.options.sync_batchnorm or asked) and has_plain_batchnorm(module):
+            raise RuntimeError("sync_batchnorm=True, but the model was already sharded without it (an earlier"
+                               " fit, validate or fabric.setup); ask for it at the model's first setup")
+        return module
 
     # -- training -------------------------------------------------------------------------------------------
-    def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
-        """The group of ranks holding different parts of the model (none under FSDP)."""
-        return None
-
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = True) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradients (every shard, tp rank and pipeline stage)."""
-        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pp_group=self.pipeline_group())
-
-    def full_model(self, model: nn.Module) -> AbstractContextManager[nn.Module]:
-        """Collective: ``with engine.full_model(model):`` every rank holds the full parameters, and ``model`` or any
-        part of it can be called on any rank without communication (under ``torch.no_grad()``)."""
-        return gathered(model)
+    def no_sync(self, module: nn.Module) -> AbstractContextManager:
+        """No reduce-scatter on the non-final micro-steps of gradient accumulation."""
+        return _GradientSyncOff(module)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     @property
     def sharded(self) -> bool:
         return self.options.save_distributed_checkpoint
 
-    def save(self, path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
-        """``tensors`` come from :func:`checkpoint.model_state`/``optimizer_state`` (sharded or full per option)."""
+    def model_state(self, module: nn.Module) -> dict[str, Any]:
+        reshard(module)  # after a validation the last block may still hold its gathered parameters
+        return ckpt.model_state(module, full=not self.sharded)
+
+    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        reshard(module)  # the optimizer's parameters are the sharded ones: map them by identity
+        return ckpt.optimizer_state(module, optimizer, full=not self.sharded)
+
+    def save_checkpoint(self, path: str | os.PathLike, module: nn.Module, tensors: dict[str, Any],
+                        metadata: dict[str, Any]) -> Path:
+        """Sharded, or one full file written by rank 0 when ``save_distributed_checkpoint=False``."""
         if self.sharded:
             self.storage_layout().before_save(tensors)
             return ckpt.save_sharded(path, tensors, metadata)
         return ckpt.save_full(path, {**tensors, **metadata})
 
-    def load(self, path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
-             strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
-        """Restore ``targets`` (``{key: module | optimizer}``) in place; returns the rest. Non-tensor state is
-        unpickled safely (``weights_only``) unless the caller explicitly passes False."""
+    def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Each loader checks the path (a missing one goes to load_full, which names it).
         if ckpt.is_sharded_checkpoint(path):
-            return ckpt.load_sharded(path, targets, model, strict=strict, weights_only=weights_only is not False,
+            return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False,
                                      layout=self.storage_layout())
-        return ckpt.load_full(path, targets, model, strict=strict, weights_only=weights_only is not False)
+        return ckpt.load_full(path, targets, module, strict=strict, weights_only=weights_only is not False)
 
     def storage_layout(self) -> ckpt.StorageLayout:
         """What differs between this engine's sharded tensors and the one checkpoint layout (nothing for FSDP)."""
         return ckpt.StorageLayout()
 
-    def model_state(self, model: nn.Module) -> dict[str, Any]:
-        reshard(model)
-        return ckpt.model_state(model, full=not self.sharded)
+    # -- the full model -------------------------------------------------------------------------------------
+    def full_model(self, module: nn.Module) -> AbstractContextManager[nn.Module]:
+        return gathered(module)
 
-    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        reshard(model)  # the optimizer's parameters are the sharded ones: map them by identity
-        return ckpt.optimizer_state(model, optimizer, full=not self.sharded)
+    def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
+        reshard(module)
+        return ckpt.export_safetensors(module, path, prefix=prefix)
 
-    @staticmethod
-    def export(model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
-        reshard(model)
-        return ckpt.export_safetensors(model, path, prefix=prefix)
+
+class _GradientSyncOff(AbstractContextManager):
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        set_gradient_sync(self.module, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        set_gradient_sync(self.module, True)
+
+
+def register_forward_methods(module: nn.Module, names: tuple[str, ...]) -> None:
+    """FSDP2 gathers the root's parameters around each of these methods as it does around ``forward``."""
+    for name in names:
+        if callable(getattr(module, name, None)):
+            register_fsdp_forward_method(module, name)
 
 
 def reshard(module: nn.Module) -> None:

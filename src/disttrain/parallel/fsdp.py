@@ -73,25 +73,39 @@ def apply_fsdp(
     Returns the FSDP units of the blocks (or their checkpoint wrappers). ``mesh`` is the data-parallel mesh.
     """
     device = device or torch.device(mesh.device_type)
-    blocks = find_blocks(model, options.wrap_classes)
+    blocks = shard_blocks(model, find_blocks(model, options.wrap_classes), mesh, options, precision, device)
+    # A sub-network is an entry point like the root (its outputs feed a loss computed outside it): fp32 outputs.
+    for child in sub_networks(model, blocks):
+        shard_root(child, mesh, options, precision, device)
+    shard_root(model, mesh, options, precision, device)
+    guard_sharded_calls(model, blocks, mesh)
+    return blocks
+
+
+def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, options: FSDPOptions,
+                 precision: str, device: torch.device) -> list[nn.Module]:
+    """Activation checkpointing (when the options ask) and one FSDP unit per block of ``model``, in order; the
+    blocks compute in half precision under ``*-mixed``. Returns the units (the checkpoint wrappers under AC)."""
     if options.activation_checkpointing:
         blocks = apply_ac(model, blocks)
-    common = dict(mesh=mesh, offload_policy=offload_policy(options.cpu_offload, device))
-    block_policy = mixed_precision_policy(precision)
+    policy = mixed_precision_policy(precision)
+    common = dict(mesh=mesh, offload_policy=offload_policy(options.cpu_offload, device),
+                  **({"mp_policy": policy} if policy else {}))
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward: resharding them is wasted work.
         reshard = options.reshard_after_forward if i < len(blocks) - 1 else False
-        fully_shard(block, reshard_after_forward=reshard, **common,
-                    **({"mp_policy": block_policy} if block_policy else {}))
-    # A sub-network is an entry point like the root (its outputs feed a loss computed outside it): fp32 outputs.
-    root_policy = mixed_precision_policy(precision, root=True)
-    for child in sub_networks(model, blocks):
-        fully_shard(child, reshard_after_forward=options.reshard_after_forward, **common,
-                    **({"mp_policy": root_policy} if root_policy else {}))
-    fully_shard(model, reshard_after_forward=options.reshard_after_forward, **common,
-                **({"mp_policy": root_policy} if root_policy else {}))
-    guard_sharded_calls(model, blocks, mesh)
+        fully_shard(block, reshard_after_forward=reshard, **common)
     return blocks
+
+
+def shard_root(module: nn.Module, mesh: DeviceMesh, options: FSDPOptions, precision: str,
+               device: torch.device) -> None:
+    """One FSDP unit for ``module``'s parameters outside the units inside it: an entry point (the model, a
+    sub-network, a pipeline stage) whose outputs stay fp32 under ``*-mixed``, for a loss computed outside it."""
+    policy = mixed_precision_policy(precision, root=True)
+    fully_shard(module, mesh=mesh, reshard_after_forward=options.reshard_after_forward,
+                offload_policy=offload_policy(options.cpu_offload, device),
+                **({"mp_policy": policy} if policy else {}))
 
 
 def sub_networks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
@@ -107,20 +121,32 @@ def sub_networks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """
     block_ids = {id(b) for b in blocks}
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    children = list(_callable_children(model))
     holders: dict[int, set[str]] = {}  # parameter -> names of the children holding it ("" for the root itself)
     for p in model.parameters(recurse=False):
         holders.setdefault(id(p), set()).add("")
-    for name, child in model.named_children():
+    for name, child in children:
         for p in child.parameters():
             holders.setdefault(id(p), set()).add(name)
     chosen = []
-    for name, child in model.named_children():
+    for name, child in children:
         params = list(child.parameters())
         if id(child) in block_ids or all(id(p) in in_blocks for p in params):
             continue  # already a unit, or nothing of its own to gather
         if all(holders[id(p)] == {name} for p in params):
             chosen.append(child)
     return chosen
+
+
+def _callable_children(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """The children of ``module`` that can be called, looking through containers that cannot (a ModuleDict or
+    ModuleList has no forward: fully_shard refuses them, and their parts are what gets called, e.g. litgpt's
+    ``transformer.wte`` and ``transformer.ln_f``)."""
+    for name, child in module.named_children():
+        if type(child).forward is nn.Module.forward:
+            yield from _callable_children(child, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", child
 
 
 def guard_sharded_calls(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> None:

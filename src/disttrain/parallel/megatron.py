@@ -10,24 +10,22 @@ import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from disttrain.parallel import checkpoint as ckpt
-from disttrain.parallel.ac import apply_ac
-from disttrain.parallel.blocks import find_blocks
-from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, offload_policy
+from disttrain.parallel.engine import FSDPEngine, register_forward_methods
+from disttrain.parallel.families import family_of, find_model
+from disttrain.parallel.families.layout import QKVRowsLayout  # noqa: F401  (public here too)
+from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, shard_blocks, shard_root
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.pipeline import Pipeline, pipeline_model
-from disttrain.parallel.precision import mixed_precision_policy
-from disttrain.parallel.tp import Plan, TPResult, apply_tp, find_model, model_family, restore_rows
+from disttrain.parallel.tp import Plan, TPResult, apply_tp
 
 
 @dataclass
@@ -36,8 +34,8 @@ class MegatronOptions(FSDPOptions):
 
     tensor_parallel_size: ranks that split each block's heads and MLP (Megatron TP); must divide the head counts.
     pipeline_parallel_size: pipeline stages over ranks; each rank keeps only its stages' parameters.
-    tp_plan: your own plan, ``{"path.in.block": ColwiseParallel(), ...}`` relative to one block; default: the plan
-        of the model's family (HF Llama family, GPT-2, BERT-style encoders, timm ViT).
+    tp_plan: your own plan, ``{"path.in.block": ColwiseParallel(), ...}`` relative to one block; default: the plan of
+        the model's family (HF Llama family, GPT-2, BERT-style encoders, timm ViT).
     pipeline_schedule: "gpipe", "1f1b" or "interleaved_1f1b" (virtual stages: ``virtual_stages`` per rank, >= 2).
     virtual_stages: stages per rank under "interleaved_1f1b" (1 means 2, the least it needs); other schedules: 1.
     microbatches: microbatches per batch under PP (default ``2 * pipeline_parallel_size``); divides the batch.
@@ -62,8 +60,8 @@ class MegatronEngine(FSDPEngine):
 
     options: MegatronOptions
 
-    def __init__(self, options: MegatronOptions) -> None:
-        super().__init__(options)
+    def __init__(self, options: MegatronOptions, name: str = "disttrain_megatron") -> None:
+        super().__init__(options, name)
         self.pipeline: Optional[Pipeline] = None
         self.tp_result = TPResult()
         self._target_prefix = ""
@@ -80,13 +78,26 @@ class MegatronEngine(FSDPEngine):
     def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
         return self.mesh["pp"].get_group() if self.pipeline is not None and self.mesh is not None else None
 
+    def check_accumulation(self, steps: int) -> None:
+        if self.options.pipeline_parallel_size > 1 and steps > 1:
+            raise ValueError(f"accumulate_grad_batches={steps} with pipeline parallelism: the schedule already"
+                             " accumulates over microbatches; set accumulate_grad_batches=1 and raise microbatches"
+                             " (and the batch size) instead")
+
+    def prepare_step(self, module: nn.Module) -> None:
+        # Lightning clears gradients after training_step, right before backward; the pipeline schedule runs its
+        # backward inside training_step, so clear them before it instead (the loss's backward puts them back).
+        if self.pipeline is not None:
+            for param in module.parameters():
+                param.grad = None
+
     def is_parallelized(self, module: nn.Module) -> bool:
         return bool(getattr(module, "_disttrain_megatron", False))
 
     def _target(self, module: nn.Module) -> tuple[str, nn.Module]:
-        """The model to split and shard: the module itself when it is a known model (HF Llama family / timm ViT),
+        """The model to split and shard: the module itself when it is of a known family (Fabric: the model itself),
         else the LightningModule's ``pipeline_module`` attribute, else the outermost known model inside."""
-        if model_family(module) is not None:  # Fabric: the model itself
+        if family_of(module) is not None:
             return "", module
         attr = self.options.pipeline_module
         inner = getattr(module, attr, None)
@@ -123,9 +134,7 @@ class MegatronEngine(FSDPEngine):
             self._shard_stages(device, precision)
         else:
             apply_fsdp(module, self.mesh["dp"], opts, precision, device)
-            for name in forward_methods:
-                if callable(getattr(module, name, None)):
-                    register_fsdp_forward_method(module, name)
+            register_forward_methods(module, forward_methods)
         materialize(module, device)
         if dims.pp == 1:  # under PP each stage module is a root of its own, called by the schedule
             claim_root(module)
@@ -144,35 +153,25 @@ class MegatronEngine(FSDPEngine):
         return super().full_model(model)
 
     def _shard_stages(self, device: torch.device, precision: str) -> None:
-        """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP): the schedule
-        calls the stage modules, so FSDP's root hooks run around every microbatch."""
+        """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP), as
+        :func:`apply_fsdp` shards a whole model: the schedule calls the stage modules, so FSDP's root hooks run
+        around every microbatch."""
         assert self.pipeline is not None and self.mesh is not None
-        opts = self.options
-        common = dict(mesh=self.mesh["dp"], offload_policy=offload_policy(opts.cpu_offload, device))
-        block_policy = mixed_precision_policy(precision)
-        root_policy = mixed_precision_policy(precision, root=True)
         for stage in self.pipeline.stage_modules:
             blocks = list((stage.layers if hasattr(stage, "layers") else stage.blocks).values())
-            if opts.activation_checkpointing:
-                blocks = apply_ac(stage, blocks)
-            for block in blocks:
-                fully_shard(block, reshard_after_forward=opts.reshard_after_forward, **common,
-                            **({"mp_policy": block_policy} if block_policy else {}))
-            fully_shard(stage, reshard_after_forward=opts.reshard_after_forward, **common,
-                        **({"mp_policy": root_policy} if root_policy else {}))
+            shard_blocks(stage, blocks, self.mesh["dp"], self.options, precision, device)
+            shard_root(stage, self.mesh["dp"], self.options, precision, device)
 
     # -- checkpoints and export -----------------------------------------------------------------------------
     def storage_layout(self) -> ckpt.StorageLayout:
-        return QKVRowsLayout(self.tp_result.reordered, prefixes=("", self._target_prefix),
-                             weight_dims=self.tp_result.weight_dims)
+        return self.tp_result.storage_layout(prefixes=("", self._target_prefix))
 
     def export(self, model: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         """The full model in its own layout (qkv rows restored) as one safetensors file on rank 0, gathered from
         every pipeline stage. Collective: call on every rank."""
         state = ckpt.model_state(model, full=True) if self.pipeline is None else self._gather_stages(model)
         if _rank() == 0:
-            restore_rows(state, self.tp_result.reordered, prefix=self._target_prefix_for(model),
-                         weight_dims=self.tp_result.weight_dims)
+            self.tp_result.restore(state, prefix=self._target_prefix_for(model))
         return ckpt.write_from_rank0(state, path, prefix)
 
     def _target_prefix_for(self, model: nn.Module) -> str:
@@ -206,60 +205,3 @@ def _rank() -> int:
 
 __all__ = ["MegatronEngine", "MegatronOptions"]
 
-
-class QKVRowsLayout(ckpt.StorageLayout):
-    """Checkpoints keep the library's [q | k | v] order of a fused qkv weight (timm's ``attn.qkv`` rows, GPT-2's
-    ``attn.c_attn`` columns) whatever the tensor-parallel size, so a model saved at tp=2 loads under FSDP, DDP or
-    another tp. Under TP the slices live rank-major (``qkv_rank_major``); these few tensors (weights, biases and
-    their optimizer moments) are gathered, put back in the library's order and saved whole, and on load read
-    whole, reordered and sharded again. Every other tensor stays sharded."""
-
-    def __init__(self, reordered: dict[str, torch.Tensor], prefixes: tuple[str, ...] = ("",),
-                 weight_dims: dict[str, int] | None = None) -> None:
-        dims = weight_dims or {}
-        self.orders = {f"{prefix}{path}.{suffix}": (order, dims.get(path, 0) if suffix == "weight" else 0)
-                       for path, order in reordered.items() for prefix in set(prefixes)
-                       for suffix in ("weight", "bias")}
-        self.placements: dict[tuple[str, str, str], Any] = {}
-
-    def _entries(self, tensors: dict[str, Any]):
-        """(where, key, holder) for every reordered tensor: model entries and optimizer moments alike."""
-        for top, value in tensors.items():
-            if not isinstance(value, dict):
-                continue
-            if "state" in value and isinstance(value["state"], dict):  # an optimizer state dict by FQN
-                for fqn, moments in value["state"].items():
-                    if fqn in self.orders:
-                        for name, tensor in moments.items():
-                            if torch.is_tensor(tensor) and tensor.dim() > 0:
-                                yield (top, fqn, name), moments, name, self.orders[fqn]
-            else:
-                for key in value:
-                    if key in self.orders:  # a model entry
-                        yield (top, key, ""), value, key, self.orders[key]
-                    elif key.startswith("state.") and key[6:].rsplit(".", 1)[0] in self.orders:  # a flat moment
-                        tensor = value[key]
-                        if torch.is_tensor(tensor) and tensor.dim() > 0:
-                            yield (top, key, ""), value, key, self.orders[key[6:].rsplit(".", 1)[0]]
-
-    def before_save(self, tensors: dict[str, Any]) -> None:
-        for _, holder, name, (order, dim) in list(self._entries(tensors)):
-            full = holder[name].full_tensor() if hasattr(holder[name], "full_tensor") else holder[name]
-            holder[name] = full.detach().index_select(dim, torch.argsort(order)).cpu()  # replicated: written once
-
-    def before_load(self, tensors: dict[str, Any]) -> None:
-        for where, holder, name, _ in list(self._entries(tensors)):
-            tensor = holder[name]
-            if hasattr(tensor, "device_mesh"):
-                self.placements[where] = (tensor.device_mesh, tensor.placements, tensor.device)
-            holder[name] = torch.empty(tensor.shape, dtype=tensor.dtype)  # read whole (DCP reshards into it)
-
-    def after_load(self, tensors: dict[str, Any]) -> None:
-        from torch.distributed.tensor import distribute_tensor
-
-        for where, holder, name, (order, dim) in list(self._entries(tensors)):
-            rows = holder[name].index_select(dim, order)
-            if where in self.placements:
-                mesh, placements, device = self.placements[where]
-                rows = distribute_tensor(rows.to(device), mesh, placements)
-            holder[name] = rows

@@ -7,11 +7,11 @@ becomes the pipeline: ``model(input_ids=..., labels=...)`` runs the schedule (fo
 microbatch) and returns the mean loss on every rank of the pipeline, whose ``backward()`` does nothing because
 the schedule already did it.
 
-Known model families: HF Llama-family causal LMs and GPT-2 (the loss comes from ``labels`` as in HF), BERT-style
-encoders for sequence classification (``model(input_ids=..., labels=...)``, HF's classification loss), and timm's
-VisionTransformer (the loss function comes from the caller: ``model(images, target=labels)``, or deferred through
-:meth:`Pipeline.defer_loss`, which is how a LightningModule's ``loss_fn`` hook is wired). Encoder-decoder models
-(T5, BART) are refused.
+The stages are the model family's (:mod:`disttrain.parallel.families`): HF Llama-family causal LMs and GPT-2 (the
+loss comes from ``labels`` as in HF), BERT-style encoders for sequence classification (``model(input_ids=...,
+labels=...)``, HF's classification loss), and timm's VisionTransformer (the loss function comes from the caller:
+``model(images, target=labels)``, or deferred through :meth:`Pipeline.defer_loss`, which is how a LightningModule's
+``loss_fn`` hook is wired). Encoder-decoder models (T5, BART) are refused.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
 )
 
-from disttrain.parallel.families import family_named, unsupported_reason
-from disttrain.parallel.tp import model_family
+from disttrain.parallel.families import Family, family_of, unsupported_reason
+from disttrain.parallel.families.llama import LlamaStage  # noqa: F401  (importable from here as before)
+from disttrain.parallel.families.vit import ViTStage  # noqa: F401
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -91,122 +92,26 @@ def plan_stages(block_sizes: Sequence[int], pp: int, virtual_stages: int = 1, fi
     return StagePlan(tuple(zip(edges[:-1], edges[1:])), pp)
 
 
-# -- stage modules: hold references to the parts of the user's model one stage runs ---------------------------
-class LlamaStage(nn.Module):
-    """Embeddings (first stage), decoder layers [start, end), final norm and LM head (last stage)."""
-
-    def __init__(self, lm: nn.Module, layer_ids: range, first: bool, last: bool) -> None:
-        super().__init__()
-        base = lm.model
-        self.config = base.config
-        self.embed_tokens = base.embed_tokens if first else None
-        self.layers = nn.ModuleDict({str(i): base.layers[str(i)] for i in layer_ids})
-        self.rotary_emb = base.rotary_emb
-        self.norm = base.norm if last else None
-        self.lm_head = lm.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, H)
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        # The cache argument is positional: transformers renamed it (past_key_values -> cache) between 5.17 and 5.24.
-        mask = create_causal_mask(self.config, hidden, None, None, position_ids=position_ids)
-        rotary = self.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers.values():
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
-        if self.lm_head is not None:
-            hidden = self.lm_head(self.norm(hidden))  # (B, T, vocab)
-        return hidden
-
-
-class ViTStage(nn.Module):
-    """Patch embedding and position embedding (first stage), blocks [start, end), norm and head (last stage).
-
-    timm keeps ``cls_token``/``pos_embed`` on the model itself; the first stage calls the model's own
-    ``_pos_embed`` for them, so they are replicated over data parallel rather than FSDP-sharded (see
-    :attr:`Pipeline.stray_parameters`)."""
-
-    def __init__(self, vit: nn.Module, block_ids: range, first: bool, last: bool) -> None:
-        super().__init__()
-        self.__dict__["vit"] = vit  # not a child: the stage must not own the other stages' parameters
-        self.patch_embed = vit.patch_embed if first else None
-        self.blocks = nn.ModuleDict({str(i): vit.blocks[str(i)] for i in block_ids})
-        head_parts = ("norm", "attn_pool", "fc_norm", "head_drop", "head")
-        self.head_parts = nn.ModuleDict({n: getattr(vit, n) for n in head_parts
-                                         if last and isinstance(getattr(vit, n, None), nn.Module)})
-        self.first, self.last = first, last
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        vit = self.vit
-        if self.first:
-            x = self.patch_embed(x)  # (B, N, D)
-            x = vit.norm_pre(vit.patch_drop(vit._pos_embed(x)))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.last:
-            x = vit.forward_head(vit.norm(x))  # (B, classes)
-        return x
-
-
-def _prune_llama(lm: nn.Module, keep: set[int], first: bool, last: bool) -> None:
-    base = lm.model
-    if getattr(lm.config, "tie_word_embeddings", False):
-        raise ValueError("pipeline parallelism cannot split a model with tie_word_embeddings=True (the embedding"
-                         " and the LM head live on different stages); set tie_word_embeddings=False")
-    base.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers) if i in keep})
-    if not first:
-        base.embed_tokens = None
-    if not last:
-        base.norm = None
-        lm.lm_head = None
-
-
-def _prune_vit(vit: nn.Module, keep: set[int], first: bool, last: bool) -> None:
-    vit.blocks = nn.ModuleDict({str(i): block for i, block in enumerate(vit.blocks) if i in keep})
-    if not first:
-        vit.patch_embed = None
-        for name in ("cls_token", "reg_token", "pos_embed"):
-            if getattr(vit, name, None) is not None:
-                setattr(vit, name, None)
-    if not last:
-        for name in ("norm", "attn_pool", "fc_norm", "head"):
-            if isinstance(getattr(vit, name, None), nn.Module):
-                setattr(vit, name, nn.Identity() if name != "attn_pool" else None)
-
-
-def block_sizes(model: nn.Module) -> tuple[list[int], int, int]:
-    """Parameters per block, plus those of the first stage's embeddings and the last stage's head: the weights
-    that balance the stages (matmul parameters stand for compute)."""
-    family = model_family(model)
-    count = lambda m: sum(p.numel() for p in m.parameters()) if m is not None else 0  # noqa: E731
-    if family == "llama":  # the embedding is a lookup: its parameters cost memory but no compute
-        return [count(l) for l in model.model.layers], 0, count(model.model.norm) + count(model.lm_head)
-    if family == "vit":
-        first = count(model.patch_embed) + sum(getattr(model, n).numel() for n in ("cls_token", "pos_embed", "reg_token")
-                                               if getattr(model, n, None) is not None)
-        return [count(b) for b in model.blocks], first, count(model.norm) + count(model.head)
+def pipeline_family(model: nn.Module) -> Family:
+    """The family whose stages ``model`` splits into (see :mod:`disttrain.parallel.families`); refuses others."""
+    family = family_of(model)
     if family is not None:
-        return family_named(family).pipeline_sizes(model)
+        return family
     if reason := unsupported_reason(model):
         raise ValueError(f"pipeline parallelism: {reason}")
     raise ValueError(f"pipeline parallelism knows how to split HF Llama-family causal LMs, GPT2LMHeadModel,"
                      f" BERT-style sequence classifiers and timm VisionTransformers, not {type(model).__name__}")
 
 
+def block_sizes(model: nn.Module) -> tuple[list[int], int, int]:
+    """Parameters per block, plus those of the first stage's embeddings and the last stage's head: the weights
+    that balance the stages (matmul parameters stand for compute)."""
+    return pipeline_family(model).pipeline_sizes(model)
+
+
 def split_model(model: nn.Module, plan: StagePlan, pp_rank: int) -> list[nn.Module]:
     """Prune ``model`` in place to the stages of ``pp_rank`` and return their stage modules (in stage order)."""
-    family = model_family(model)
-    stages = plan.stages_of(pp_rank)
-    keep = {i for s in stages for i in range(*plan.bounds[s])}
-    first, last = 0 in stages, plan.num_stages - 1 in stages
-    if family == "llama":
-        _prune_llama(model, keep, first, last)
-        return [LlamaStage(model, range(*plan.bounds[s]), s == 0, s == plan.num_stages - 1) for s in stages]
-    if family != "vit":
-        return family_named(family).split(model, plan, pp_rank)
-    _prune_vit(model, keep, first, last)
-    return [ViTStage(model, range(*plan.bounds[s]), s == 0, s == plan.num_stages - 1) for s in stages]
+    return pipeline_family(model).split(model, plan, pp_rank)
 
 
 class _ScheduleDidBackward(torch.autograd.Function):
@@ -236,10 +141,7 @@ class Pipeline:
                  device: torch.device, schedule: str, microbatches: int,
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
         self.model = model
-        self.family = model_family(model)
-        # Families that compute their own loss from labels (HF's contract: model(input_ids=..., labels=...).loss).
-        other = family_named(self.family) if self.family not in ("llama", "vit", None) else None
-        self.hf_family = other if other is not None and other.hf_loss else None
+        self.family = pipeline_family(model)
         self.plan = plan
         self.group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
@@ -260,7 +162,7 @@ class Pipeline:
     @property
     def owns_loss(self) -> bool:
         """The model computes its loss from labels itself (HF causal LMs, BERT classifiers); else a loss_fn."""
-        return self.family == "llama" or self.hf_family is not None
+        return self.family.hf_loss
 
     @property
     def has_first(self) -> bool:
@@ -289,10 +191,8 @@ class Pipeline:
         return self._schedules[with_loss]
 
     def _compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.family == "llama":  # HF's own causal-LM loss: shift by one, mean over tokens whose label != -100
-            return self.model.loss_function(logits=output, labels=target, vocab_size=self.model.config.vocab_size)
-        if self.hf_family is not None:
-            return self.hf_family.loss(self.model, output, target)
+        if self.owns_loss:
+            return self.family.loss(self.model, output, target)
         if self.loss_fn is None:
             raise RuntimeError("the pipeline has no loss function: pass target= together with a loss_fn, or give"
                                " the LightningModule a loss_fn(output, target) method (the pipeline hook)")
@@ -368,7 +268,7 @@ class Pipeline:
         training -> a placeholder that :meth:`defer_loss`'s wrapped loss function turns into the pipeline loss.
         """
         train = self.model.training and torch.is_grad_enabled()
-        if self.family == "llama" or self.hf_family is not None:
+        if self.owns_loss:
             input_ids = kwargs.pop("input_ids", args[0] if args else None)
             labels = kwargs.pop("labels", None)
             for key in ("attention_mask", "position_ids", "token_type_ids"):
@@ -380,12 +280,7 @@ class Pipeline:
             kwargs.pop("use_cache", None)
             if kwargs:
                 raise TypeError(f"arguments {sorted(kwargs)} are not supported by the pipelined model")
-            from transformers.modeling_outputs import CausalLMOutputWithPast
-
-            loss, logits = self.run(input_ids, labels, train)
-            if self.hf_family is not None:
-                return self.hf_family.wrap_output(loss, logits)
-            return CausalLMOutputWithPast(loss=loss, logits=logits)
+            return self.family.wrap_output(*self.run(input_ids, labels, train))
         inputs = args[0] if args else kwargs.pop("x")
         target = kwargs.pop("target", None)
         if train and target is None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -20,6 +19,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from disttrain.parallel import checkpoint as ckpt
+from disttrain.parallel.engine import Engine
+from disttrain.parallel.tables import (  # noqa: F401  (public here too: the dense optimizer is made from these)
+    dense_parameters,
+    has_torchrec_tables,
+    is_embedding_module,
+    refuse_torchrec_tables,
+)
 
 # Sharding types the planner may choose per table by default. data_parallel is left out: replicating a table
 # would defeat the point of the strategy (torchrec's planner picks it for small tables on one process).
@@ -63,50 +69,6 @@ class RecsysOptions:
         if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse_optimizer={self.sparse_optimizer!r} is not supported by the fused kernel;"
                              f" choose one of {', '.join(SPARSE_OPTIMIZERS)}")
-
-
-def _is_embedding_module(module: nn.Module) -> bool:
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
-    if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
-        return True
-    try:
-        from torchrec.distributed.types import ShardedModule
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(module, ShardedModule)
-
-
-def has_torchrec_tables(module: nn.Module) -> bool:
-    """Whether ``module`` holds torchrec embedding tables (plain or already sharded)."""
-    if "torchrec" not in sys.modules:
-        # No table can exist without torchrec imported. Importing it here would also be wrong: under DeepSpeed it
-        # can run after zero.Init patched nn.Module subclassing, and torchrec's Generic modules then fail to build.
-        return False
-    try:
-        return any(_is_embedding_module(m) for m in module.modules())
-    except ImportError:  # torchrec not installed: no module can hold its tables
-        return False
-
-
-def refuse_torchrec_tables(module: nn.Module, strategy_name: str) -> None:
-    """Raise a clear error when a non-recsys strategy is given a model with torchrec tables: DDP/FSDP/ZeRO would
-    replicate or flatten the tables (and wrap a DistributedModelParallel a second time)."""
-    if has_torchrec_tables(module):
-        raise TypeError(
-            f"strategy {strategy_name!r} cannot train a model with torchrec embedding tables"
-            f" ({type(module).__name__}); use strategy='disttrain_recsys', which shards the tables with"
-            " DistributedModelParallel and keeps the dense part data-parallel")
-
-
-def dense_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters outside torchrec's embedding modules: what the dense optimizer (Adam) updates. The tables
-    are updated by the fused optimizer inside backward."""
-    skip: set[int] = set()
-    for m in module.modules():
-        if _is_embedding_module(m):
-            skip.update(id(p) for p in m.parameters())
-    return [p for p in module.parameters() if id(p) not in skip and p.requires_grad]
 
 
 def fused_params(options: RecsysOptions, model_spec: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -254,28 +216,36 @@ def load_model_state(root: nn.Module, state: dict[str, Any], strict: bool = True
             child.load_state_dict(part, strict=strict)
 
 
-class RecsysEngine:
-    """The shared core of the Trainer and Fabric ``disttrain_recsys`` strategies: options, sharding, and sharded
-    checkpoints (embedding shards and fused optimizer state through DCP; everything else in ``meta.pt``)."""
+class RecsysEngine(Engine):
+    """The engine of ``disttrain_recsys``: tables sharded by torchrec's planner (DMP), the dense part data-parallel,
+    and sharded checkpoints (table shards and fused optimizer state through DCP; everything else in ``meta.pt``)."""
 
-    def __init__(self, options: RecsysOptions) -> None:
-        self.options = options
-        self.module_transforms: list = []
-        self.world_size = 1
-        self.rank = 0
+    options: RecsysOptions
 
-    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> None:
-        # No device mesh: DMP shards over the default process group and DDP uses it for the dense part (and
-        # torchrec's planner reads the topology itself, so ``local_size`` is not needed here).
-        self.world_size, self.rank = world_size, dist.get_rank() if dist.is_initialized() else 0
-        return None
+    def __init__(self, options: RecsysOptions, name: str = "disttrain_recsys") -> None:
+        super().__init__(options, name)
 
-    def sampler_kwargs(self) -> dict[str, int]:
-        return {"num_replicas": self.world_size, "rank": self.rank}
+    # No device mesh: DMP shards over the default process group and DDP uses it for the dense part (torchrec's
+    # planner reads the topology itself); Engine.setup_mesh records the world.
+
+    def setup(self, module: nn.Module, device: torch.device, precision: str, optimizers: Any = (), *,
+              container: bool = False, training: bool = True, forward_methods: tuple[str, ...] = (),
+              sync_batchnorm: bool = False, convert: Any = None) -> tuple[nn.Module, list]:
+        """``container``: shard the children of ``module`` that hold tables (the LightningModule stays the object
+        Lightning calls); else ``module`` itself. Optimizers made before must cover the dense parameters only."""
+        self.check_optimizers(module, optimizers)
+        return self.parallelize(module, device, whole=not container), list(optimizers)
+
+    def check_optimizers(self, module: nn.Module, optimizers: Any) -> None:
+        dense = {id(p) for p in dense_parameters(module)}
+        for optimizer in optimizers:
+            if any(id(p) not in dense for g in optimizer.param_groups for p in g["params"]):
+                raise ValueError("an optimizer covers embedding-table parameters; under disttrain_recsys the tables"
+                                 " have a fused optimizer: create the dense one over"
+                                 " disttrain.parallel.recsys.dense_parameters(model)")
 
     def parallelize(self, root: nn.Module, device: torch.device, whole: bool = False) -> nn.Module:
-        """Shard ``root`` itself (Fabric: the model passed to setup) or its children holding tables (Trainer:
-        the LightningModule stays the object Lightning calls ``training_step`` on)."""
+        """Shard ``root`` itself (``whole``: a plain model) or its children holding tables (a LightningModule)."""
         for transform in self.module_transforms:
             transform(root)
         if whole:
@@ -283,7 +253,23 @@ class RecsysEngine:
         shard_children(root, self.options, device)
         return root
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
+    # -- checkpoints: the protocol ----------------------------------------------------------------------------
+    # The tables are read from the module itself, together with their fused optimizer state; the dense optimizers
+    # (plain, the same on every rank) stay in meta.pt with the rest, as Lightning saves them.
+    optimizers_by_name = False
+
+    def model_state(self, module: nn.Module) -> dict[str, Any]:
+        return {}
+
+    def save_checkpoint(self, path: str | os.PathLike, module: nn.Module, tensors: dict[str, Any],
+                        metadata: dict[str, Any]) -> Path:
+        return self.save(path, module, metadata)
+
+    def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self.load(path, module, strict=strict)
+
+    # -- checkpoints: the folder itself (also what the daily job calls) ---------------------------------------
     @staticmethod
     def save(path: str | os.PathLike, root: nn.Module, metadata: dict[str, Any]) -> Path:
         """Collective: the model's (sharded) state dict and the fused optimizer states go through DCP (each rank

@@ -17,7 +17,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from disttrain.parallel.checkpoint import restore_rest
+from disttrain.parallel.checkpoint import (  # noqa: F401  (DeepSpeed folders: read in checkpoint.py, public here too)
+    is_zero_checkpoint,
+    restore_rest,
+    write_from_rank0,
+    zero_fp32_state_dict,
+)
 
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 
@@ -235,28 +240,14 @@ def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
     return combine_grad_norm_groups(zero_optimizer._get_norm_groups()) / zero_optimizer.loss_scale
 
 
-def is_zero_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / "latest").is_file()
-
-
-def zero_fp32_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of a ZeRO checkpoint folder, merged from every rank's shards (DeepSpeed's
-    zero_to_fp32; it unpickles DeepSpeed's own checkpoint files, so load only checkpoints you wrote)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(path))
-
-
 def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix: str = "") -> Path:
     """Gather a ZeRO-3 partitioned module on every rank and write its full state dict from rank 0 as safetensors.
     Collective: call on every rank."""
     import deepspeed
 
-    from disttrain.parallel.checkpoint import _rank, write_from_rank0
-
     state: dict[str, torch.Tensor] = {}
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        if _rank() == 0:
+        if torch.distributed.get_rank() == 0:
             state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
     return write_from_rank0(state, path, prefix)
 
@@ -650,11 +641,17 @@ def save_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, opt
     optimizer, holds them) and, with ``optim_key``, its optimizer state as one DCP checkpoint folder in the layout
     every disttrain strategy reads, each rank writing only its partitions, atomically. ``metadata`` goes to
     ``meta.pt``. Collective."""
-    from disttrain.parallel.checkpoint import save_sharded
-
     tensors: dict[str, Any] = {model_key: zero3_model_state(module, optimizer)}
     if optim_key is not None:
         tensors[optim_key] = zero3_optimizer_state(module, optimizer)
+    return save_zero3_tensors(path, tensors, metadata)
+
+
+def save_zero3_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
+    """Write ``tensors`` (``{key: zero3_model_state(...) | zero3_optimizer_state(...)}``) and ``metadata`` as one
+    DCP checkpoint folder, atomically, each rank writing only its partitions. Collective."""
+    from disttrain.parallel.checkpoint import save_sharded
+
     with _sharded_tensors_allowed():
         return save_sharded(path, tensors, metadata)
 

@@ -18,7 +18,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from disttrain.planner.estimate import STRATEGIES, Estimate, estimate, flops_per_sample, pipelines, tensor_parallel
+from disttrain.planner.estimate import (
+    STRATEGIES,
+    Estimate,
+    analytic,
+    estimate,
+    flops_per_sample,
+    pipelines,
+    tensor_parallel,
+)
 from disttrain.planner.hardware import GiB, Hardware
 from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
@@ -139,7 +147,7 @@ def candidates(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]:
     table-wise recsys for DeepFM."""
     out = [{"strategy": s} for s in ("disttrain_ddp", "disttrain_fsdp", "disttrain_zero3", "disttrain_fsdp_offload",
                                      "disttrain_zero3_offload")]
-    if spec.family == "deepfm":
+    if spec.table_rows:
         out.insert(0, {"strategy": "disttrain_recsys"})
     if tensor_parallel(spec):
         for t in _divisors(min(world_size, hw.gpus_per_node)):
@@ -154,7 +162,7 @@ def candidates(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]:
 
 def recomputable(spec: ModelSpec) -> bool:
     """Activation checkpointing is estimated for blocks whose activations are known (analytic or measured)."""
-    return spec.family in ("llama", "vit") or (spec.layers > 0 and "activations" in spec.extra)
+    return spec.layers > 0 and (analytic(spec) or "activations" in spec.extra)
 
 
 def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str | None = None,
@@ -199,7 +207,7 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
 
 def measurement_note(spec: ModelSpec) -> str:
     """How the activations of a model outside the analytic families were found, or that they are unknown."""
-    if spec.family in ("llama", "vit", "deepfm"):
+    if analytic(spec):
         return ""
     measured = spec.extra.get("activations")
     if measured is None:
@@ -225,7 +233,7 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     spec, n, reasons = plan.spec, plan.world_size, plan.reasons
     fitting = [c for c in plan.candidates if c.fits]
     ddp = next((c for c in fitting if c.estimate.strategy == "disttrain_ddp"), None)
-    if ddp is not None and spec.params < SMALL_MODEL and spec.family != "deepfm":
+    if ddp is not None and spec.params < SMALL_MODEL and not spec.table_rows:
         plan.choice = ddp
         reasons.append(f"under 1B parameters ({spec.params / 1e9:.2f}B) and DDP fits ({_gib(ddp.estimate.device)} of"
                        f" {_gib(ddp.usable)} GiB): the article's rule, and the least communication (one all-reduce)")
@@ -253,7 +261,7 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
         else:
             reasons.append(f"3D parallelism not considered: under {THREE_D_MODEL / 1e9:.0f}B parameters and a "
                            f"data-parallel strategy fits")
-    if spec.family == "deepfm" and "disttrain_recsys" not in allowed:
+    if spec.table_rows and "disttrain_recsys" not in allowed:
         reasons.append("disttrain_recsys (table-wise embedding sharding) is not available here")
     if not admitted:
         reasons.append("nothing fits: " + "; ".join(f"{c.label}: {c.why}" for c in plan.candidates[:6]) +

@@ -3,8 +3,9 @@
 Memory of one rank, in bytes, split the way a user can act on it:
 - ``params``, ``grads``, ``optimizer``: model states on the device (sharded where the strategy shards them).
 - ``activations``: what the forward pass saves for backward at its peak (all micro-batch layers, or with activation
-  checkpointing the block inputs plus one block recomputed). The per-token coefficients below were counted on the
-  actual implementations (transformers' Llama, timm's ViT) with saved-tensor hooks and are checked the same way by
+  checkpointing the block inputs plus one block recomputed). The per-token coefficients (the formulas of the family
+  modules, :mod:`disttrain.parallel.families`) were counted on the actual implementations (transformers' Llama,
+  timm's ViT) with saved-tensor hooks and are checked the same way by
   ``tests/test_planner_accuracy.py``; they follow Korthikanti et al. (2022), "sbh(34 + 5as/h)", adapted: no dropout,
   SwiGLU's four ``f``-wide tensors, and SDPA/FlashAttention keeps a per-head log-sum-exp instead of the ``a x s x s``
   scores that eager attention keeps. Every other model (GPT-2, BERT, T5, ResNet, any module) is measured: its own
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from disttrain.parallel.families import family_named
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
 STRATEGIES = ("disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3",
@@ -93,56 +95,28 @@ def _precision_bytes(precision: str, strategy: str, optimizer: str) -> tuple[int
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int,
                      activation_checkpointing: bool = False, tensor_parallel_size: int = 1) -> int:
     """Bytes saved for backward by one micro-batch's forward (see the module docstring for the coefficients)."""
-    b, s, t = micro_batch, seq_len, tensor_parallel_size
-    h, f, a, kv = spec.hidden, spec.ffn, spec.heads, spec.kv_heads
-    if spec.family == "llama":
-        d = spec.extra.get("head_dim", spec.head_dim)
-        # Replicated under TP: the two RMSNorms' input, output and 1/rms. Split across TP ranks: q/k/v and their
-        # rotary copies, attention output, o_proj input, and the MLP's gate, up, act(gate) and product (4 f).
-        replicated = 4 * h + 2
-        if spec.attention == "sdpa":
-            split = 4 * h + 4 * f + 2 * kv * d + a  # a: SDPA's log-sum-exp per head
-        else:
-            split = 6 * h + 4 * f + a * s  # repeat_kv copies of k and v; the softmax output (a x s per token)
-        per_layer = b * s * (replicated + split / t) * compute_bytes
-        # Outside the blocks: final norm (3h + 1), log-softmax of the logits (V, split by a vocab-parallel head),
-        # rotary cos/sin (2 s d), token ids and labels (int64).
-        base = b * s * ((3 * h + 1) * compute_bytes + spec.vocab / t * 4 + 16) + 2 * s * d * 4
-    elif spec.family == "vit":
-        # Per block: LayerNorms (input, output, mean, rstd), qkv, attention output, projection input (8 h), fc1
-        # output and GELU output (2 f), SDPA's log-sum-exp (a); eager attention keeps the a x n x n softmax.
-        replicated = 4 * h + 4
-        split = 4 * h + 2 * f + (a if spec.attention == "sdpa" else a * s)
-        per_layer = b * s * (replicated + split / t) * compute_bytes
-        # Patch embedding input (the image), patch tokens with position embedding, final norm, class logits.
-        base = b * ((spec.in_chans * spec.image_size ** 2 + 2 * s * h + 2 * s + spec.num_classes + 13)
-                    * compute_bytes)
-    elif spec.family == "deepfm":
-        features = len(spec.table_rows) + 1
-        per_sample = 3 * features * spec.embedding_dim + 2 * sum(spec.mlp_widths) + spec.dense_in_features
-        return int(b * (per_sample * compute_bytes + 8 * len(spec.table_rows)))
-    else:
-        measured = spec.extra.get("activations")
-        if measured is None:  # a module without an input to run it on: see Plan.reasons
-            return 0
-        return measured.profile(b, s).activation_bytes(compute_bytes, t, activation_checkpointing)
-    if activation_checkpointing:
-        # Each block keeps only its input; backward recomputes one block at a time.
-        return int(spec.layers * b * s * h * compute_bytes + per_layer + base)
-    return int(spec.layers * per_layer + base)
+    family = family_named(spec.family)
+    if family is not None and family.analytic:
+        return family.activation_bytes(spec, micro_batch, seq_len, compute_bytes, activation_checkpointing,
+                                       tensor_parallel_size)
+    measured = spec.extra.get("activations")
+    if measured is None:  # a module without an input to run it on: see Plan.reasons
+        return 0
+    return measured.profile(micro_batch, seq_len).activation_bytes(compute_bytes, tensor_parallel_size,
+                                                                   activation_checkpointing)
+
+
+def analytic(spec: ModelSpec) -> bool:
+    """Whether the model's family counts it by formulas (else its activations were measured, or are unknown)."""
+    family = family_named(spec.family)
+    return family is not None and family.analytic
 
 
 def flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
     """Training FLOPs (forward + backward) of one sample."""
-    from disttrain.callbacks.throughput import transformer_flops_per_token
-
-    if spec.family == "llama":
-        no_embedding = spec.params - spec.vocab * spec.hidden
-        return transformer_flops_per_token(no_embedding, spec.layers, spec.hidden, seq_len) * seq_len
-    if spec.family == "vit":
-        return transformer_flops_per_token(spec.params, spec.layers, spec.hidden, seq_len) * seq_len
-    if spec.family == "deepfm":
-        return 6.0 * spec.dense_params
+    family = family_named(spec.family)
+    if family is not None and family.analytic:
+        return family.flops_per_sample(spec, seq_len)
     measured = spec.extra.get("activations")
     if measured is not None:  # backward costs about twice the forward that was counted
         return 3.0 * measured.profile(1, seq_len).flops
@@ -175,13 +149,13 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
     if strategy != "disttrain_megatron" and (t, p) != (1, 1):
         raise ValueError(f"tensor_parallel_size={t}, pipeline_parallel_size={p} need strategy='disttrain_megatron'")
     seq = int(seq_len or spec.tokens or 1)
-    opt = optimizer or ("adagrad" if spec.family == "deepfm" and strategy == "disttrain_recsys" else "adamw")
+    opt = optimizer or ("adagrad" if spec.table_rows and strategy == "disttrain_recsys" else "adamw")
     pb, gb, ob, cb, rb = _precision_bytes(precision, strategy, opt)
     n, P = world_size, spec.params
     est = dict(strategy=strategy, world_size=n, micro_batch=micro_batch, seq_len=seq, precision=precision,
                activation_checkpointing=activation_checkpointing, tensor_parallel_size=t, pipeline_parallel_size=p)
     acts = activation_bytes(spec, micro_batch, seq, cb if precision != "32-true" else 4, activation_checkpointing)
-    lm = spec.family == "llama" or spec.extra.get("lm_logits", False)
+    lm = spec.extra.get("lm_logits", False)
     logits_grad = micro_batch * seq * spec.vocab * 4 if lm else 0
     samples = micro_batch * n  # the global batch every strategy is compared on (one micro-batch per rank)
 
@@ -221,12 +195,12 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
 
 def tensor_parallel(spec: ModelSpec) -> bool:
     """Whether disttrain_megatron has a tensor-parallel plan for the model."""
-    return spec.family in ("llama", "vit") or bool(spec.extra.get("tensor_parallel"))
+    return bool(spec.extra.get("tensor_parallel"))
 
 
 def pipelines(spec: ModelSpec) -> bool:
     """Whether disttrain_megatron can split the model into pipeline stages."""
-    return spec.family in ("llama", "vit") or bool(spec.extra.get("pipeline"))
+    return bool(spec.extra.get("pipeline"))
 
 
 def _megatron(spec: ModelSpec, est: dict, n: int, t: int, p: int, b: int, s: int, ac: bool,
@@ -285,7 +259,7 @@ def table_placement(rows: tuple[int, ...], world_size: int) -> list[list[int]]:
 def _recsys(spec: ModelSpec, est: dict, n: int, b: int, sizes: tuple[int, int, int, int, int],
             acts: int, optimizer: str) -> Estimate:
     pb, gb, ob, cb, rb = sizes
-    if spec.family != "deepfm":
+    if not spec.table_rows:
         raise ValueError(f"disttrain_recsys shards embedding tables; a {spec.family} model has none")
     placement = table_placement(spec.table_rows, n)
     busiest = max(placement, key=lambda tables: sum(spec.table_rows[i] for i in tables))

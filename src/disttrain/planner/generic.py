@@ -124,7 +124,7 @@ def hf_spec(config: Any, model: Optional[nn.Module] = None) -> ModelSpec:
     widths = {**_hf_widths(config), **(family.widths(config) if family is not None else {})}
     blocks = repeated_blocks(model)
     inputs, what, lm = _hf_inputs(model, config)
-    plan = family.tp_plan() if family is not None else None
+    plan = family.tp_plan(model) if family is not None else None
     measured = MeasuredModel(model, inputs, blocks, plan, what=what)
     extra = {"activations": measured, "lm_logits": lm, "model_type": config.model_type,
              "tensor_parallel": family is not None and _splits(family, model),
@@ -139,7 +139,7 @@ def _splits(family: Any, model: nn.Module) -> bool:
     if unsupported_reason(model) is not None:
         return False
     try:
-        family.check_tp(model, 1)  # options the family's plan refuses whatever the size (cross-attention)
+        family.check_tp(model, 1, family.tp_plan(model))  # options the plan refuses at any size (cross-attention)
     except ValueError:
         return False
     return True

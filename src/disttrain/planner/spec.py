@@ -1,9 +1,10 @@
 """What the planner needs to know of a model, read from a config (dict, recipe YAML, HF config.json or folder), a
 timm model name, or an ``nn.Module``.
 
-Nothing here allocates a model: Llama, ViT and DeepFM configs are counted analytically (the tests check the counts
-against models built on the meta device); every other model is built on the meta device (HF configs of other
-families, timm names) or inspected as it is, and measured there (:mod:`disttrain.planner.generic`).
+Nothing here allocates a model. The families with formulas (:mod:`disttrain.parallel.families`: Llama, ViT, DeepFM)
+count their configs analytically (the tests check the counts against models built on the meta device); every other
+model is built on the meta device (HF configs of other families, timm names) or inspected as it is, and measured
+there (:mod:`disttrain.planner.generic`).
 """
 
 from __future__ import annotations
@@ -11,71 +12,20 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
 
-import torch
 from torch import nn
 
-from disttrain.parallel.tp import LLAMA_FAMILY  # HF model types counted with the Llama formulas
+from disttrain.config import read_recipe
+from disttrain.parallel.families import closest_family, family_for_config, family_for_model_type, family_of
+from disttrain.parallel.families.spec import ModelSpec, count_params
+# The families' formulas, importable from here as before they moved into the family modules.
+from disttrain.parallel.families.deepfm import deepfm_spec  # noqa: F401
+from disttrain.parallel.families.llama import LLAMA, llama_spec  # noqa: F401
+from disttrain.parallel.families.vit import vit_spec  # noqa: F401
 
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The structure of a model, as far as memory and communication go.
-
-    ``params`` counts every parameter; ``layer_params`` one repeated block (0 when the model has none);
-    ``root_params`` what is outside the blocks (embeddings, head, final norm): FSDP's root unit. ``tokens`` is the
-    sequence length of one sample (ViT: patches + class token), ``hidden``/``ffn``/``heads``/``kv_heads`` the
-    block's widths. DeepFM keeps its tables (rows per table) apart from the dense part (``dense_params``).
-    ``attention`` is "sdpa" (stores no seq x seq scores) or "eager" (stores the softmax output).
-    ``extra["activations"]`` (models outside the analytic families): the model measured on the meta device.
-    """
-
-    family: str
-    params: int
-    layers: int = 0
-    layer_params: int = 0
-    hidden: int = 0
-    ffn: int = 0
-    heads: int = 0
-    kv_heads: int = 0
-    vocab: int = 0
-    tokens: int = 0
-    attention: str = "sdpa"
-    image_size: int = 0
-    in_chans: int = 3
-    num_classes: int = 0
-    embedding_dim: int = 0
-    table_rows: tuple[int, ...] = ()
-    dense_params: int = 0
-    dense_in_features: int = 0
-    mlp_widths: tuple[int, ...] = ()  # DeepFM: bottom and deep MLP widths (their activations)
-    extra: dict = field(default_factory=dict, compare=False)
-
-    @property
-    def root_params(self) -> int:
-        return max(0, self.params - self.layers * self.layer_params)  # blocks of unequal size: the largest counted
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads if self.heads else 0
-
-    @property
-    def table_params(self) -> int:
-        return sum(self.table_rows) * self.embedding_dim
-
-    @property
-    def largest_unit(self) -> int:
-        """Parameters of the largest FSDP unit: a block, the root, or (DeepFM) the largest table."""
-        table = max(self.table_rows, default=0) * self.embedding_dim
-        return max(self.layer_params, self.root_params if self.layers else 0, table) or self.params
-
-    def with_tokens(self, tokens: int) -> ModelSpec:
-        return replace(self, tokens=tokens)
-
+LLAMA_FAMILY = LLAMA.model_types  # HF model types counted with the Llama formulas
 
 ModelLike = Union[ModelSpec, dict, str, os.PathLike, nn.Module, Any]
 
@@ -121,152 +71,55 @@ def _from_name_or_path(source: str | os.PathLike) -> ModelSpec:
 
 
 def _from_hf_config(config: Any, module: nn.Module | None = None) -> ModelSpec:
-    """Llama-family configs by the Llama formulas, every other HF family built (on meta) and measured."""
+    """By the family's formulas where it has them (Llama), else built (on meta) and measured."""
     from disttrain.planner import generic
 
-    if config.model_type in LLAMA_FAMILY:
-        cfg = config.to_dict()
-        cfg.setdefault("attn_implementation", getattr(config, "_attn_implementation", None))
-        spec = llama_spec(cfg)
-        # exact, whatever the model adds to the Llama layout (Qwen3's q/k norms)
-        return replace(spec, params=count_params(module if module is not None else meta_llama(config)))
-    return generic.hf_spec(config, module)
+    family = family_for_model_type(config.model_type)
+    spec = family.spec_from_hf_config(config, module) if family is not None else None
+    return spec if spec is not None else generic.hf_spec(config, module)
 
 
-def meta_llama(config: Any) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+def _model_schema(mapping: Any) -> Any:
+    """The keys the ``model:`` mapping's family takes (the closest family's when a misspelt key hides it)."""
+    family = (family_for_config(mapping) or closest_family(mapping)) if isinstance(mapping, dict) else None
+    return family.config_schema(mapping) if family is not None else None
 
 
 def _from_yaml(path: Path) -> ModelSpec:
-    import yaml
-
-    if not path.is_file():
-        raise FileNotFoundError(f"model config {str(path)!r} does not exist; pass a recipe YAML such as "
-                                f"configs/nlp/dialogue_10b.yaml")
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-        raise ValueError(f"{str(path)!r} has no top-level `model:` mapping; a recipe YAML describes its model under"
-                         f" `model:` (LlamaConfig, timm VisionTransformer or DeepFM arguments)")
-    return _from_mapping(data["model"], source=str(path))
+    """A recipe YAML of any kind, read (and its ``model:`` keys checked) as the recipes read it."""
+    return _from_mapping(read_recipe(path, model_schema=_model_schema)["model"], source=str(path))
 
 
 def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec:
     if isinstance(mapping.get("model"), dict):
         mapping = mapping["model"]
-    if "model_type" in mapping and mapping["model_type"] not in LLAMA_FAMILY:  # an HF config of another family
+    family = family_for_config(mapping)
+    if family is not None:
+        return family.spec_from_config(mapping)
+    if "model_type" in mapping:  # an HF config of a family without formulas
         from transformers import AutoConfig
 
         settings = {k: v for k, v in mapping.items() if k != "model_type"}
         return _from_hf_config(AutoConfig.for_model(mapping["model_type"], **settings))
-    if "num_embeddings_per_feature" in mapping:
-        return deepfm_spec(mapping)
-    if "patch_size" in mapping or "embed_dim" in mapping:
-        return vit_spec(mapping)
-    if "hidden_size" in mapping:
-        return llama_spec({k: v for k, v in mapping.items() if k != "model_type"})
     raise ValueError(f"cannot tell the model family of {source} (keys: {', '.join(sorted(mapping))}); expected "
                      f"LlamaConfig keys (hidden_size, ...), an HF config with model_type, timm VisionTransformer keys"
                      f" (embed_dim, patch_size, ...) or DeepFM keys (embedding_dim, num_embeddings_per_feature, ...)")
 
 
-def _need(mapping: dict, key: str, family: str) -> Any:
-    if key not in mapping:
-        raise ValueError(f"the {family} config lacks {key!r}; add it to the `model:` mapping")
-    return mapping[key]
-
-
-def llama_spec(cfg: dict) -> ModelSpec:
-    """A Llama-family decoder (transformers ``LlamaConfig`` keywords; its defaults where a key is absent)."""
-    h = int(_need(cfg, "hidden_size", "Llama"))
-    layers = int(_need(cfg, "num_hidden_layers", "Llama"))
-    heads = int(_need(cfg, "num_attention_heads", "Llama"))
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    f = int(cfg.get("intermediate_size", 11008))
-    vocab = int(cfg.get("vocab_size", 32000))
-    if h % heads:
-        raise ValueError(f"hidden_size={h} is not a multiple of num_attention_heads={heads}")
-    d = int(cfg.get("head_dim") or h // heads)
-    bias = 1 if cfg.get("attention_bias", False) else 0
-    mlp_bias = 1 if cfg.get("mlp_bias", False) else 0
-    attn = h * heads * d + 2 * h * kv * d + heads * d * h + bias * (heads * d + 2 * kv * d + h)
-    mlp = 3 * h * f + mlp_bias * (2 * f + h)
-    layer = attn + mlp + 2 * h  # two RMSNorm weights
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    params = vocab * h * (1 if tied else 2) + layers * layer + h
-    tokens = int(cfg.get("max_position_embeddings", 2048))
-    return ModelSpec("llama", params, layers=layers, layer_params=layer, hidden=h, ffn=f, heads=heads, kv_heads=kv,
-                     vocab=vocab, tokens=tokens, attention=_attention(cfg.get("attn_implementation")),
-                     extra={"tied": tied, "head_dim": d})
-
-
-def vit_spec(cfg: dict) -> ModelSpec:
-    """A timm ``VisionTransformer`` (its keyword defaults where a key is absent: class token, qkv bias, mlp 4.0)."""
-    img = cfg.get("img_size", 224)
-    img = int(img[0] if isinstance(img, (list, tuple)) else img)
-    patch = int(cfg.get("patch_size", 16))
-    chans = int(cfg.get("in_chans", 3))
-    h = int(cfg.get("embed_dim", 768))
-    depth = int(cfg.get("depth", 12))
-    heads = int(cfg.get("num_heads", 12))
-    classes = int(cfg.get("num_classes", 1000))
-    if h % heads:
-        raise ValueError(f"embed_dim={h} is not a multiple of num_heads={heads}")
-    if img % patch:
-        raise ValueError(f"img_size={img} is not a multiple of patch_size={patch}")
-    f = int(h * float(cfg.get("mlp_ratio", 4.0)))
-    qkv_bias = 1 if cfg.get("qkv_bias", True) else 0
-    cls = 1 if cfg.get("class_token", True) else 0
-    tokens = (img // patch) ** 2 + cls
-    layer = 2 * h + 3 * h * h + qkv_bias * 3 * h + h * h + h + 2 * h + h * f + f + f * h + h
-    head = h * classes + classes if classes else 0
-    params = chans * patch * patch * h + h + cls * h + tokens * h + depth * layer + 2 * h + head
-    return ModelSpec("vit", params, layers=depth, layer_params=layer, hidden=h, ffn=f, heads=heads, kv_heads=heads,
-                     tokens=tokens, image_size=img, in_chans=chans, num_classes=classes,
-                     attention="eager" if cfg.get("fused_attn") is False else "sdpa", extra={"patch_size": patch})
-
-
-def deepfm_spec(cfg: dict) -> ModelSpec:
-    """DeepFM as the recsys recipes define it: one embedding table per sparse feature (``embedding_dim`` wide), a
-    bottom MLP on the dense features ending at ``embedding_dim``, an FM term over all embeddings (no parameters)
-    and a deep MLP over the concatenated embeddings ending in one logit."""
-    dim = int(_need(cfg, "embedding_dim", "DeepFM"))
-    rows = tuple(int(n) for n in _need(cfg, "num_embeddings_per_feature", "DeepFM"))
-    if not rows or min(rows) < 1:
-        raise ValueError(f"num_embeddings_per_feature={list(rows)} must list one positive size per sparse feature")
-    dense_in = int(cfg.get("dense_in_features", 13))
-    bottom = [int(w) for w in cfg.get("bottom_mlp", [512, 256, dim])]
-    deep = [int(w) for w in cfg.get("deep_mlp", [512, 256])]
-    dense = _mlp_params([dense_in, *bottom])
-    dense += _mlp_params([(len(rows) + 1) * dim, *deep, 1])
-    params = sum(rows) * dim + dense
-    return ModelSpec("deepfm", params, embedding_dim=dim, table_rows=rows, dense_params=dense,
-                     dense_in_features=dense_in, mlp_widths=tuple(bottom + deep + [1]), tokens=1)
-
-
-def _mlp_params(widths: list[int]) -> int:
-    return sum(a * b + b for a, b in zip(widths, widths[1:]))
-
-
-def _attention(impl: Any) -> str:
-    return "eager" if impl == "eager" else "sdpa"
-
-
 def _from_module(module: nn.Module) -> ModelSpec:
-    """An HF model from its config, a timm ViT from its attributes, other timm models and anything else from the
-    module itself (parameters, repeated blocks, activations measured on the meta device). A LightningModule's
-    ``model`` attribute is planned for when it is a model disttrain knows; else the LightningModule itself, with
-    its ``example_input_array`` as the input to measure."""
+    """A model of a family with formulas from the module itself, any other HF model from its config, timm models
+    and anything else from the module (parameters, repeated blocks, activations measured on the meta device). A
+    LightningModule's ``model`` attribute is planned for when it is a model disttrain knows; else the
+    LightningModule itself, with its ``example_input_array`` as the input to measure."""
     from disttrain.planner import generic
 
+    family = family_of(module)
+    spec = family.spec_from_module(module) if family is not None else None
+    if spec is not None:
+        return spec
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "model_type") and hasattr(module, "base_model_prefix"):
         return _from_hf_config(config, module)
-    if hasattr(module, "patch_embed") and hasattr(module, "blocks"):
-        return _vit_from_module(module)
     if type(module).__module__.startswith("timm.") and hasattr(module, "pretrained_cfg"):
         return generic.image_spec(module, f"timm {type(module).__name__}")
     inner = getattr(module, "model", None)
@@ -275,26 +128,6 @@ def _from_module(module: nn.Module) -> ModelSpec:
         if spec.family != "module":
             return spec
     return generic.module_spec(module, getattr(module, "example_input_array", None))
-
-
-def count_params(module: nn.Module) -> int:
-    """Parameters of ``module`` (DeepSpeed-partitioned ones by their full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
-
-
-def _vit_from_module(vit: nn.Module) -> ModelSpec:
-    block = vit.blocks[0]
-    h = vit.embed_dim if hasattr(vit, "embed_dim") else block.norm1.normalized_shape[0]
-    img = vit.patch_embed.img_size
-    patch = vit.patch_embed.patch_size
-    cfg = {"img_size": img[0] if isinstance(img, (tuple, list)) else img,
-           "patch_size": patch[0] if isinstance(patch, (tuple, list)) else patch,
-           "in_chans": vit.patch_embed.proj.in_channels, "embed_dim": h, "depth": len(vit.blocks),
-           "num_heads": block.attn.num_heads, "num_classes": getattr(vit, "num_classes", 0),
-           "mlp_ratio": block.mlp.fc1.out_features / h, "fused_attn": getattr(block.attn, "fused_attn", True),
-           "class_token": getattr(vit, "cls_token", None) is not None}
-    spec = vit_spec(cfg)
-    return replace(spec, params=count_params(vit), layer_params=count_params(block))
 
 
 def parse_bytes(text: str | float) -> int:
@@ -318,11 +151,10 @@ def parse_bytes(text: str | float) -> int:
 def meta_model(spec_source: dict) -> nn.Module:
     """The model a config describes, built on the meta device (for checking counts; allocates nothing)."""
     cfg = spec_source.get("model", spec_source)
-    with torch.device("meta"):
-        if "hidden_size" in cfg:
-            from transformers import LlamaConfig, LlamaForCausalLM
+    family = family_for_config(cfg)
+    if family is None:
+        raise ValueError(f"cannot tell the model family of {sorted(cfg)}; see model_spec")
+    return family.meta_model(cfg)
 
-            return LlamaForCausalLM(LlamaConfig(**cfg))
-        from timm.models.vision_transformer import VisionTransformer
 
-        return VisionTransformer(**cfg)
+__all__ = ["ModelLike", "ModelSpec", "count_params", "meta_model", "model_spec", "parse_bytes"]

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from disttrain.config import ConfigError, Schema, keys_of, read_config
+from disttrain.config import ConfigError, Recipe, Schema, keys_of
 from disttrain.parallel import checkpoint as ckpt
 from disttrain.recsys.data import BadDataError, Day, DayBatches, convert_day, day_stats, list_days, load_day, \
     parse_date, split_rows
@@ -88,10 +88,13 @@ def recipe_schema() -> Schema:
             "daily": {**dict.fromkeys(DAILY_DEFAULTS), "validation": keys_of(ValidationBounds)}}
 
 
+DEEPFM_RECIPE = Recipe("deepfm", "configs/recsys/deepfm_tiny.yaml", recipe_schema)
+
+
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
     """A DeepFM recipe YAML (``model:``, ``train:``, ``strategy:``, ``daily:``) as a dict; an unknown section or key
     is one error naming the file, the section, the closest valid key and all valid keys."""
-    return read_config(path, recipe_schema(), example="configs/recsys/deepfm_tiny.yaml")
+    return DEEPFM_RECIPE.read(path)
 
 
 def _log(message: str) -> None:

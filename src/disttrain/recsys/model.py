@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from disttrain.config import Schema, check_keys, keys_of, read_config
+from disttrain.config import Schema, keys_of
 from disttrain.parallel.recsys import dense_parameters
 
 NUM_DENSE, NUM_SPARSE = 13, 26
@@ -112,13 +112,9 @@ MODEL_SCHEMA: Schema = {**keys_of(DeepFMNet, exclude=["device"]),
 def load_model_config(config: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
     """The ``model:`` mapping of a recipe YAML (or a dict that is either the whole recipe or that mapping); an
     unknown key is one error with the closest valid key."""
-    if isinstance(config, (str, Path)):
-        # Only model: is read here; the daily job's reader checks the other sections (load_recipe).
-        schema = {"model": MODEL_SCHEMA, **dict.fromkeys(("train", "strategy", "daily"))}
-        return read_config(config, schema, example="configs/recsys/deepfm_tiny.yaml")["model"]
-    model = dict(config.get("model", config))
-    check_keys(model, MODEL_SCHEMA, "the config dict", "model")
-    return model
+    from disttrain.recsys.daily import DEEPFM_RECIPE
+
+    return DEEPFM_RECIPE.model(config)
 
 
 def nonfinite_values(module: nn.Module, device: Optional[torch.device] = None) -> dict[str, tuple[int, int]]:

@@ -16,7 +16,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from disttrain.config import Schema, keys_of, read_config
+from disttrain.config import Recipe, Schema, keys_of
+from disttrain.parallel.families.vit import VIT, vit_arguments
 from disttrain.parallel.options import build_options
 
 # timm registers no generic "vit" name: building through a registered architecture keeps create_model's
@@ -52,22 +53,20 @@ class TrainConfig:
     checkpoint_every_epochs: int = 1
 
 
-def read_yaml(path: Union[str, os.PathLike]) -> dict[str, Any]:
-    """A ViT recipe YAML as a dict; one clear error (with the closest valid key) for a missing file, a missing
-    ``model:`` section or an unknown section or key."""
-    path = Path(path)
-    if not path.is_file():
-        known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))) if CONFIG_DIR.is_dir() else "none"
-        raise FileNotFoundError(f"config {str(path)!r} does not exist; pass a YAML file such as"
-                                f" configs/vision/vit_tiny.yaml (found in configs/vision: {known})")
-    return read_config(path, recipe_schema(), example="configs/vision/vit_tiny.yaml")
-
-
 def recipe_schema() -> Schema:
     """What a ViT recipe YAML may hold (see :mod:`disttrain.config`)."""
     from disttrain.vision.data import DataConfig
 
-    return {"model": dict.fromkeys(_vit_arguments()), "data": keys_of(DataConfig), "train": keys_of(TrainConfig)}
+    return {"model": VIT.config_schema({}), "data": keys_of(DataConfig), "train": keys_of(TrainConfig)}
+
+
+VIT_RECIPE = Recipe("vit", "configs/vision/vit_tiny.yaml", recipe_schema)
+
+
+def read_yaml(path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """A ViT recipe YAML as a dict; one clear error (with the closest valid key) for a missing file, a missing
+    ``model:`` section or an unknown section or key."""
+    return VIT_RECIPE.read(Path(path))
 
 
 def train_config(section: Optional[dict[str, Any]]) -> TrainConfig:
@@ -78,10 +77,10 @@ def build_vit(model_args: dict[str, Any], device: Union[str, torch.device, None]
     """The timm VisionTransformer of a ``model:`` section; on ``device="meta"`` nothing is allocated."""
     import timm
 
-    unknown = sorted(set(model_args) - _vit_arguments())
+    unknown = sorted(set(model_args) - vit_arguments())
     if unknown:
         raise ValueError(f"model: {unknown} are not VisionTransformer arguments; valid ones include"
-                         f" {', '.join(sorted(_vit_arguments()))}")
+                         f" {', '.join(sorted(vit_arguments()))}")
     heads, width = model_args.get("num_heads", 12), model_args.get("embed_dim", 768)
     if width % heads:
         raise ValueError(f"model: embed_dim={width} is not divisible by num_heads={heads}; choose a width that"
@@ -93,14 +92,6 @@ def build_vit(model_args: dict[str, Any], device: Union[str, torch.device, None]
 def count_parameters(model_args: dict[str, Any]) -> int:
     """Parameters of the model a ``model:`` section describes, counted on the meta device (no memory used)."""
     return sum(p.numel() for p in build_vit(model_args, device="meta").parameters())
-
-
-def _vit_arguments() -> set[str]:
-    import inspect
-
-    from timm.models.vision_transformer import VisionTransformer
-
-    return set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
 
 
 def as_dict(config: Any) -> dict[str, Any]:

@@ -1,116 +1,103 @@
-"""Model families: one module each holds what disttrain knows about a family (how to recognise it, its
-tensor-parallel plan and fused-weight layout, its pipeline stages, its widths for the planner).
+"""Model families: one module each holds everything disttrain knows about a family of models. ``tp.py``,
+``pipeline.py``, ``megatron.py``, ``export.py`` and the planner find the family with one lookup here and ask it.
 
-``family_of(model)`` finds the family of a model; :class:`Family` is what each module provides. The HF Llama family
-and timm's VisionTransformer are handled in ``tp.py``/``pipeline.py`` directly.
+What a family module provides (a :class:`~disttrain.parallel.families.base.Family` subclass and its one instance,
+listed in :data:`FAMILIES`; HF families derive from :class:`~disttrain.parallel.families.hf.HFFamily`):
+
+- **recognising**: ``matches(model)`` for its models (not their submodules), ``reads_config(mapping)`` for a recipe's
+  ``model:`` mapping, ``reads_model_type(t)`` for an HF ``config.model_type``;
+- **tensor parallel**: ``tp_plan(model)`` (module path in one block -> torch parallel style), ``check_tp`` (head
+  counts, options it cannot split), ``adapt_plan`` (a user's plan made to fit the block) and ``prepare_block``,
+  which reorders fused weights (``[q | k | v]``) rank-major and returns a ``Reorder`` per weight, from which
+  :mod:`~disttrain.parallel.families.layout` restores the library's layout in checkpoints and exports;
+- **pipeline parallel**: ``pipeline_sizes`` (balancing weights), ``split`` (prune the model to one rank's stages and
+  return stage modules whose blocks are in ``layers``), and for models that compute their own loss from labels
+  (``hf_loss``) ``loss`` and ``wrap_output``;
+- **planner**: ``config_schema`` (the keys of its ``model:`` mapping, from the class that takes them),
+  ``spec_from_config`` / ``spec_from_hf_config`` / ``spec_from_module`` (a ``ModelSpec``), ``meta_model``,
+  ``activation_bytes`` and ``flops_per_sample`` (its analytic formulas; None lets the planner measure the model
+  on the meta device), ``widths`` (an HF config's widths for measured families);
+- **export**: ``export_format``, the ``disttrain export --to`` format its library loads (hf, timm, torch).
+
+Every method has a default that refuses (or returns None), so a family implements what it supports. A new family
+(e.g. Qwen2-MoE) is one module here, added to :data:`FAMILIES`, plus its tests.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
-Plan = dict[str, ParallelStyle]
+from disttrain.parallel.families.base import ExportFormat, Family, Plan
+from disttrain.parallel.families.bert import BERT
+from disttrain.parallel.families.deepfm import DEEPFM
+from disttrain.parallel.families.gpt2 import GPT2
+from disttrain.parallel.families.layout import Reorder
+from disttrain.parallel.families.llama import LLAMA
+from disttrain.parallel.families.spec import ModelSpec
+from disttrain.parallel.families.vit import VIT
 
-
-@dataclass(frozen=True)
-class Reorder:
-    """A fused weight whose slices were permuted for tensor parallelism: ``order`` applies along ``weight_dim`` of
-    the weight (and along dim 0 of the bias); ``argsort(order)`` gives the library's own layout back."""
-
-    order: torch.Tensor
-    weight_dim: int = 0
-
-
-class Family:
-    """One model family. Subclasses set ``name`` and ``model_types`` (HF ``config.model_type`` values) and override
-    what the family supports; the defaults refuse with a message naming the family."""
-
-    name = ""
-    model_types: tuple[str, ...] = ()
-    # The model computes its own loss from ``labels`` (``model(input_ids=..., labels=...).loss``), which is the
-    # contract the pipeline keeps.
-    hf_loss = True
-
-    # -- recognising ------------------------------------------------------------------------------------------
-    def matches(self, model: nn.Module) -> bool:
-        config = getattr(model, "config", None)
-        return getattr(config, "model_type", None) in self.model_types and self.is_whole_model(model)
-
-    def is_whole_model(self, model: nn.Module) -> bool:
-        """True for the family's models themselves (an HF ``PreTrainedModel``, base or with a head), not for their
-        submodules (HF attention modules keep the config too)."""
-        return hasattr(model, "base_model_prefix")
-
-    # -- tensor parallel --------------------------------------------------------------------------------------
-    def check_tp(self, model: nn.Module, tp: int) -> None:
-        """Raise when ``model`` cannot be split ``tp`` ways (head counts, unsupported options)."""
-
-    def tp_plan(self) -> Plan:
-        raise ValueError(f"no tensor-parallel plan for the {self.name} family")
-
-    def adapt_plan(self, block: nn.Module, plan: Plan) -> Plan:
-        """The plan as it applies to this family's modules (e.g. styles for layers torch's styles do not know)."""
-        return plan
-
-    def prepare_block(self, block: nn.Module, tp: int, plan: Plan) -> dict[str, Reorder]:
-        """Changes one block needs before ``parallelize_module`` (fused weights reordered so each rank holds its
-        own heads, head counts divided); returns the reordered weights by path relative to the block."""
-        return {}
-
-    # -- pipeline parallel ------------------------------------------------------------------------------------
-    def pipeline_sizes(self, model: nn.Module) -> tuple[list[int], int, int]:
-        """Parameters per block, of the first stage's embeddings and of the last stage's head."""
-        raise ValueError(f"pipeline parallelism does not split {type(model).__name__} ({self.name} family)")
-
-    def split(self, model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
-        """Prune ``model`` in place to the stages of ``pp_rank`` (a ``pipeline.StagePlan``) and return their stage
-        modules in stage order; they hold references to the model's own submodules."""
-        raise ValueError(f"pipeline parallelism does not split {type(model).__name__} ({self.name} family)")
-
-    def loss(self, model: nn.Module, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The loss the model itself computes from ``labels`` (on the last stage's output)."""
-        raise NotImplementedError
-
-    def wrap_output(self, loss: Optional[torch.Tensor], output: Optional[torch.Tensor]) -> Any:
-        """What the pipelined ``model(...)`` returns: the HF output class the model returns."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        return CausalLMOutputWithPast(loss=loss, logits=output)
-
-    # -- planner ----------------------------------------------------------------------------------------------
-    def widths(self, config: Any) -> dict[str, int]:
-        """``hidden``, ``heads``, ``kv_heads``, ``ffn``, ``layers``, ``vocab``, ``tokens`` from an HF config."""
-        return {}
+# Looked up in this order: the first family that recognises a model or a config is its family.
+FAMILIES: tuple[Family, ...] = (LLAMA, GPT2, BERT, VIT, DEEPFM)
 
 
 def registered() -> tuple[Family, ...]:
-    """Every family module's :class:`Family` (imported on first use: the modules import ``tp``, which imports
-    this package)."""
-    from disttrain.parallel.families.bert import BERT
-    from disttrain.parallel.families.gpt2 import GPT2
-
-    return (GPT2, BERT)
+    """Every family, in lookup order (:data:`FAMILIES`)."""
+    return FAMILIES
 
 
 def family_of(model: nn.Module) -> Optional[Family]:
-    """The :class:`Family` of ``model`` itself (not of a submodule), or None."""
-    for family in registered():
-        if family.matches(model):
-            return family
-    return None
+    """The family of ``model`` itself (not of a submodule), or None."""
+    return next((f for f in FAMILIES if f.matches(model)), None)
 
 
-def family_named(name: str) -> Optional[Family]:
-    return next((f for f in registered() if f.name == name), None)
+def family_named(name: Optional[str]) -> Optional[Family]:
+    """The family called ``name`` (``ModelSpec.family``), or None."""
+    return next((f for f in FAMILIES if f.name == name), None)
 
 
 def family_for_model_type(model_type: Optional[str]) -> Optional[Family]:
-    return next((f for f in registered() if model_type in f.model_types), None)
+    """The family an HF config of ``model_type`` builds, or None."""
+    return next((f for f in FAMILIES if f.reads_model_type(model_type)), None)
+
+
+def family_for_config(mapping: Mapping[str, Any]) -> Optional[Family]:
+    """The family a recipe's ``model:`` mapping describes, or None."""
+    return next((f for f in FAMILIES if f.reads_config(mapping)), None)
+
+
+def closest_family(mapping: Mapping[str, Any]) -> Optional[Family]:
+    """The family whose ``model:`` keys a mapping no family reads shares most keys with (a misspelt key that tells
+    the family, e.g. ``hiden_size``), so its schema can say which key was meant; None on a tie or no overlap."""
+    if "model_type" in mapping:
+        return None
+    scores = []
+    for family in FAMILIES:
+        schema = family.config_schema(mapping)
+        if schema is not None:
+            scores.append((len(set(mapping) & set(schema)), family))
+    scores.sort(key=lambda pair: -pair[0])
+    if not scores or scores[0][0] == 0 or (len(scores) > 1 and scores[1][0] == scores[0][0]):
+        return None
+    return scores[0][1]
+
+
+def find_model(root: nn.Module) -> Optional[tuple[str, nn.Module, Family]]:
+    """The outermost submodule of ``root`` (itself included) of a known family: ``(path, module, family)``."""
+    for name, module in root.named_modules():
+        family = family_of(module)
+        if family is not None:
+            return name, module, family
+    return None
+
+
+def export_formats() -> dict[str, ExportFormat]:
+    """The formats ``disttrain export --to`` writes, by name: each family's, and the library-neutral ones."""
+    from disttrain.parallel.families.base import SAFETENSORS_EXPORT, TORCH_EXPORT
+
+    formats = [SAFETENSORS_EXPORT, *(f.export_format for f in FAMILIES), TORCH_EXPORT]
+    return {fmt.name: fmt for fmt in formats}
 
 
 def unsupported_reason(model: nn.Module) -> Optional[str]:
@@ -123,3 +110,8 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
                     " pipeline parallelism split decoder-only and encoder-only stacks, not an encoder and a decoder"
                     " with cross-attention; train it with disttrain_fsdp or disttrain_zero3")
     return None
+
+
+__all__ = ["FAMILIES", "ExportFormat", "Family", "ModelSpec", "Plan", "Reorder", "closest_family", "export_formats",
+           "family_for_config",
+           "family_for_model_type", "family_named", "family_of", "find_model", "unsupported_reason"]

@@ -14,12 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from disttrain.parallel.families import Family, Plan, Reorder
-from disttrain.parallel.tp import check_heads
-
-
-def _count(module: Optional[nn.Module]) -> int:
-    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+from disttrain.parallel.families.base import Plan, check_heads, count, keep_blocks
+from disttrain.parallel.families.hf import HFFamily
+from disttrain.parallel.families.layout import Reorder
 
 
 class EncoderStage(nn.Module):
@@ -47,11 +44,11 @@ class EncoderStage(nn.Module):
         return hidden  # (B, labels) on the last stage
 
 
-class BertFamily(Family):
+class BertFamily(HFFamily):
     name = "bert"
     model_types = ("bert", "roberta", "xlm-roberta", "camembert")
 
-    def check_tp(self, model: nn.Module, tp: int) -> None:
+    def check_tp(self, model: nn.Module, tp: int, plan: Plan) -> None:
         config = model.config
         if getattr(config, "add_cross_attention", False):
             raise ValueError(f"tensor parallel {type(model).__name__} with add_cross_attention=True is not supported;"
@@ -61,7 +58,7 @@ class BertFamily(Family):
             raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size="
                              f"{config.intermediate_size}")
 
-    def tp_plan(self) -> Plan:
+    def tp_plan(self, model: Optional[nn.Module] = None) -> Plan:
         """One encoder layer: query/key/value and the MLP's first Linear column-wise, the attention output and the
         MLP's second Linear row-wise (one all-reduce each for attention and MLP; LayerNorms stay whole)."""
         return {
@@ -93,14 +90,12 @@ class BertFamily(Family):
     def pipeline_sizes(self, model: nn.Module) -> tuple[list[int], int, int]:
         self._check_pp(model)
         base = getattr(model, model.base_model_prefix)
-        head = _count(base.pooler) + _count(model.classifier)
-        return [_count(layer) for layer in base.encoder.layer], 0, head
+        head = count(base.pooler) + count(model.classifier)
+        return [count(layer) for layer in base.encoder.layer], 0, head
 
     def split(self, model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
         self._check_pp(model)
-        stages = plan.stages_of(pp_rank)
-        keep = {i for s in stages for i in range(*plan.bounds[s])}
-        first, last = 0 in stages, plan.num_stages - 1 in stages
+        stages, keep, first, last = keep_blocks(plan, pp_rank)
         base = getattr(model, model.base_model_prefix)
         base.encoder.layer = nn.ModuleDict({str(i): l for i, l in enumerate(base.encoder.layer) if i in keep})
         if not first:

@@ -18,8 +18,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from disttrain.parallel.families import Family, Plan, Reorder
-from disttrain.parallel.tp import check_heads, qkv_rank_major
+from disttrain.parallel.families.base import Plan, check_heads, count, keep_blocks
+from disttrain.parallel.families.hf import HFFamily
+from disttrain.parallel.families.layout import Reorder, qkv_rank_major
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -103,15 +104,11 @@ class GPT2Stage(nn.Module):
         return hidden
 
 
-def _count(module: nn.Module | None) -> int:
-    return sum(p.numel() for p in module.parameters()) if module is not None else 0
-
-
-class GPT2Family(Family):
+class GPT2Family(HFFamily):
     name = "gpt2"
     model_types = ("gpt2",)
 
-    def check_tp(self, model: nn.Module, tp: int) -> None:
+    def check_tp(self, model: nn.Module, tp: int, plan: Plan) -> None:
         config = model.config
         if getattr(config, "add_cross_attention", False):
             raise ValueError("tensor parallel GPT-2 with add_cross_attention=True is not supported (its cross-"
@@ -122,7 +119,7 @@ class GPT2Family(Family):
         if inner % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the MLP width n_inner={inner}")
 
-    def tp_plan(self) -> Plan:
+    def tp_plan(self, model: nn.Module | None = None) -> Plan:
         """One GPT-2 block: the fused ``attn.c_attn`` and ``mlp.c_fc`` column-wise, both ``c_proj`` row-wise."""
         return {
             "attn.c_attn": Conv1DColwiseParallel(),
@@ -163,13 +160,11 @@ class GPT2Family(Family):
         self._check_pp(model)
         base = model.transformer
         # The embeddings are lookups: their parameters cost memory but no compute.
-        return [_count(b) for b in base.h], 0, _count(base.ln_f) + _count(model.lm_head)
+        return [count(b) for b in base.h], 0, count(base.ln_f) + count(model.lm_head)
 
     def split(self, model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
         self._check_pp(model)
-        stages = plan.stages_of(pp_rank)
-        keep = {i for s in stages for i in range(*plan.bounds[s])}
-        first, last = 0 in stages, plan.num_stages - 1 in stages
+        stages, keep, first, last = keep_blocks(plan, pp_rank)
         base = model.transformer
         base.h = nn.ModuleDict({str(i): block for i, block in enumerate(base.h) if i in keep})
         if not first:

@@ -1,0 +1,198 @@
+"""The engine of ``disttrain_zero3`` / ``disttrain_zero3_offload``: DeepSpeed ZeRO stage 3 in torch/deepspeed terms.
+
+DeepSpeed's own engine (``deepspeed.initialize``) partitions the model, runs backward and steps the optimizer;
+this engine builds its config from our options and the Trainer/Fabric settings, runs it on CPU too, swaps in CPU
+Adam for an offloaded optimizer, keeps BatchNorm statistics as DDP does, and writes and reads the one checkpoint
+layout (:mod:`disttrain.parallel.zero`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from disttrain.parallel.buffers import convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
+from disttrain.parallel.engine import Engine, Optimizers
+from disttrain.parallel.tables import refuse_torchrec_tables
+from disttrain.parallel.zero import (
+    ZeroOptions,
+    attach_zero3_optimizer,
+    export_zero3,
+    is_zero_checkpoint,
+    load_zero3_checkpoint,
+    save_zero3_tensors,
+    set_extensions_dir,
+    to_cpu_adam,
+    zero3_config,
+    zero3_grad_norm,
+    zero3_model_state,
+    zero3_optimizer_state,
+)
+
+
+class ZeroEngine(Engine):
+    """Holds the options and the DeepSpeed config; sets up, clips, checkpoints and exports ZeRO-3 models."""
+
+    # DeepSpeed keeps its own fp16/bf16 partitions: a module swap before it (FP8's Linear layers) is not supported.
+    takes_module_transforms = False
+    # (Where modules are built, deepspeed.zero.Init, is the context of Lightning's DeepSpeed strategies, which the
+    # adapters keep: it is built from the same config and is what their own set-up expects.)
+    options: ZeroOptions
+
+    def __init__(self, options: ZeroOptions, name: str = "disttrain_zero3") -> None:
+        super().__init__(options, name)
+        set_extensions_dir(options)
+        self.config: dict[str, Any] = {}
+
+    @staticmethod
+    def deepspeed_device(device: torch.device, local_rank: int) -> torch.device:
+        """DeepSpeed reads the device index as its device rank (None on CPU would crash ``device_rank >= 0``); a CPU
+        device with the local rank as index places tensors on the CPU all the same."""
+        return torch.device("cpu", local_rank) if device.type == "cpu" else device
+
+    def build_config(self, precision: str, micro_batch_size: int, accumulation: int, world_size: int,
+                     gradient_clipping: Optional[float], device: torch.device) -> dict[str, Any]:
+        """The DeepSpeed config (kept as ``self.config``): batch settings always agree, precision and clipping
+        come from the Trainer/Fabric."""
+        allow_fp16_on_cpu(device, precision)
+        self.config = zero3_config(self.options, precision=precision, micro_batch_size=micro_batch_size,
+                                   accumulation=accumulation, world_size=world_size,
+                                   gradient_clipping=gradient_clipping, device_type=device.type)
+        return self.config
+
+    # -- the model --------------------------------------------------------------------------------------------
+    def prepare(self, module: nn.Module, device: torch.device, training: bool = True, sync_batchnorm: bool = False,
+                convert: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+        """Before DeepSpeed sees the module: refuse torchrec tables, SyncBatchNorm when the option or the caller
+        asks (refused on CPU for training, as ``ddp`` refuses it). Returns the module to hand to DeepSpeed."""
+        refuse_torchrec_tables(module, self.name)
+        if self.options.sync_batchnorm or sync_batchnorm:
+            module = convert(module) if convert is not None else convert_sync_batchnorm(module)
+        if training:
+            refuse_sync_batchnorm_on_cpu(module, device, self.name)
+        return module
+
+    def optimizer_for(self, optimizer: Any, device: torch.device) -> Any:
+        """DeepSpeedCPUAdam in place of Adam/AdamW for an offloaded optimizer when the options ask for it."""
+        if optimizer is not None and self.options.use_cpu_adam(device.type):
+            return to_cpu_adam(optimizer)
+        return optimizer
+
+    def initialize(self, module: nn.Module, optimizer: Any, scheduler: Any, device: torch.device) -> tuple[Any, ...]:
+        """``deepspeed.initialize`` with our config: (DeepSpeed engine, its ZeRO-3 optimizer, its scheduler)."""
+        import deepspeed
+
+        engine, zero_optimizer, _, zero_scheduler = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=device.index), config=self.config, model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            optimizer=self.optimizer_for(optimizer, device), lr_scheduler=scheduler, dist_init_required=False)
+        return engine, zero_optimizer, zero_scheduler
+
+    def setup(self, module: nn.Module, device: torch.device, precision: str, optimizers: Optimizers = (), *,
+              container: bool = False, training: bool = True, forward_methods: tuple[str, ...] = (),
+              sync_batchnorm: bool = False, convert: Callable[[nn.Module], nn.Module] | None = None,
+              scheduler: Any = None) -> tuple[nn.Module, Optimizers]:
+        """The DeepSpeed engine over ``module`` (and its ZeRO-3 optimizer over one optimizer made before; DeepSpeed
+        trains one optimizer per model), every rank starting from rank 0's buffers."""
+        if len(optimizers) > 1:
+            raise ValueError(f"{self.name} takes one optimizer per model (DeepSpeed), got {len(optimizers)}")
+        module = self.prepare(module, device, training, sync_batchnorm, convert)
+        engine, zero_optimizer, _ = self.initialize(module, optimizers[0] if optimizers else None, scheduler, device)
+        self.broadcast_buffers(engine.module)
+        return engine, [zero_optimizer] if optimizers else []
+
+    def attach_optimizer(self, engine: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> Any:
+        """The ZeRO-3 optimizer over the partitioned parameters of an engine set up without one (litgpt's
+        ``setup_module`` then ``setup_optimizers``)."""
+        own = {id(p) for p in engine.module.parameters()}
+        if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(f"{self.name}: the optimizer holds parameters that are not the last model set up with"
+                             " fabric.setup_module; make it from that model's parameters, right after setting it up")
+        return attach_zero3_optimizer(engine, self.optimizer_for(optimizer, device))
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def clip_grad_norm_(self, module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Returns the whole model's gradient 2-norm and has DeepSpeed clip to ``max_norm`` in the next optimizer
+        step (its ZeRO-3 optimizer computes the same norm there and scales the fp32 gradient partitions).
+        ``module``: the DeepSpeed engine."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type={norm_type}: {self.name} clips with DeepSpeed, by the 2-norm only; pass"
+                             " norm_type=2")
+        zero_optimizer = getattr(module, "optimizer", None)
+        if zero_optimizer is None or not hasattr(zero_optimizer, "clip_grad"):
+            raise RuntimeError(f"{self.name}: clipping needs the optimizer set up with the model"
+                               " (fabric.setup(model, optimizer) or fabric.setup_optimizers(optimizer))")
+        norm = zero3_grad_norm(zero_optimizer)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({norm.item()}), so it"
+                               " cannot be clipped; pass error_if_nonfinite=False to let DeepSpeed skip the step")
+        zero_optimizer.clip_grad = float(max_norm)
+        return norm
+
+    @staticmethod
+    def reset_clipping(engine: Any) -> None:
+        """After an optimizer step: a ``clip_grad_norm_`` holds for that one step, then the config's value again."""
+        if hasattr(engine.optimizer, "clip_grad"):
+            engine.optimizer.clip_grad = engine.gradient_clipping()
+
+    # -- checkpoints: the one layout, each rank writing and reading only its partitions ------------------------
+    def is_optimizer(self, value: Any) -> bool:
+        return super().is_optimizer(value) or hasattr(value, "fp32_partitioned_groups_flat")
+
+    def model_state(self, module: nn.Module) -> dict[str, Any]:
+        """ShardedTensors of the partitions (the fp32 master weights when the optimizer holds them); no copy."""
+        return zero3_model_state(_user_module(module), _master(module))
+
+    def optimizer_state(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
+        return zero3_optimizer_state(_user_module(module), optimizer)
+
+    def reads_checkpoint(self, path: str | os.PathLike) -> bool:
+        return not is_zero_checkpoint(Path(path))  # DeepSpeed's own folder: read by DeepSpeed
+
+    def save_checkpoint(self, path: str | os.PathLike, module: nn.Module, tensors: dict[str, Any],
+                        metadata: dict[str, Any]) -> Path:
+        return save_zero3_tensors(path, tensors, metadata)
+
+    def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return load_zero3_checkpoint(path, dict(targets), strict=strict, weights_only=weights_only is not False,
+                                     master=_master(module))
+
+    def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
+        """The full model in its training dtype (for the fp32 master weights of a checkpoint: ``disttrain export``)."""
+        return export_zero3(_user_module(module), path, prefix=prefix)
+
+
+def allow_fp16_on_cpu(device: torch.device, precision: str) -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has native fp16 kernels (AVX512-FP16/AMX). torch
+    computes fp16 on any CPU, slowly, which is enough for what CPU runs are for: testing a set-up (loss scaling,
+    overflow skips) before paying for GPUs. Only CPU runs in fp16 are affected."""
+    if device.type == "cpu" and precision.startswith("16"):
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if not accelerator.is_fp16_supported():
+            accelerator.is_fp16_supported = lambda: True
+            accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+
+
+def _user_module(module: nn.Module) -> nn.Module:
+    """The user's model inside a DeepSpeed engine (the module itself when it is not one)."""
+    from deepspeed import DeepSpeedEngine
+
+    return module.module if isinstance(module, DeepSpeedEngine) else module
+
+
+def _master(module: nn.Module) -> Any:
+    """The ZeRO-3 optimizer holding the engine's fp32 master weights (None for an engine without one: inference)."""
+    optimizer = getattr(module, "optimizer", None)
+    return optimizer if hasattr(optimizer, "fp32_partitioned_groups_flat") else None
+
+
+__all__ = ["ZeroEngine", "ZeroOptions"]

@@ -1,0 +1,43 @@
+"""The test launcher (tests/zygote.py) starts ranks that behave as torchrun's: same environment, arguments, path,
+interpreter state and Lightning view, distinct hash seeds, atexit handlers run, a failing rank stops the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import run_dist
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory) -> dict[str, list[dict]]:
+    return {launcher: run_dist("launch_env.py", tmp_path_factory.mktemp(launcher), "ok", launcher=launcher)
+            for launcher in ("torchrun", "zygote")}
+
+
+@pytest.mark.slow
+def test_ranks_see_what_torchrun_gives(both):
+    for torchrun, zygote in zip(both["torchrun"], both["zygote"]):
+        assert zygote["env"] == {**torchrun["env"], "MASTER_PORT": zygote["env"]["MASTER_PORT"]}
+        for key in ("script_dir_first", "name", "cwd", "threads_at_start", "threads", "stdin_empty",
+                    "write_through", "rank_zero_at_import", "elastic", "lightning_elastic", "sum",
+                    "session_leader"):
+            assert zygote[key] == torchrun[key], key
+        assert zygote["argv"][1:] == torchrun["argv"][1:] == ["ok"]
+    assert [r["rank_zero_at_import"] for r in both["zygote"]] == [0, 1]
+    assert both["zygote"][0]["threads_at_start"] == 1 and both["zygote"][0]["sum"] == 3.0
+
+
+@pytest.mark.slow
+def test_each_rank_has_its_own_seeds_and_runs_its_atexit_handlers(both):
+    for launcher, ranks in both.items():
+        assert ranks[0]["hash"] != ranks[1]["hash"], launcher  # str hash seeds: set orders differ between ranks
+        assert ranks[0]["first_random"] != ranks[1]["first_random"], launcher  # torch starts from a random seed
+        assert all(Path(r["marker"]).exists() for r in ranks), launcher
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "zygote"])
+def test_a_failing_rank_stops_the_run(tmp_path, launcher):
+    with pytest.raises(pytest.fail.Exception, match="ValueError: rank 1 fails on purpose"):
+        run_dist("launch_env.py", tmp_path, "fail", launcher=launcher, timeout=120)

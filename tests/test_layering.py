@@ -1,0 +1,149 @@
+"""The layers import one way: ``disttrain.parallel`` and ``disttrain.planner`` (torch only) import neither Lightning
+nor the adapters nor the domain packages; no module imports one that imports it back; ``import disttrain`` has no
+side effect but the name table's registration, which cannot lose a strategy."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+UPPER_LAYERS = ("lightning", "disttrain.strategies", "disttrain.fabric", "disttrain._lightning", "disttrain.names",
+                "disttrain.callbacks", "disttrain.nlp", "disttrain.vision", "disttrain.recsys")
+
+
+def fresh(code: str) -> dict:
+    """Run ``code`` in a new interpreter (nothing imported yet) and return the JSON it prints last."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def modules_of(package: str) -> list[str]:
+    """Every module of ``package`` (the package itself and its subpackages included), by name."""
+    folder = SRC / package.replace(".", "/")
+    names = {".".join((package, *p.relative_to(folder).with_suffix("").parts)) for p in folder.rglob("*.py")}
+    return sorted(name.removesuffix(".__init__") for name in names)
+
+
+@pytest.mark.parametrize("layer", ["disttrain.parallel", "disttrain.planner"])
+def test_torch_only_layers_import_no_upper_layer(layer):
+    """Every module of the layer, imported in one fresh interpreter: nothing of Lightning, the adapters or the
+    domain packages is loaded (``python -c "import disttrain.parallel"`` works where Lightning is not wanted)."""
+    names = modules_of(layer)
+    loaded = fresh(f"import importlib, json, sys\nfor m in {names!r}: importlib.import_module(m)\n"
+                   "print(json.dumps(sorted(sys.modules)))")
+    leaked = sorted(m for m in loaded if m.split(".")[0] == "lightning" or m.startswith(UPPER_LAYERS[1:]))
+    assert not leaked, f"{layer} imports {leaked[:10]}"
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """The disttrain modules ``path`` imports anywhere (module level and inside functions)."""
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return {name for name in found if name.startswith("disttrain")}
+
+
+# Cycles through function-level imports in the model-family and planner-spec modules, which the model-families work
+# (one module per family, its planner spec with it) restructures; remove an entry when its cycle is gone.
+KNOWN_CYCLES = {
+    ("disttrain.parallel.families", "disttrain.parallel.families.bert", "disttrain.parallel.tp"),
+    ("disttrain.parallel.families", "disttrain.parallel.families.gpt2", "disttrain.parallel.tp"),
+    ("disttrain.planner.generic", "disttrain.planner.spec"),
+}
+
+
+def canonical(cycle: list[str]) -> tuple[str, ...]:
+    """A cycle ``[a, b, c, a]`` as the tuple of its modules starting from the smallest name."""
+    body = cycle[:-1]
+    start = body.index(min(body))
+    return tuple(body[start:] + body[:start])
+
+
+def test_no_import_cycles():
+    """No disttrain module imports (directly or through others, at module level or inside a function) a module
+    that imports it back. The implicit import of a parent package is not counted: Python runs it before any of its
+    submodules."""
+    files = {m: SRC / (m.replace(".", "/") + ("/__init__.py" if (SRC / m.replace(".", "/")).is_dir() else ".py"))
+             for m in modules_of("disttrain")}
+    graph = {m: {i for i in _imports(path, m) if i in files and i != m and not m.startswith(i + ".") and i != "disttrain"}
+             for m, path in files.items()}
+    cycles = []
+
+    def visit(node: str, stack: list[str], done: set[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt in stack:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, stack + [nxt], done)
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start], done)
+    cycles = [c for c in cycles if canonical(c) not in KNOWN_CYCLES]
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
+
+
+def test_every_name_in_the_table_has_a_trainer_and_a_fabric_class():
+    import lightning.fabric.strategies as fabric_strategies
+    import lightning.pytorch.strategies as trainer_strategies
+
+    from disttrain.names import STRATEGIES
+
+    assert len({row.name for row in STRATEGIES}) == len(STRATEGIES)
+    for row in STRATEGIES:
+        assert isinstance(row.adapters.trainer, type) and issubclass(row.adapters.trainer, trainer_strategies.Strategy), row
+        assert isinstance(row.adapters.fabric, type) and issubclass(row.adapters.fabric, fabric_strategies.Strategy), row
+        assert trainer_strategies.StrategyRegistry[row.name]["strategy"] is row.adapters.trainer
+        assert fabric_strategies.STRATEGY_REGISTRY[row.name]["strategy"] is row.adapters.fabric
+
+
+CHECK_REGISTERED = """
+import atexit, json
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+from disttrain.names import STRATEGIES
+names = [row.name for row in STRATEGIES]
+print(json.dumps({"trainer": [n for n in names if n in StrategyRegistry],
+                  "fabric": [n for n in names if n in STRATEGY_REGISTRY], "names": names,
+                  "atexit": atexit._ncallbacks()}))
+"""
+
+
+@pytest.mark.parametrize("first", ["import disttrain; import lightning", "import lightning; import disttrain",
+                                   "import disttrain.parallel; import lightning.fabric",
+                                   "import disttrain.fabric.zero", "from disttrain.strategies import FSDPStrategy",
+                                   "import disttrain.callbacks"])
+def test_names_are_registered_whatever_is_imported_first(first):
+    """``import disttrain`` registers the names whether Lightning comes before or after it, also when a Lightning
+    module of disttrain is what imports Lightning first."""
+    result = fresh(f"{first}\n{CHECK_REGISTERED}")
+    assert result["trainer"] == result["fabric"] == result["names"]
+
+
+def test_import_has_no_side_effect_beyond_registration():
+    """No exit handler is installed by importing disttrain and its adapters (it is installed where a process group
+    is created), and ``import disttrain.parallel`` leaves the import system as it found it apart from the one
+    finder that registers the names once Lightning comes."""
+    result = fresh("import atexit, json, sys\nimport lightning, deepspeed, torchrec\nbefore = atexit._ncallbacks()\n"
+                   "import disttrain, disttrain.strategies, disttrain.fabric, disttrain.callbacks\n"
+                   "print(json.dumps({'before': before, 'after': atexit._ncallbacks()}))")
+    assert result["after"] == result["before"]
+    finders = fresh("import json, sys\nbefore = [type(f).__name__ for f in sys.meta_path]\nimport disttrain.parallel\n"
+                    "print(json.dumps({'before': before, 'after': [type(f).__name__ for f in sys.meta_path]}))")
+    assert finders["after"] == ["_RegisterWithLightning"] + finders["before"]

@@ -1,0 +1,301 @@
+"""Start the ranks of a multi-process test by forking pre-imported Python processes instead of exec'ing fresh ones.
+
+Most of a 2-process torchrun launch on a 2-core machine is three interpreters importing torch, Lightning,
+transformers and DeepSpeed (~7 s of CPU each). A zygote is a Python process that has imported them once and forks
+one child per rank on request; the child takes torchrun's environment for its rank and runs the script with
+``runpy``, exactly as ``python -u script.py args`` would from there on.
+
+Why a fork is the same process as a fresh one for the scripts (checked by tests/test_launcher.py against torchrun):
+- the zygote never runs a tensor operation, a collective or a thread before forking: it only imports, so no
+  OpenMP pool, process group or lock exists to be copied half-held (it checks it has one thread);
+- each local rank has its own zygote, so ranks differ in their string-hash seed as fresh interpreters do, and the
+  child reseeds ``random``, numpy's and torch's global generators from the OS as interpreter start does;
+- what the imported libraries read from the environment at import is the same: the zygote starts with the
+  launch environment, and the one rank-dependent import-time value (Lightning's ``rank_zero_only.rank``, read
+  from RANK) is recomputed in the child;
+- the child starts a new session (torchrun's workers do too, so a failure kills a rank with its own children),
+  has stdin on /dev/null, stdout and stderr on its log file, the script's folder first on ``sys.path``, and ends
+  through normal interpreter shutdown (atexit handlers, exit code of an uncaught exception or ``sys.exit``).
+
+Run as a script it is the zygote (one JSON request per line on stdin); imported, it is the client used by
+``conftest.run_dist``. The script's ranks host their own store (rank 0, ``TORCHELASTIC_USE_AGENT_STORE=False``)
+where torchrun's ranks use the agent's: the rendezvous ``init_process_group`` does is otherwise the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# What the test scripts import; deepspeed, timm and torchrec are imported here too (by the scripts that need them)
+# because a third of the launches use one of them and each costs seconds of CPU per rank.
+PRELOAD = ("torch", "lightning", "transformers", "disttrain", "deepspeed", "timm", "torchrec")
+# torchrun gives a worker these besides its own environment (torch/distributed/elastic/agent/server).
+GRACE_S = 30  # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one fails
+
+
+def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file: str) -> dict[str, str]:
+    """torchrun's worker environment for ``rank`` of a one-node run of ``nproc`` processes."""
+    return {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": error_file}
+
+
+def volatile_free(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The zygote (this file run as a script)
+
+
+def preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # Each DeepSpeed rank on CPU probes which ops can build (compiler runs) and JIT-loads its shared-memory
+    # all-reduce op when it initialises its communication backend; both results are per machine, not per
+    # process, so they are computed once here and the children find them cached where DeepSpeed keeps them.
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    deepspeed.ops.__compatible_ops__  # noqa: B018  (computed on first access, then kept in the module)
+    if get_accelerator().device_name() == "cpu":
+        build_shm_op()
+    threads = len(os.listdir("/proc/self/task"))
+    assert threads == 1, f"an import started {threads - 1} thread(s): forking now would copy them half-done"
+
+
+def write(fd: int, message: dict) -> None:
+    os.write(fd, (json.dumps(message) + "\n").encode())
+
+
+def serve(requests: int, replies: int) -> dict | None:
+    """Fork a child per request; report each child's pid, then its exit code. Returns the request in the child,
+    None in the zygote when the client closes its end."""
+    children: dict[int, int] = {}  # pidfd -> pid
+    pending = b""
+    while True:
+        ready, _, _ = select.select([requests, *children], [], [])
+        for fd in ready:
+            if fd != requests:
+                pid = children.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                write(replies, {"pid": pid, "exit": os.waitstatus_to_exitcode(status)})
+                continue
+            data = os.read(requests, 1 << 16)
+            if not data:
+                return None
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    for child_fd in (requests, replies, *children):
+                        os.close(child_fd)
+                    return request
+                children[os.pidfd_open(pid)] = pid
+                write(replies, {"pid": pid})
+
+
+def become(request: dict) -> None:
+    """Turn this fork into the rank ``python -u <script> <args>`` would have started under torchrun."""
+    import random
+
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(script)
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.modules["torch"].default_generator.seed()
+    from lightning.fabric.utilities.rank_zero import _get_rank
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank_zero_only.rank = _get_rank() or 0
+
+
+def zygote_main() -> dict | None:
+    requests, replies = os.dup(0), os.dup(1)
+    # What imports and DeepSpeed's op loader print goes to the zygote's log, not into the replies.
+    os.dup2(2, 1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    preload()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    write(replies, {"ready": os.getpid()})
+    return serve(requests, replies)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The client (conftest.run_dist)
+
+
+class Zygote:
+    """One pre-imported process that forks the ranks of one local rank index."""
+
+    def __init__(self, env: dict[str, str], cwd: Path, log: Path) -> None:
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, env=env, cwd=cwd)
+        self.env, self.log, self.pending = env, log, b""
+        self.ready: bool = False
+
+    def send(self, message: dict) -> None:
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def read(self, deadline: float) -> dict | None:
+        """The next message, or None at the deadline (a past deadline: None unless a message has arrived)."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return None
+            data = os.read(fd, 1 << 16)
+            if not data:
+                raise RuntimeError(f"the zygote stopped (exit {self.proc.wait()}); its log: {self.log}\n"
+                                   f"{self.log.read_text()[-4000:]}")
+            self.pending += data
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self.ready:
+            message = self.read(time.monotonic() + timeout)
+            if message is None:
+                raise RuntimeError(f"the zygote did not start in {timeout:.0f} s; its log: {self.log}")
+            self.ready = True
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+class Launcher:
+    """Zygotes started on first use, one per local rank index, all with the environment of the first launch."""
+
+    def __init__(self, cwd: Path, log_dir: Path) -> None:
+        self.cwd, self.log_dir = cwd, log_dir
+        self.zygotes: list[Zygote] = []
+        self.launches = 0
+
+    def logs(self, script: str, nproc: int) -> list[Path]:
+        """Fresh log files for the ranks of the next launch of ``script``."""
+        self.launches += 1
+        folder = self.log_dir / f"{self.launches:03d}-{Path(script).stem}"
+        folder.mkdir(parents=True)
+        return [folder / f"rank{rank}.log" for rank in range(nproc)]
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether the zygotes imported their modules in this environment (pytest's note of the current test
+        aside), so that the ranks they fork are the ones a fresh interpreter would start."""
+        return not self.zygotes or volatile_free(self.zygotes[0].env) == volatile_free(env)
+
+    def _zygotes(self, nproc: int, env: dict[str, str]) -> list[Zygote]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        while len(self.zygotes) < nproc:
+            self.zygotes.append(Zygote(env, self.cwd, self.log_dir / f"zygote{len(self.zygotes)}.log"))
+        for zygote in self.zygotes[:nproc]:
+            zygote.wait_ready(timeout=900)  # a first DeepSpeed op build in a fresh environment takes minutes
+        return self.zygotes[:nproc]
+
+    def run(self, argv: list[str], env: dict[str, str], nproc: int, port: int, logs: list[Path],
+            timeout: float) -> list[int]:
+        """Run ``argv`` (script, args) on ``nproc`` ranks; return their exit codes. As torchrun does, when a rank
+        fails the others get SIGTERM, then SIGKILL after a grace period. Raises TimeoutError past ``timeout``."""
+        zygotes = self._zygotes(nproc, env)
+        deadline = time.monotonic() + timeout
+        pids = []
+        for rank, (zygote, log) in enumerate(zip(zygotes, logs)):
+            zygote.send({"argv": argv, "cwd": str(self.cwd), "log": str(log),
+                         "env": rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json")))})
+            reply = zygote.read(time.monotonic() + 60)
+            if reply is None or "pid" not in reply:
+                raise RuntimeError(f"the zygote did not start rank {rank}: {reply}")
+            pids.append(reply["pid"])
+        codes: dict[int, int] = {}
+        stop_at = deadline  # moves closer when a rank fails
+        while len(codes) < nproc:
+            exited = self._next_exit(zygotes, codes, stop_at)
+            if exited is None:  # the grace period or the timeout ran out
+                self._signal(pids, codes, signal.SIGKILL)
+                while len(codes) < nproc:
+                    rank, code = self._next_exit(zygotes, codes, time.monotonic() + 60) or (None, None)
+                    if rank is None:
+                        raise RuntimeError(f"ranks of {argv[0]} survived SIGKILL: {pids}")
+                    codes[rank] = code
+                if stop_at >= deadline:
+                    raise TimeoutError(f"{' '.join(argv)} did not end in {timeout:.0f} s")
+                break
+            rank, code = exited
+            codes[rank] = code
+            if code != 0 and stop_at == deadline:
+                self._signal(pids, codes, signal.SIGTERM)
+                stop_at = min(deadline, time.monotonic() + GRACE_S)
+        return [codes[rank] for rank in range(nproc)]
+
+    @staticmethod
+    def _next_exit(zygotes: list[Zygote], done: dict[int, int], until: float) -> tuple[int, int] | None:
+        """(rank, exit code) of the next rank to end, or None at ``until``."""
+        while True:
+            running = {rank: z for rank, z in enumerate(zygotes) if rank not in done}
+            for rank, zygote in running.items():
+                message = zygote.read(0)  # only what has arrived
+                if message is not None and "exit" in message:
+                    return rank, message["exit"]
+            left = until - time.monotonic()
+            if left <= 0:
+                return None
+            select.select([z.proc.stdout.fileno() for z in running.values()], [], [], left)
+
+    @staticmethod
+    def _signal(pids: list[int], done: dict[int, int], sig: signal.Signals) -> None:
+        for rank, pid in enumerate(pids):
+            if rank not in done:
+                try:
+                    os.killpg(pid, sig)  # the rank's session: its own children too
+                except ProcessLookupError:
+                    pass
+
+    def close(self) -> None:
+        for zygote in self.zygotes:
+            zygote.close()
+        self.zygotes = []
+
+
+if __name__ == "__main__":
+    _request = zygote_main()
+    if _request is not None:  # a rank: from here on, the script as `python -u` runs it
+        become(_request)
+        del _request
+        import runpy
+
+        runpy.run_path(sys.argv[0], run_name="__main__")
