@@ -35,18 +35,16 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from disttrain.config import ConfigError, Recipe, Schema, keys_of
+from disttrain.config import ConfigError
 from disttrain.parallel import checkpoint as ckpt
 from disttrain.recsys.data import BadDataError, Day, DayBatches, convert_day, day_stats, list_days, load_day, \
     parse_date, split_rows
 from disttrain.recsys.metrics import ClickMetrics
+from disttrain.recsys.defaults import DAILY_DEFAULTS, TRAIN_DEFAULTS
 from disttrain.recsys.publish import LockedError, ModelStore, StoreError
 from disttrain.recsys.validate import ValidationBounds, check_day
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "recsys" / "deepfm_tiny.yaml"
-DAILY_DEFAULTS = {"eval_fraction": 0.1, "auc_tolerance": 0.005, "min_auc": 0.55, "keep_versions": 3,
-                  "max_bad_fraction": 0.01, "skip_missing_days": False, "train_late_days": False}
-TRAIN_DEFAULTS = {"batch_size": 512, "lr": 1e-3, "seed": 0}
 # TEST ONLY: name a point of the run (after-day-YYYY-MM-DD, before-publish, before-pointer) and the job dies there
 # with os._exit, as a killed process would (no cleanup); the tests use it to check that a restart recovers.
 CRASH_ENV = "DISTTRAIN_DAILY_CRASH_AT"
@@ -79,21 +77,11 @@ class DailyOptions:
     verbose: bool = False
 
 
-def recipe_schema() -> Schema:
-    """What a DeepFM recipe YAML may hold (see :mod:`disttrain.config`)."""
-    from disttrain.parallel.recsys import RecsysOptions
-    from disttrain.recsys.model import MODEL_SCHEMA
-
-    return {"model": MODEL_SCHEMA, "train": dict.fromkeys(TRAIN_DEFAULTS), "strategy": keys_of(RecsysOptions),
-            "daily": {**dict.fromkeys(DAILY_DEFAULTS), "validation": keys_of(ValidationBounds)}}
-
-
-DEEPFM_RECIPE = Recipe("deepfm", "configs/recsys/deepfm_tiny.yaml", recipe_schema)
-
-
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
     """A DeepFM recipe YAML (``model:``, ``train:``, ``strategy:``, ``daily:``) as a dict; an unknown section or key
     is one error naming the file, the section, the closest valid key and all valid keys."""
+    from disttrain.recsys.model import DEEPFM_RECIPE
+
     return DEEPFM_RECIPE.read(path)
 
 
