@@ -51,11 +51,12 @@ def fabric_loggers(run_dir: str | os.PathLike, spec: str | None = None) -> list[
     return [make[name]() for name in parse_logger_spec(spec)]
 
 
-def trainer_loggers(run_dir: str | os.PathLike, spec: str | None = None) -> list[Any] | bool:
-    """Trainer loggers (``L.Trainer(logger=...)``) writing under ``RUN_DIR/logs``; ``False`` for none."""
+def trainer_loggers(run_dir: str | os.PathLike, spec: str | None = None, subdir: str = "logs") -> list[Any] | bool:
+    """Trainer loggers (``L.Trainer(logger=...)``) writing under ``RUN_DIR/logs`` (``RUN_DIR/subdir``); ``False``
+    for none."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    root = Path(run_dir) / "logs"
+    root = Path(run_dir) / subdir
     make = {"csv": lambda: CSVLogger(root, name="csv", flush_logs_every_n_steps=1),
             "tensorboard": lambda: TensorBoardLogger(root, name="tensorboard", default_hp_metric=False)}
     loggers = [make[name]() for name in parse_logger_spec(spec)]

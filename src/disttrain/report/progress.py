@@ -135,7 +135,8 @@ class PlainProgress(ProgressBar):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        total = trainer.estimated_stepping_batches
+        total = int(total) if total != float("inf") else None
         every = self.every or plain_every(total)
         step = trainer.global_step
         if not (self._enabled and trainer.is_global_zero) or step == 0 or (step % every and step != total):
