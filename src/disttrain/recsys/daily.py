@@ -487,14 +487,16 @@ class DailyJob:
         loggers = trainer_loggers(self.store.root / "logs" / day.date.isoformat(), self.options.logger,
                                   subdir="")
         # rows/s and per-rank memory; DeepFM's FLOPs are not counted, so no MFU.
-        callbacks = [*trainer_progress_callbacks(), Throughput(every_n_steps=10)]
+        # Log about every 10 steps, and at least twice on a short day (a rate needs two steps).
+        every = max(2, min(10, len(loader) // 2))
+        callbacks = [*trainer_progress_callbacks(), Throughput(every_n_steps=every)]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(num_workers|small|does not have many workers).*")
             warnings.filterwarnings("ignore", message=".*FLOPs of a step are unknown.*")
             trainer = L.Trainer(strategy=RecsysStrategy(**self.strategy_options),
                                 accelerator="gpu" if self.device.type == "cuda" else "cpu", devices=local,
                                 num_nodes=self.world // local, max_epochs=1, logger=loggers,
-                                enable_checkpointing=False, callbacks=callbacks, log_every_n_steps=10,
+                                enable_checkpointing=False, callbacks=callbacks, log_every_n_steps=every,
                                 enable_progress_bar=True, enable_model_summary=False, use_distributed_sampler=False,
                                 num_sanity_val_steps=0)
             trainer.fit(module, loader)
