@@ -135,7 +135,8 @@ def main() -> None:
     fabric.print(f"held-out loss before training {validate(fabric, state, args):.3f}")
     if fabric.is_global_zero:
         start_run(args.out, recipe="recipes/demo/tiny_llama.py", strategy=fabric.strategy,
-                  world_size=fabric.world_size, device=fabric.device.type)
+                  world_size=fabric.world_size, device=fabric.device.type,
+                  precision=str(fabric.strategy.precision.precision))
     start = time.perf_counter()
     fit(fabric, state, args)
     fabric.print(f"done: {state['step']} steps at {state['steps_per_s']:.1f} steps/s")
