@@ -68,6 +68,9 @@ def main() -> None:
                         callbacks=[*trainer_progress_callbacks(), Throughput(every_n_steps=2)])
     start = time.perf_counter()
     data = torch.utils.data.DataLoader(torch.randint(0, 1024, (256, 128)), batch_size=4)
+    if trainer.is_global_zero:
+        start_run(args.out, recipe="recipes/demo/trainer_llama.py", strategy=trainer.strategy,
+                  world_size=trainer.world_size, device=trainer.strategy.root_device.type, precision=args.precision)
     trainer.fit(LM(), data)
     trainer.save_checkpoint(f"{args.out}/ckpt")  # a sharded folder under disttrain_fsdp, written atomically
     if hasattr(trainer.strategy, "export_full"):
