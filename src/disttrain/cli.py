@@ -187,6 +187,20 @@ def _plan(argv: list[str]) -> int:
     return 0 if plan.choice is not None else 1
 
 
+def _report(argv: list[str]) -> int:
+    """``disttrain report RUN_DIR``: redraw a recipe run's report.png/report.md from its logs (also of an interrupted
+    run), or the daily job's model history when RUN_DIR is its --model-root."""
+    parser = argparse.ArgumentParser(prog="disttrain report", description=_report.__doc__)
+    parser.add_argument("run_dir", help="a recipe's --out folder, or the daily job's --model-root")
+    args = parser.parse_args(argv)
+    from disttrain.report import write_report
+    from disttrain.report.daily import is_daily_root, write_history_report
+
+    png, md = (write_history_report if is_daily_root(args.run_dir) else write_report)(args.run_dir)
+    print(f"wrote {png} and {md}")
+    return 0
+
+
 def _recsys(argv: list[str]) -> int:
     """``disttrain recsys make-data|daily ...``: the demo data generator and the daily DeepFM job."""
     if not argv or argv[0] in ("-h", "--help"):
@@ -234,6 +248,8 @@ commands:
   strategies     list the registered disttrain strategy names
   plan --model CONFIG.yaml|HF_DIR|TIMM_NAME --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
                  per-rank memory of every strategy, whether it fits, and the recommended one
+  report RUN_DIR  redraw RUN_DIR/report.png and report.md from a run's logs (a recipe's --out, also interrupted
+                 runs) or, for the daily job's --model-root, the model history from its run records
   recsys make-data OUT_DIR [--days N --rows R]
                  write Criteo-format demo days from a planted model with daily drift
   recsys daily --data-root DIR --model-root DIR [--run-date YYYY-MM-DD] [--force]
@@ -248,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     commands = {"run": launch, "export": _export, "verify": _verify, "strategies": _strategies, "plan": _plan,
-                "recsys": _recsys}
+                "recsys": _recsys, "report": _report}
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

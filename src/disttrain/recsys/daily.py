@@ -75,6 +75,8 @@ class DailyOptions:
     train_late_days: Optional[bool] = None
     skip_validation: bool = False
     verbose: bool = False
+    logger: str = "tensorboard,csv"
+    no_report: bool = False
 
 
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
@@ -188,6 +190,9 @@ class DailyJob:
         self.strategy_options = {k: v for k, v in (self.recipe.get("strategy") or {}).items() if v is not None}
         self.store = ModelStore(options.model_root)
         self.cache = self.store.root / "cache"
+        from disttrain.report import parse_logger_spec
+
+        parse_logger_spec(options.logger)  # a misspelt --logger fails before any work
 
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -195,7 +200,16 @@ class DailyJob:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         with ExitStack() as stack:
             _rank0(stack.enter_context, self.store.lock())  # rank 0 holds it; every rank gets its error
-            return self._run_locked()
+            result = self._run_locked()
+            if result["status"] in ("published", "rejected") and not self.options.no_report:
+                _rank0(self._history_report)
+            return result
+
+    def _history_report(self) -> None:
+        from disttrain.report.daily import write_history_report
+
+        png, md = write_history_report(self.store.root)
+        _log(f"model history: {png} and {md}")
 
     def _run_locked(self) -> dict[str, Any]:
         started = time.time()
@@ -454,12 +468,24 @@ class DailyJob:
                                                       seed=int(self.train["seed"]) + day.date.toordinal())
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=sampler)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        from disttrain.callbacks import Throughput
+        from disttrain.report import trainer_loggers, trainer_progress_callbacks
+
+        # The logs of a day's training: MODEL_ROOT/logs/DAY/{csv,tensorboard}/version_N (a retrained day adds one).
+        loggers = trainer_loggers(self.store.root / "logs" / day.date.isoformat(), self.options.logger,
+                                  subdir="")
+        # rows/s and per-rank memory; DeepFM's FLOPs are not counted, so no MFU.
+        # Log about every 10 steps, and at least twice on a short day (a rate needs two steps).
+        every = max(2, min(10, len(loader) // 2))
+        callbacks = [*trainer_progress_callbacks(), Throughput(every_n_steps=every)]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(num_workers|small|does not have many workers).*")
+            warnings.filterwarnings("ignore", message=".*FLOPs of a step are unknown.*")
             trainer = L.Trainer(strategy=RecsysStrategy(**self.strategy_options),
                                 accelerator="gpu" if self.device.type == "cuda" else "cpu", devices=local,
-                                num_nodes=self.world // local, max_epochs=1, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                                num_nodes=self.world // local, max_epochs=1, logger=loggers,
+                                enable_checkpointing=False, callbacks=callbacks, log_every_n_steps=every,
+                                enable_progress_bar=True, enable_model_summary=False, use_distributed_sampler=False,
                                 num_sanity_val_steps=0)
             trainer.fit(module, loader)
         return dataset.rows
@@ -606,6 +632,10 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
     p.add_argument("--skip-validation", action="store_true",
                    help="train without checking the days against the days before them (a real change in the data)")
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failure too")
+    p.add_argument("--logger", default="tensorboard,csv",
+                   help="per-day training logs under MODEL_ROOT/logs/DAY: tensorboard,csv | csv | tensorboard | none")
+    p.add_argument("--no-report", action="store_true",
+                   help="do not redraw MODEL_ROOT/report.png (the model history) after a run")
     return p
 
 
