@@ -1,5 +1,6 @@
 """Pictures and tables a person looks at: `disttrain plan --plot`, the benchmarks' Markdown + PNG outputs, and the
-dialogue demo's before/after replies. Single-process and fast; figures are checked through their data, not pixels."""
+dialogue demo's before/after replies. Single-process; the two that start fresh Python processes (a bench, the recipe)
+are marked slow. Figures are checked through their data, not pixels."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def test_plan_plot_to_an_unwritable_path_is_one_line(tmp_path):
                   "--plot", str(blocker / "plan.png")])
 
 
+@pytest.mark.slow  # fresh Python processes (imports dominate): kept out of `make test-fast`
 def test_a_bench_writes_its_table_as_markdown_and_png(tmp_path):
     """bench/attention.py at two short sequences (forward only, one timed call): the Markdown rows are the printed
     rows, the PNG's panels chart the ratio columns with the target lines."""
@@ -181,6 +183,7 @@ def test_replies_before_and_after_are_drawn_with_the_same_seed(tiny_exports):
     assert table.count("user: ") == 2 and "before training (ppl 2,000)" in table.splitlines()[0]
 
 
+@pytest.mark.slow  # fresh Python processes (imports dominate): kept out of `make test-fast`
 def test_the_recipe_prints_the_demo_prompts_before_and_after_training(tmp_path, demo_root):
     """The dialogue recipe with the demo config, one process, 2 steps: both prompts answered by the starting and
     the trained export, labelled with their held-out perplexities."""
