@@ -39,6 +39,7 @@ from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_dataset
 from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
 from disttrain.nlp.data import collate
 from disttrain.nlp.module import lr_factor
+from disttrain.nlp.replies import Sampling, sample_replies, side_by_side
 from disttrain.parallel.checkpoint import export_safetensors
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 
@@ -263,8 +264,8 @@ def state_to_save(state: dict[str, Any]) -> dict[str, Any]:
     return {k: state[k] for k in ("model", "optimizer", "sampler", "step")}
 
 
-def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> Path:
-    """The HF folder: the strategy gathers the full weights of DialogueLM.model (prefix "model.")."""
+def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any], name: str = "hf") -> Path:
+    """The HF folder --out/NAME: the strategy gathers the full weights of DialogueLM.model (prefix "model.")."""
     model = state["model"]
     strategy_export = getattr(fabric.strategy, "export_full", None)
 
@@ -274,7 +275,7 @@ def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> Path
         else:  # single-device strategies: the module is whole already
             export_safetensors(run["module"], path, prefix="model.")
 
-    return export_hf(Path(run["args"].out) / "hf", write_weights, run["module"].config, run["tokenizer"])
+    return export_hf(Path(run["args"].out) / name, write_weights, run["module"].config, run["tokenizer"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -303,15 +304,19 @@ def main(argv: list[str] | None = None) -> None:
     fabric.log_dict(before, step=state["step"])
     fabric.print(f"held-out loss before training {before['val/loss']:.3f}  held-out perplexity before training "
                  f"{before['val/ppl']:.1f}  (chance: {math.log(len(run['tokenizer'])):.3f})")
+    start = export_start(fabric, state, run, before)
     fit(fabric, state, run)
     out = export(fabric, state, run)
     fabric.print(f"done: {state['step']} steps in {state['seconds']:.1f}s; exported {out}")
-    if fabric.is_global_zero:
+    if start is not None:
+        print_replies(fabric, run, start, out, state)
+    elif fabric.is_global_zero:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         prompt = run["cfg"]["train"].get("prompt", "Hello, how are you?")
         print(f"sample  user: {prompt}\n        assistant: {reply_from_export(out, prompt)}", flush=True)
+    if fabric.is_global_zero:
         finish_run(fabric, args, time.perf_counter() - wall_start)
     fabric.barrier()
 
@@ -328,6 +333,27 @@ def finish_run(fabric: L.Fabric, args: argparse.Namespace, wall_s: float) -> Non
         return
     png, md = write_report(args.out)
     print(f"report: {png} and {md}")
+
+def export_start(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any],
+                 held_out: dict[str, float]) -> tuple[Path, str] | None:
+    """When train.prompts is set: the model as it starts, exported to --out/hf_before (collective), and its label."""
+    if not run["cfg"]["train"].get("prompts"):
+        return None
+    when = f"at step {state['step']}" if state["step"] else "before training"
+    return export(fabric, state, run, "hf_before"), f"{when} (ppl {held_out['val/ppl']:,.0f})"
+
+
+def print_replies(fabric: L.Fabric, run: dict[str, Any], start: tuple[Path, str], out: Path,
+                  state: dict[str, Any]) -> None:
+    """Rank 0: train.prompts answered by the starting and the trained model, same seed and sampling, side by side."""
+    if fabric.is_global_zero:
+        train = run["cfg"]["train"]
+        prompts, sampling = list(train["prompts"]), Sampling(**(train.get("sampling") or {}))
+        ppl = f" (ppl {state['held_out']['val/ppl']:,.0f})" if "held_out" in state else ""
+        table = side_by_side(prompts, sample_replies(start[0], prompts, sampling),
+                             sample_replies(out, prompts, sampling), start[1], f"after {state['step']} steps{ppl}")
+        print(table, flush=True)
+    fabric.barrier()
 
 
 if __name__ == "__main__":

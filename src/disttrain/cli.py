@@ -172,6 +172,8 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw per-rank memory per strategy against"
+                        " the usable device memory into this PNG")
     args = parser.parse_args(argv)
     overrides = {}
     if args.gpus_per_node:
@@ -184,6 +186,8 @@ def _plan(argv: list[str]) -> int:
     plan = choose(args.model, args.gpus, hw, micro_batch=args.micro_batch, seq_len=args.seq_len,
                   precision=args.precision, headroom=args.headroom)
     print(plan.report())
+    if args.plot:
+        _plan_plot(plan, args.plot)
     return 0 if plan.choice is not None else 1
 
 
@@ -199,6 +203,15 @@ def _report(argv: list[str]) -> int:
     png, md = (write_history_report if is_daily_root(args.run_dir) else write_report)(args.run_dir)
     print(f"wrote {png} and {md}")
     return 0
+
+def _plan_plot(plan, path: str) -> None:
+    from disttrain.planner.plot import save_plan_plot
+
+    try:
+        print(f"wrote {save_plan_plot(plan, path)}")
+    except OSError as e:
+        raise SystemExit(f"disttrain plan: error: cannot write --plot {path}: {e.strerror or e}; choose a writable"
+                         " path") from None
 
 
 def _recsys(argv: list[str]) -> int:
