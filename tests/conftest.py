@@ -95,6 +95,49 @@ def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: in
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(nproc)]
 
 
+def run_python(*argv: str, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python argv...`` (a script and its arguments, or ``-m module ...``) as one plain process in the repository
+    root, stdout and stderr captured, as ``subprocess.run`` would give it. Forked from a pre-imported zygote
+    (tests/zygote.py: seconds of imports cheaper per run); ``env``: variables the program reads only after its
+    imports (a test's crash point), on top of ``child_env()``."""
+    base, run_env = child_env(), dict(env or {})
+    if LAUNCHER == "torchrun" or not _launcher.serves(base):
+        return subprocess.run([sys.executable, *argv], cwd=ROOT, env={**base, **run_env}, capture_output=True,
+                              text=True, timeout=timeout)
+    out = _launcher.logs(Path(argv[1] if argv[0] == "-m" else argv[0]).stem, 2)
+    try:
+        code = _launcher.run_one(list(argv), base, run_env, out[0], out[1], timeout)
+    except TimeoutError:
+        raise subprocess.TimeoutExpired([sys.executable, *argv], timeout) from None
+    return subprocess.CompletedProcess([sys.executable, *argv], code, out[0].read_text(errors="replace"),
+                                       out[1].read_text(errors="replace"))
+
+
+def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None = None, accelerator: str = "cpu",
+                 precision: str | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``lightning run model --accelerator A --devices N [--strategy S] [--precision P] script args`` on one node:
+    the ranks get the LT_* variables the launcher sets (disttrain.cli.launch) and torchrun's, forked from the
+    zygotes (tests/zygote.py). stdout and stderr are the ranks' in rank order, as torchrun's console shows them.
+    Tests of the launcher itself (tests/test_cli.py, the documented commands) start the real command."""
+    launcher_env = {"LT_CLI_USED": "1", "LT_DEVICES": str(devices), "LT_NUM_NODES": "1", "LT_ACCELERATOR": accelerator}
+    launcher_env.update({k: v for k, v in (("LT_STRATEGY", strategy), ("LT_PRECISION", precision)) if v is not None})
+    base = child_env()
+    if LAUNCHER == "torchrun" or not _launcher.serves(base):
+        flags = [f"--{k}={v}" for k, v in (("accelerator", accelerator), ("devices", devices), ("strategy", strategy),
+                                           ("precision", precision), ("main-port", free_port())) if v is not None]
+        return subprocess.run([str(Path(sys.executable).parent / "lightning"), "run", "model", *flags, script, *args],
+                              cwd=ROOT, env=base, capture_output=True, text=True, timeout=timeout)
+    logs = _launcher.logs(Path(script).stem, 2 * devices)
+    outs, errs = logs[:devices], logs[devices:]
+    try:
+        codes = _launcher.run([str(ROOT / script), *args], base, devices, free_port(), outs, timeout,
+                              run_env=launcher_env, errs=errs)
+    except TimeoutError:
+        raise subprocess.TimeoutExpired(script, timeout) from None
+    read = lambda files: "".join(f.read_text(errors="replace") for f in files if f.exists())  # noqa: E731
+    return subprocess.CompletedProcess([script, *args], next((c for c in codes if c), 0), read(outs), read(errs))
+
+
 def rank_logs(logs: list[Path], tail: int = 6000) -> str:
     return "\n".join(f"--- rank {rank} ---\n{log.read_text(errors='replace')[-tail:]}"
                      for rank, log in enumerate(logs) if log.exists())

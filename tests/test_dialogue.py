@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, child_env, free_port, run_dist
+from conftest import ROOT, run_dist, run_launched, run_python
 from disttrain.nlp import (
     DataError,
     DialogueLM,
@@ -30,7 +29,6 @@ from disttrain.nlp.data import IGNORE_INDEX
 from disttrain.nlp.module import build_model
 from disttrain.parallel.checkpoint import export_safetensors
 
-BIN = Path(sys.executable).parent
 TINY = ROOT / "configs/nlp/dialogue_tiny.yaml"
 
 
@@ -140,9 +138,8 @@ def test_missing_file_and_all_bad_are_clear(tmp_path):
 @pytest.mark.slow
 def test_recipe_names_the_bad_line(tmp_path, demo):
     path = write_lines(tmp_path / "chats.jsonl", [GOOD] * 3 + ["oops"])
-    cmd = [sys.executable, "recipes/nlp/dialogue_llm.py", "--devices", "1", "--strategy", "auto",
-           "--data", str(path), "--tokenizer", str(demo[2]), "--out", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python("recipes/nlp/dialogue_llm.py", "--devices", "1", "--strategy", "auto", "--data", str(path),
+                      "--tokenizer", str(demo[2]), "--out", str(tmp_path / "out"), timeout=300)
     assert proc.returncode != 0
     assert f"{path}:4: bad dialogue line" in proc.stderr
 
@@ -220,10 +217,8 @@ def test_build_datasets_counts(tokenizer, demo):
 # ---- multi-process runs ----
 
 def recipe(strategy: str, tmp_path: Path, demo_root: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "lightning"), "run", "model", "recipes/nlp/dialogue_llm.py", "--accelerator", "cpu",
-           "--devices", "2", "--strategy", strategy, "--main-port", str(free_port()),
-           "--demo-root", str(demo_root), "--out", str(tmp_path / "out"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    proc = run_launched("recipes/nlp/dialogue_llm.py", "--demo-root", str(demo_root), "--out", str(tmp_path / "out"),
+                        *args, strategy=strategy, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -252,10 +247,11 @@ def test_recipe_resumes_with_the_next_unseen_batch(tmp_path, demo):
         return {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines()
                 if line.startswith("step") and line.split()[2:4] == ["train", "loss"] and len(line.split()) == 5}
 
-    full = recipe("disttrain_fsdp", tmp_path / "a", demo[0], "--steps", "6", "--eval-every", "100",
+    demo_config = ("--config", "configs/nlp/dialogue_demo.yaml")  # what `make demo` runs, as docs/recipes shows it
+    full = recipe("disttrain_fsdp", tmp_path / "a", demo[0], *demo_config, "--steps", "6", "--eval-every", "100",
                   "--log-every", "1", "--save-every", "3")
     ckpt = tmp_path / "a" / "out" / "checkpoints" / "step-000003"
-    resumed = recipe("disttrain_fsdp", tmp_path / "b", demo[0], "--steps", "6", "--eval-every", "100",
+    resumed = recipe("disttrain_fsdp", tmp_path / "b", demo[0], *demo_config, "--steps", "6", "--eval-every", "100",
                      "--log-every", "1", "--resume", str(ckpt))
     assert "resumed at step 3" in resumed.stdout
     a, b = losses(full.stdout), losses(resumed.stdout)

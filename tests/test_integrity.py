@@ -17,7 +17,7 @@ import pytest
 import torch
 import xxhash
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, run_python
 from disttrain.parallel.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -60,9 +60,7 @@ def load(path: Path) -> tuple[torch.nn.Module, dict]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**child_env(), "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "disttrain.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_python("-m", "disttrain.cli", *args, timeout=300)
 
 
 def tensor_bytes_at(path: Path, tensor: torch.Tensor) -> tuple[Path, int]:

@@ -1,14 +1,13 @@
 """The planner on one process: structure read from configs (checked against models built on the meta device),
 memory arithmetic, the three industrial cases of the source article, bad input, and `disttrain plan`."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from conftest import run_python
 from disttrain.planner import (
     Hardware,
     choose,
@@ -165,8 +164,7 @@ def test_parse_bytes():
 @pytest.mark.slow
 def test_cli_plan_reproduces_the_articles_cases_from_the_recipe_configs(config, gpus, args, expected):
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "disttrain.cli", "plan", "--model", str(root / config), "--gpus", gpus,
-                          *args], capture_output=True, text=True, timeout=300)
+    out = run_python("-m", "disttrain.cli", "plan", "--model", str(root / config), "--gpus", gpus, *args, timeout=300)
     assert out.returncode == 0, out.stderr
     assert expected in out.stdout, out.stdout
 
@@ -175,12 +173,10 @@ def test_cli_plan_reproduces_the_articles_cases_from_the_recipe_configs(config, 
 def test_cli_plan(tmp_path):
     path = tmp_path / "dialogue_10b.yaml"
     path.write_text(yaml.safe_dump({"model": DIALOGUE_10B}))
-    out = subprocess.run([sys.executable, "-m", "disttrain.cli", "plan", "--model", str(path), "--gpus", "32",
-                          "--gpu-mem", "40GiB"], capture_output=True, text=True, timeout=300)
+    out = run_python("-m", "disttrain.cli", "plan", "--model", str(path), "--gpus", "32", "--gpu-mem", "40GiB", timeout=300)
     assert out.returncode == 0, out.stderr
     assert "recommendation: disttrain_zero3" in out.stdout and "disttrain_fsdp_offload" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "disttrain.cli", "plan", "--model", str(path), "--gpus", "32",
-                          "--gpu-mem", "lots"], capture_output=True, text=True, timeout=300)
+    bad = run_python("-m", "disttrain.cli", "plan", "--model", str(path), "--gpus", "32", "--gpu-mem", "lots", timeout=300)
     assert bad.returncode == 1 and "lots" in bad.stderr
 
 

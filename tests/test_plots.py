@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("matplotlib")
 from matplotlib.container import BarContainer  # noqa: E402
 
+from conftest import run_python  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,13 +76,10 @@ def test_plan_plot_to_an_unwritable_path_is_one_line(tmp_path):
 def test_a_bench_writes_its_table_as_markdown_and_png(tmp_path):
     """bench/attention.py at two short sequences (forward only, one timed call): the Markdown rows are the printed
     rows, the PNG's panels chart the ratio columns with the target lines."""
-    import subprocess
-
     from matplotlib.image import imread
 
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/attention.py"), "--seqs", "64", "128", "--forward-only",
-                           "--repeats", "1", "--skip-cuda", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(str(ROOT / "bench/attention.py"), "--seqs", "64", "128", "--forward-only", "--repeats", "1",
+                      "--skip-cuda", "--out-dir", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     md, png = tmp_path / "attention_cpu.md", tmp_path / "attention_cpu.png"
     assert f"wrote {md} and {png}" in proc.stdout
@@ -188,12 +187,10 @@ def test_the_recipe_prints_the_demo_prompts_before_and_after_training(tmp_path, 
     """The dialogue recipe with the demo config, one process, 2 steps: both prompts answered by the starting and
     the trained export, labelled with their held-out perplexities."""
     import re
-    import subprocess
 
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes/nlp/dialogue_llm.py"), "--devices", "1",
-                           "--config", str(ROOT / "configs/nlp/dialogue_demo.yaml"), "--steps", "2",
-                           "--eval-every", "2", "--demo-root", str(demo_root), "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=600)
+    proc = run_python(str(ROOT / "recipes/nlp/dialogue_llm.py"), "--devices", "1", "--config",
+                      str(ROOT / "configs/nlp/dialogue_demo.yaml"), "--steps", "2", "--eval-every", "2", "--demo-root",
+                      str(demo_root), "--out", str(tmp_path / "out"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     before = float(re.search(r"held-out perplexity before training ([\d.]+)", out).group(1))

@@ -1,25 +1,18 @@
-"""The README's runnable commands: the demo (through `lightning run model`) and the Trainer example script."""
+"""The demo scripts: the Fabric demo as `lightning run model` starts it (run_launched) and the Trainer example script."""
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env, free_port
+from conftest import free_port, run_launched, run_python
 from safetensors.torch import load_file
 
 # Every test here starts processes (launches or the CLI).
 pytestmark = pytest.mark.slow
 
-BIN = Path(sys.executable).parent
-
-
 def demo(strategy: str, steps: int) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "lightning"), "run", "model", "recipes/demo/tiny_llama.py", "--accelerator", "cpu",
-           "--devices", "2", "--strategy", strategy, "--main-port", str(free_port()),
-           "--steps", str(steps), "--eval-every", "10"]
-    return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    return run_launched("recipes/demo/tiny_llama.py", "--steps", str(steps), "--eval-every", "10", strategy=strategy,
+                        timeout=600)
 
 
 @pytest.mark.parametrize("strategy,sharded", [("disttrain_ddp", False), ("disttrain_zero3", True)])
@@ -42,10 +35,9 @@ def test_demo_trains_and_reports(tmp_path):
 
 
 def test_trainer_example_script(tmp_path):
-    cmd = [sys.executable, "recipes/demo/trainer_llama.py", "--accelerator", "cpu", "--devices", "2",
-           "--max-steps", "2", "--out", str(tmp_path)]
-    env = {**child_env(), "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python("recipes/demo/trainer_llama.py", "--accelerator", "cpu", "--devices", "2", "--strategy",
+                      "disttrain_fsdp", "--max-steps", "2", "--out", str(tmp_path), env={"MASTER_PORT": str(free_port())},
+                      timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "ckpt" / ".metadata").is_file()
     weights = load_file(tmp_path / "model.safetensors")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, child_env, run_dist
+from conftest import ROOT, child_env, run_dist, run_python
 
 from disttrain.recsys.data import BadDataError, DayBatches, day_stats, list_days, load_day, parse_day_file
 from disttrain.recsys.metrics import ClickMetrics
@@ -148,13 +148,9 @@ def test_recsys_checkpoints_fabric_and_guard(parity):
 
 # -- the daily job --------------------------------------------------------------------------------------------
 def daily(data: Path, models: Path, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in child_env().items()  # one process: no rendezvous left over from in-process tests
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    if crash_at:
-        env["DISTTRAIN_DAILY_CRASH_AT"] = crash_at
-    return subprocess.run([sys.executable, str(RECIPE), "--data-root", str(data), "--model-root", str(models),
-                           "--accelerator", "cpu", *args], env=env, capture_output=True, text=True, timeout=900)
+    """The daily job in one process (as cron starts it), forked from a pre-imported zygote."""
+    return run_python(str(RECIPE), "--data-root", str(data), "--model-root", str(models), "--accelerator", "cpu",
+                      *args, env={"DISTTRAIN_DAILY_CRASH_AT": crash_at} if crash_at else None)
 
 
 def records(models: Path) -> dict[str, dict]:

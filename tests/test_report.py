@@ -6,14 +6,12 @@ from __future__ import annotations
 import io
 import json
 import re
-import subprocess
-import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env
+from conftest import run_python
 from disttrain.report import (PANELS, ReportError, StepProgress, fabric_loggers, interactive, parse_logger_spec,
                               read_metrics, read_run_info, start_run, write_report, write_run_info)
 
@@ -173,9 +171,9 @@ def test_daily_history_report_shows_published_and_rejected_versions(tmp_path):
 @pytest.mark.slow
 def test_dialogue_recipe_writes_logs_and_report_without_a_progress_bar(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "recipes/nlp/dialogue_llm.py", "--devices", "1", "--strategy", "auto", "--steps", "4",
-           "--eval-every", "2", "--micro-batch", "4", "--out", str(out), "--demo-root", str(tmp_path / "demo")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    proc = run_python("recipes/nlp/dialogue_llm.py", "--devices", "1", "--strategy", "auto", "--steps", "4",
+                      "--eval-every", "2", "--micro-batch", "4", "--out", str(out), "--demo-root", str(tmp_path / "demo"),
+                      timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "\r" not in proc.stdout and "\x1b[" not in proc.stdout  # stdout is a pipe: plain lines only
     assert re.search(r"^train 4/4 \(100%\)  loss \d", proc.stdout, re.M)

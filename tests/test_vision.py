@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, child_env, free_port, launch
+from conftest import ROOT, launch, run_launched
 from safetensors.torch import load_file
 
 from disttrain.vision import (ImageFolderData, TrainConfig, ViTClassifier, build_vit, count_parameters, data_config,
@@ -23,7 +22,6 @@ from disttrain.vision.export import PREFIX
 from vision_fabric import MODEL, batch, classifier, reference
 
 CONFIGS = ROOT / "configs" / "vision"
-BIN = Path(sys.executable).parent
 
 
 def test_vit2b_has_2b_parameters_counted_on_meta():
@@ -186,10 +184,13 @@ def test_trainer_fsdp_matches_one_process(tmp_path_factory, single_process):
 
 
 def run_recipe(*args: str) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [str(BIN / "lightning"), "run", "model", "recipes/vision/vit2b.py", "--accelerator", "cpu", "--devices", "2",
-           "--main-port", str(free_port()), *args]
+    """`lightning run model recipes/vision/vit2b.py --accelerator cpu --devices 2 ARGS` (ARGS may hold --strategy)."""
+    args = list(args)
+    strategy = args.pop(args.index("--strategy") + 1) if "--strategy" in args else None
+    if strategy is not None:
+        args.remove("--strategy")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
+    proc = run_launched("recipes/vision/vit2b.py", *args, strategy=strategy, timeout=900)
     return proc, time.perf_counter() - start
 
 

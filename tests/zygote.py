@@ -112,24 +112,30 @@ def serve(requests: int, replies: int) -> dict | None:
                 write(replies, {"pid": pid})
 
 
-def become(request: dict) -> None:
-    """Turn this fork into the rank ``python -u <script> <args>`` would have started under torchrun."""
+def become(request: dict) -> tuple[str, str]:
+    """Turn this fork into the rank ``python -u <script> <args>`` would have started under torchrun (or the one
+    process of ``python -u [-m] <script|module> <args>``); returns what to run: ("path"|"module", target)."""
     import random
 
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    for fd, path in ((1, request["log"]), (2, request.get("err", request["log"]))):
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    script = os.path.abspath(request["argv"][0])
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(script)
+    if request["argv"][0] == "-m":  # `python -m module args`: runpy puts the module's file in sys.argv[0]
+        target = request["argv"][1]
+        sys.argv = list(request["argv"][1:])
+        sys.path[0] = os.getcwd()
+    else:
+        target = os.path.abspath(request["argv"][0])
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(target)
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -138,6 +144,7 @@ def become(request: dict) -> None:
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     rank_zero_only.rank = _get_rank() or 0
+    return ("module" if request["argv"][0] == "-m" else "path"), target
 
 
 def zygote_main() -> dict | None:
@@ -228,15 +235,18 @@ class Launcher:
         return self.zygotes[:nproc]
 
     def run(self, argv: list[str], env: dict[str, str], nproc: int, port: int, logs: list[Path],
-            timeout: float) -> list[int]:
+            timeout: float, run_env: dict[str, str] | None = None, errs: list[Path] | None = None) -> list[int]:
         """Run ``argv`` (script, args) on ``nproc`` ranks; return their exit codes. As torchrun does, when a rank
-        fails the others get SIGTERM, then SIGKILL after a grace period. Raises TimeoutError past ``timeout``."""
+        fails the others get SIGTERM, then SIGKILL after a grace period. Raises TimeoutError past ``timeout``.
+        ``run_env``: variables read only after the imports (a launcher's LT_*); ``errs``: stderr files apart from
+        the logs."""
         zygotes = self._zygotes(nproc, env)
         deadline = time.monotonic() + timeout
         pids = []
         for rank, (zygote, log) in enumerate(zip(zygotes, logs)):
-            zygote.send({"argv": argv, "cwd": str(self.cwd), "log": str(log),
-                         "env": rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json")))})
+            zygote.send({"argv": argv, "cwd": str(self.cwd), "log": str(log), "err": str((errs or logs)[rank]),
+                         "env": {**rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json"))),
+                                 **(run_env or {})}})
             reply = zygote.read(time.monotonic() + 60)
             if reply is None or "pid" not in reply:
                 raise RuntimeError(f"the zygote did not start rank {rank}: {reply}")
@@ -261,6 +271,22 @@ class Launcher:
                 self._signal(pids, codes, signal.SIGTERM)
                 stop_at = min(deadline, time.monotonic() + GRACE_S)
         return [codes[rank] for rank in range(nproc)]
+
+    def run_one(self, argv: list[str], env: dict[str, str], run_env: dict[str, str], out: Path, err: Path,
+                timeout: float) -> int:
+        """``python argv...`` as one plain process (no launcher variables), stdout and stderr to their files; its
+        exit code. ``run_env``: variables the program reads only after its imports (they are not the zygote's)."""
+        zygote = self._zygotes(1, env)[0]
+        zygote.send({"argv": argv, "cwd": str(self.cwd), "log": str(out), "err": str(err), "env": {**env, **run_env}})
+        reply = zygote.read(time.monotonic() + 60)
+        if reply is None or "pid" not in reply:
+            raise RuntimeError(f"the zygote did not start {argv}: {reply}")
+        exited = self._next_exit([zygote], {}, time.monotonic() + timeout)
+        if exited is None:
+            self._signal([reply["pid"]], {}, signal.SIGKILL)
+            self._next_exit([zygote], {}, time.monotonic() + 60)
+            raise TimeoutError(f"{' '.join(argv)} did not end in {timeout:.0f} s")
+        return exited[1]
 
     @staticmethod
     def _next_exit(zygotes: list[Zygote], done: dict[int, int], until: float) -> tuple[int, int] | None:
@@ -294,8 +320,11 @@ class Launcher:
 if __name__ == "__main__":
     _request = zygote_main()
     if _request is not None:  # a rank: from here on, the script as `python -u` runs it
-        become(_request)
+        _kind, _target = become(_request)
         del _request
         import runpy
 
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        if _kind == "module":
+            runpy.run_module(_target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(_target, run_name="__main__")
