@@ -85,9 +85,14 @@ def _model_schema(mapping: Any) -> Any:
     return family.config_schema(mapping) if family is not None else None
 
 
+def recipe_model(path: str | os.PathLike) -> dict:
+    """The ``model:`` mapping of a recipe YAML of any kind, its keys checked as the recipes check them."""
+    return read_recipe(path, model_schema=_model_schema)["model"]
+
+
 def _from_yaml(path: Path) -> ModelSpec:
     """A recipe YAML of any kind, read (and its ``model:`` keys checked) as the recipes read it."""
-    return _from_mapping(read_recipe(path, model_schema=_model_schema)["model"], source=str(path))
+    return _from_mapping(recipe_model(path), source=str(path))
 
 
 def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec:
@@ -157,4 +162,4 @@ def meta_model(spec_source: dict) -> nn.Module:
     return family.meta_model(cfg)
 
 
-__all__ = ["ModelLike", "ModelSpec", "count_params", "meta_model", "model_spec", "parse_bytes"]
+__all__ = ["ModelLike", "ModelSpec", "count_params", "meta_model", "model_spec", "parse_bytes", "recipe_model"]
