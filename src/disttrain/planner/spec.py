@@ -91,8 +91,17 @@ def recipe_model(path: str | os.PathLike) -> dict:
 
 
 def _from_yaml(path: Path) -> ModelSpec:
-    """A recipe YAML of any kind, read (and its ``model:`` keys checked) as the recipes read it."""
-    return _from_mapping(recipe_model(path), source=str(path))
+    """A recipe YAML of any kind, read (and its ``model:`` keys checked) as the recipes read it. A recsys recipe's
+    table optimizer and ``strategy:`` sharding constraints go into ``extra["recsys"]``: they decide where the
+    tables land."""
+    recipe = read_recipe(path, model_schema=_model_schema)
+    spec = _from_mapping(recipe["model"], source=str(path))
+    if spec.table_rows:
+        strategy = recipe.get("strategy") or {}
+        spec.extra["recsys"] = {
+            "sparse_optimizer": (recipe["model"].get("sparse_optimizer") or {}).get("name"),
+            "sharding_types": strategy.get("sharding_types"), "constraints": strategy.get("constraints") or {}}
+    return spec
 
 
 def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec:

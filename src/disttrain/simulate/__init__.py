@@ -4,6 +4,6 @@
     print(simulate("configs/nlp/dialogue_10b.yaml", "disttrain_fsdp", world_size=32).table())
 """
 
-from disttrain.simulate.core import SIMULATED, Role, Simulation, simulate
+from disttrain.simulate.core import SIMULATED, Role, Simulation, simulate, simulated_name, versus
 
-__all__ = ["SIMULATED", "Role", "Simulation", "simulate"]
+__all__ = ["SIMULATED", "Role", "Simulation", "simulate", "simulated_name", "versus"]

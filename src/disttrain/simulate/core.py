@@ -218,3 +218,27 @@ def prepared(config: Union[str, dict], precision: str) -> nn.Module:
 
 
 __all__ = ["SIMULATED", "Role", "Simulation", "fake_world", "simulate"]
+
+
+def simulated_name(strategy: str) -> str:
+    """The simulated strategy of a planner candidate: the _offload variants hold the same states, on the host."""
+    return strategy.removesuffix("_offload")
+
+
+def versus(sim: Simulation, estimate: Any) -> str:
+    """The planner's model-state estimate of the busiest rank beside the simulated one (``disttrain plan
+    --simulate``); ``estimate`` is a :class:`disttrain.planner.Estimate` of the same set-up."""
+    gib = 2**30
+    busiest = sim.busiest
+    offload = estimate.strategy.endswith("_offload")
+    est = (estimate.host, 0, 0) if offload else (estimate.params, estimate.grads, estimate.optimizer)
+    total = sum(est)
+    rows = ["| model states per rank (busiest) | params GiB | grads GiB | optimizer GiB | total GiB |",
+            "|---|---:|---:|---:|---:|",
+            f"| simulated ({busiest.name}) | {busiest.params / gib:.3f} | {busiest.grads / gib:.3f} | "
+            f"{busiest.optimizer / gib:.3f} | {busiest.states / gib:.3f} |",
+            ("| planner estimate (host, offloaded) | | | | " if offload else
+             f"| planner estimate | {est[0] / gib:.3f} | {est[1] / gib:.3f} | {est[2] / gib:.3f} | ")
+            + f"{total / gib:.3f} |",
+            "", f"planner error: {total / busiest.states - 1:+.2%} (simulated in {sim.seconds:.1f} s)"]
+    return "\n".join(rows)

@@ -41,15 +41,14 @@ def ddp(sim: Simulation, config: Config, **_: Any) -> None:
 
     n = sim.world_size
     with fake_world(0, n):
+        # DistributedDataParallel's constructor checks shapes across ranks with .item(), which meta tensors lack;
+        # it keeps the module's parameters as they are, so the model it would wrap is what every rank holds.
         module = prepared(config, sim.precision)
-        engine = DDPEngine(DDPOptions())
-        engine.world_size = n
-        wrapped = engine.wrap(module, META)
-        p, g, o, c = count(wrapped.module, engine, replicas=n)
+        p, g, o, c = count(module, DDPEngine(DDPOptions()), replicas=n)
     # DDP all-reduces the gradients in their own dtype, bucket by bucket: a ring sends 2(n-1)/n of them.
     sim.roles.append(Role("every rank", 0, n, p, g, o, c, {"dp": 2 * (n - 1) / n * g}))
-    sim.notes.append("DDP: DistributedDataParallel wrapped the meta model on the fake group; every rank holds the"
-                     " whole model; the checkpoint's replicated tensors are written once (DCP de-duplication),"
+    sim.notes.append("DDP: every rank holds the whole model (DistributedDataParallel cannot be built on meta tensors; it"
+                     " keeps the module's parameters as they are); the checkpoint's replicated tensors are written once (DCP de-duplication),"
                      " shown as a 1/world share")
 
 
@@ -146,11 +145,14 @@ def recsys(sim: Simulation, config: Config, **_: Any) -> None:
     types = (recipe.get("strategy") or {}).get("sharding_types")
     options = rs.RecsysOptions(sharding_types=types, constraints=constraints)
     fused = rs.fused_params(options, model_cfg.get("sparse_optimizer"))
-    with torch.device("meta"):
-        module = meta_model(model_cfg)
-    rs._quiet_planner_logs()  # noqa: SLF001
+    from disttrain.recsys.model import DeepFMNet
+
+    module = DeepFMNet(**{k: v for k, v in model_cfg.items()}, device="meta")
+    rs.quiet_planner_logs()
     plan = rs.plan(module, options, n, torch.device("cuda"), rs.sharders(fused))
-    rowwise = "ROWWISE" in str(fused["optimizer"])
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    rowwise = fused["optimizer"] == EmbOptimType.EXACT_ROWWISE_ADAGRAD
     table_params, table_opt = Counter(), Counter()
     for _, shardings in plan.plan.items():
         for _, sharding in shardings.items():
