@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from disttrain.parallel.families import family_named
+from disttrain.planner.shards import first_rank_elements, zero3_partition_elements
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
 STRATEGIES = ("disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3",
@@ -179,10 +180,13 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
             block = spec.layer_params or unit
             buffers = root * cb + 2 * block * cb + block * rb
         comm = {"dp": (n - 1) / n * P * (2 * cb + rb)}  # all-gather forward and backward, reduce-scatter
-        states = (math.ceil(P / n) * pb, math.ceil(P / n) * gb, math.ceil(P / n) * ob)
+        # ZeRO-3 pads each parameter to a multiple of n (DeepSpeed's partition rule); FSDP2 chunks dim 0.
+        exact = zero3_partition_elements(spec, n) if zero else first_rank_elements(spec, n)
+        shard = exact if exact is not None else math.ceil(P / n)
+        states = (shard * pb, shard * gb, shard * ob)
         if strategy.endswith("_offload"):
-            comm["pcie"] = math.ceil(P / n) * (cb + gb)  # shards up before use, gradients down
-            comm["host_optimizer"] = math.ceil(P / n) * (pb + ob)
+            comm["pcie"] = shard * (cb + gb)  # shards up before use, gradients down
+            comm["host_optimizer"] = shard * (pb + ob)
             return Estimate(params=0, grads=0, optimizer=0, activations=acts, buffers=buffers + logits_grad,
                             host=sum(states), comm=comm, **est)
         return Estimate(params=states[0], grads=states[1], optimizer=states[2], activations=acts,
@@ -227,7 +231,8 @@ def _megatron(spec: ModelSpec, est: dict, n: int, t: int, p: int, b: int, s: int
     # rank (the plans split blocks only; embeddings, final norm and head are replicated, then FSDP-sharded).
     root = spec.root_params
     local = math.ceil(spec.layers // p * spec.layer_params / t) + (root if p == 1 else math.ceil(root / 2))
-    shard = math.ceil(local / dp)  # FSDP on the data dimension
+    exact = first_rank_elements(spec, dp, t) if p == 1 else None
+    shard = exact if exact is not None else math.ceil(local / dp)  # FSDP on the data dimension
     cb_act = cb if est["precision"] != "32-true" else 4
     per_mb = activation_bytes(spec, b, s, cb_act, ac, tensor_parallel_size=t)
     # 1F1B: the first stage holds min(p, m) pipeline microbatches (b/m samples each) of its layers/p blocks.

@@ -109,7 +109,9 @@ def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec
         mapping = mapping["model"]
     family = family_for_config(mapping)
     if family is not None:
-        return family.spec_from_config(mapping)
+        spec = family.spec_from_config(mapping)
+        spec.extra["config"] = dict(mapping)  # for the exact per-parameter shards (planner.shards)
+        return spec
     if "model_type" in mapping:  # an HF config of a family without formulas
         from transformers import AutoConfig
 
