@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
+	$(VENV)/bin/lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp \
+	    --config configs/nlp/dialogue_demo.yaml
 
 # Two pytest workers, whole files each (module fixtures stay shared): a multi-process test spends much of its
 # time in rendezvous, gloo waits and file I/O, so a second one beside it nearly halves the wall time on 2 cores.

@@ -30,6 +30,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tables import write_table  # noqa: E402
+
 HEADS, HEAD_DIM = 8, 64
 
 
@@ -40,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed calls per measurement after one warm-up (1 from 4k up on CPU, to stay near 2 min)")
     p.add_argument("--skip-cuda", action="store_true")
+    p.add_argument("--out-dir", default=None, help="where the Markdown + PNG tables go (default: bench/out)")
     p.add_argument("--one", nargs=2, metavar=("IMPL", "SEQ"), help=argparse.SUPPRESS)  # a child measurement
     return p.parse_args()
 
@@ -127,13 +131,26 @@ def cpu_table(args) -> None:
           f"({'VmHWM after clear_refs' if exact else 'ru_maxrss'}), fresh process per cell")
     print(f"  {'seq':>6} | {'eager MiB':>10} {'sdpa MiB':>9} {'mem ratio':>9} | {'eager ms':>9} {'sdpa ms':>8} "
           f"{'speed-up':>8}")
+    table = []
     for seq, o in rows:
         e, s = o["eager"], o["sdpa"]
         print(f"  {seq:>6} | {e['peak_mib']:>10.0f} {s['peak_mib']:>9.1f} {e['peak_mib'] / max(s['peak_mib'], 0.1):>8.1f}x"
               f" | {e['time_s'] * 1e3:>9.0f} {s['time_s'] * 1e3:>8.0f} {e['time_s'] / s['time_s']:>7.2f}x")
+        table.append([f"seq {seq}", e["peak_mib"], s["peak_mib"], e["peak_mib"] / max(s["peak_mib"], 0.1),
+                      e["time_s"] * 1e3, s["time_s"] * 1e3, e["time_s"] / s["time_s"]])
     last_seq, last = rows[-1]
     ratio = last["eager"]["peak_mib"] / max(last["sdpa"]["peak_mib"], 0.1)
-    print(f"  target: >= 10x less memory at {last_seq}: {'met' if ratio >= 10 else 'NOT met'} ({ratio:.1f}x)")
+    target = f"target: >= 10x less memory at {last_seq}: {'met' if ratio >= 10 else 'NOT met'} ({ratio:.1f}x)"
+    print(f"  {target}")
+    write_table("attention_cpu", "SDPA against eager attention (CPU)",
+                f"{torch.get_num_threads()} threads, batch 1 x {HEADS} heads x head dim {HEAD_DIM}, fp32, causal, {how};"
+                " fresh process per cell", ["sequence", "eager MiB", "sdpa MiB", "memory ratio", "eager ms", "sdpa ms",
+                                            "speed-up"], table, bars=("memory ratio", "speed-up"),
+                reference={"memory ratio": 10.0, "speed-up": 1.0}, out_dir=args.out_dir,
+                fmt={"eager MiB": ".0f", "sdpa MiB": ".1f", "memory ratio": ".1f", "eager ms": ".0f",
+                     "sdpa ms": ".0f", "speed-up": ".2f"},
+                notes=[target, "memory: extra peak resident memory over the inputs ("
+                       + ("VmHWM after clear_refs" if exact else "ru_maxrss") + ")"])
 
 
 # ------------------------------------------------------------------------------------------------ CUDA (in process)

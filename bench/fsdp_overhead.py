@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import add_model_args, batches, build_model, count_params, timed_loop, trainer_step_times  # noqa: E402
+from tables import write_table  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
@@ -112,18 +113,27 @@ def main() -> None:
     per_rank = [0] * dist.get_world_size()
     dist.all_gather_object(per_rank, state_bytes)
     if dist.get_rank() == 0:
-        print(f"\nfsdp_overhead: {args.devices} x {device.type}, Llama {args.layers}x{args.hidden} "
-              f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
-              f"{args.rounds} rounds x {args.steps} timed steps")
+        setup = (f"{args.devices} x {device.type}, Llama {args.layers}x{args.hidden} ({n_params / 1e6:.1f}M params), "
+                 f"micro batch {args.batch}x{args.seq}, {args.precision}, {args.rounds} rounds x {args.steps} timed"
+                 " steps")
+        print(f"\nfsdp_overhead: {setup}")
         base = statistics.median(times["hand-written FSDP2"])
+        rows = []
         for name, t in times.items():
             med = statistics.median(t)
+            rows.append([name, med * 1e3, med / base])
             print(f"  {name:<26} {med * 1e3:8.1f} ms/step   ratio {med / base:.3f}"
                   + ("   (target <= 1.05)" if name != "hand-written FSDP2" else ""))
         ideal = full_state / args.devices
+        notes = ["ratio: median step time over the hand-written FSDP2 loop's in the same run (target <= 1.05)"]
         for rank, b in enumerate(per_rank):
             print(f"  rank {rank} params+grads+optimizer {b / 2**20:8.2f} MiB   ideal 1/{args.devices} of "
                   f"{full_state / 2**20:.2f} MiB = {ideal / 2**20:.2f} MiB   ratio {b / ideal:.3f}")
+            notes.append(f"rank {rank} params+grads+optimizer {b / 2**20:.2f} MiB = {b / ideal:.3f} x the ideal"
+                         f" 1/{args.devices} of {full_state / 2**20:.2f} MiB")
+        write_table("fsdp_overhead", "disttrain_fsdp against hand-written FSDP2", setup, ["variant", "ms/step", "ratio"],
+                    rows, bars=("ms/step", "ratio"), reference={"ratio": 1.0}, fmt={"ms/step": ".1f", "ratio": ".3f"},
+                    notes=notes, out_dir=args.out_dir)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -25,6 +25,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out-dir", default=None, help="where the Markdown + PNG tables go (default: bench/out)")
 
 
 def build_model(args):

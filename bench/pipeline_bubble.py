@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import add_model_args, build_model, free_port, sync  # noqa: E402
+from tables import write_table  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -162,14 +163,25 @@ def main() -> None:
           f" microbatch, {args.device}, {args.precision}")
     pp = launch(args, "pp", 2)
     print("\n1F1B, p=2         step (s)   idle measured   theory (p-1)/(m+p-1)   measured / theory")
+    rows = []
     for m, row in pp.items():
         theory = 1 / (int(m) + 1)
         print(f"  m={m:<3}           {row['step_s']:8.3f}   {row['idle']:13.3f}   {theory:20.3f}"
               f"   {row['idle'] / theory:17.2f}")
+        rows.append([f"1F1B p=2 m={m}", row["step_s"], row["idle"], theory, row["idle"] / theory])
     single = launch(args, "tp", 1)
     tp = launch(args, "tp", 2)
     print(f"\nTP=2 step {tp['step_s']:.3f} s vs one process {single['step_s']:.3f} s:"
           f" ratio {tp['step_s'] / single['step_s']:.2f} (below 1 = faster than one process)")
+    write_table("pipeline_bubble", "Pipeline bubble of disttrain_megatron's 1F1B",
+                f"Llama hidden={args.hidden} layers={args.layers} seq={args.seq}, {args.batch} samples per microbatch,"
+                f" {args.device}, {args.precision}", ["schedule", "step s", "idle measured", "idle theory",
+                                                      "measured / theory"], rows,
+                bars=("idle measured", "idle theory"), fmt={"step s": ".3f", "idle measured": ".3f",
+                                                             "idle theory": ".3f", "measured / theory": ".2f"},
+                notes=[f"TP=2 step {tp['step_s']:.3f} s vs one process {single['step_s']:.3f} s: ratio"
+                       f" {tp['step_s'] / single['step_s']:.2f} (below 1 = faster than one process)"],
+                out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

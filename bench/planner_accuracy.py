@@ -24,6 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import free_port
+from tables import write_table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist", "planner_measure.py")
@@ -55,9 +56,11 @@ def error(predicted: float, measured: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", nargs="*", default=ALL)
+    p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
     args = p.parse_args()
     print(f"{'strategy':<44} {'model':<6} {'states MiB':>10} {'est':>8} {'err':>7} {'acts MiB':>9} {'est':>8}"
           f" {'err':>7} {'total err':>9}")
+    rows = []
     for spec in args.strategies:
         if not registered(spec):
             print(f"{spec:<44} skipped: {spec.split(':')[0]} is not registered (disttrain.names.STRATEGIES)")
@@ -70,6 +73,15 @@ def main() -> None:
                   f" {error(e['states'], m['states']):>7} {m['activations'] / mib:>9.2f}"
                   f" {e['activations'] / mib:>8.2f} {error(e['activations'], m['activations']):>7}"
                   f" {error(e['states'] + e['activations'], m['states'] + m['activations']):>9}")
+            total = (e["states"] + e["activations"]) / (m["states"] + m["activations"]) - 1
+            rows.append([f"{spec} ({size})", m["states"] / mib, e["states"] / mib, m["activations"] / mib,
+                         e["activations"] / mib, 100 * abs(total)])
+    if rows:
+        write_table("planner_accuracy", "Planner estimate against measurement", "2 CPU processes (gloo), rank 0",
+                    ["strategy (model)", "states MiB", "est states MiB", "activations MiB", "est activations MiB",
+                     "|total error| %"], rows, bars=("|total error| %",), fmt={"|total error| %": ".1f"},
+                    notes=["total error: (estimated - measured) / measured of states + activations"],
+                    out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import add_model_args, run_variants, sync  # noqa: E402
+from tables import write_table  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
@@ -151,12 +152,23 @@ def main() -> None:
     unit = "device peak MiB" if args.device == "cuda" else "peak MiB (RSS)"
     print(f"  {'row':<30} | {unit + ' per rank':>28} {'vs DDP':>7} | {'ms/step':>8} {'speed':>6} "
           f"| article: GB/card (vs DDP), speed")
+    table = []
     for row in ROWS:
         mem, t = max(peaks[row]), statistics.median(times[row])
         gb, speed = ARTICLE[row]
         per_rank = ", ".join(f"{p:.0f}" for p in peaks[row])
         print(f"  {row:<30} | {per_rank:>28} {mem / base_mem:>6.2f}x | {t * 1e3:>8.0f} {base_time / t:>5.2f}x "
               f"| {gb} GB ({gb / ARTICLE[base][0]:.2f}x), {speed}x")
+        table.append([row, per_rank, mem / base_mem, t * 1e3, base_time / t, f"{gb} GB ({gb / ARTICLE[base][0]:.2f}x)",
+                      speed])
+    write_table("seed_table", "The article's comparison table, measured",
+                f"{args.devices} x {args.device}, Llama {args.layers}x{args.hidden}, seq {args.seq}, micro batch"
+                f" {args.batch} per rank, {args.precision}", ["row", unit + " per rank", "memory vs DDP", "ms/step",
+                                                              "speed vs DDP", "article memory", "article speed"],
+                table, bars=("memory vs DDP", "speed vs DDP"), reference={"memory vs DDP": 1.0, "speed vs DDP": 1.0},
+                fmt={"memory vs DDP": ".2f", "ms/step": ".0f", "speed vs DDP": ".2f"},
+                notes=["memory: the larger rank's peak over the memory before the model was built; speed: DDP's step"
+                       " time divided by the row's"], out_dir=args.out_dir)
     print("  (memory: the larger rank's peak over the memory before the model was built; speed: DDP's step time "
           "divided by the row's)")
 

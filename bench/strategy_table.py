@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from planner_accuracy import registered, run
+from tables import write_table  # noqa: E402
 
 ROWS = ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
         "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2,microbatches=2"]
@@ -29,6 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--size", default="small", choices=("tiny", "small"))
+    p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
     args = p.parse_args()
     results = {}
     for spec in ROWS:
@@ -40,6 +42,7 @@ def main() -> None:
     mib = 2**20
     print(f"\n{'strategy':<44} {'measured MiB/rank':>17} {'estimate':>9} {'est device':>10} {'est host':>8}"
           f" {'step s':>7} {'x DDP':>6} {'est x DDP':>9}")
+    rows = []
     for spec, ranks in results.items():
         r = ranks[0][args.size]
         m, e = r["measured"], r["estimate"]
@@ -49,6 +52,16 @@ def main() -> None:
               f" {device / mib:>10.2f} {e['host'] / mib:>8.2f} {m['step_s']:>7.3f}"
               f" {m['step_s'] / base['measured']['step_s']:>6.2f}"
               f" {r['estimated_step_s'] / base['estimated_step_s']:>9.2f}")
+        rows.append([spec, busiest / mib, (e["states"] + e["activations"]) / mib, device / mib, e["host"] / mib,
+                     m["step_s"], m["step_s"] / base["measured"]["step_s"],
+                     r["estimated_step_s"] / base["estimated_step_s"]])
+    write_table("strategy_table", "Every strategy on one model", f"2 CPU processes (gloo), {args.size} model,"
+                f" {args.steps} steps", ["strategy", "measured MiB/rank", "estimate MiB", "est device MiB",
+                                         "est host MiB", "step s", "x DDP", "est x DDP"], rows,
+                bars=("measured MiB/rank", "x DDP"), reference={"x DDP": 1.0}, fmt={"step s": ".3f", "x DDP": ".2f",
+                                                                                  "est x DDP": ".2f"},
+                notes=["measured: the busiest rank's model states + saved activations; x DDP: step time over DDP's in"
+                       " the same run"], out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

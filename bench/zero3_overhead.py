@@ -33,6 +33,7 @@ from harness import (  # noqa: E402
     timed_loop,
     trainer_step_times,
 )
+from tables import write_table  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -139,16 +140,24 @@ def main() -> None:
     times = {name: [t for out in outs for t in out["times"]] for name, outs in runs.items()}
     memory_of = {name: outs[-1]["memory"] for name, outs in runs.items()}
     n_params = count_params(args)
-    print(f"\nzero3_overhead: {args.devices} x {args.device}, Llama {args.layers}x{args.hidden} "
-          f"({n_params / 1e6:.1f}M params), micro batch {args.batch}x{args.seq}, {args.precision}, "
-          f"{args.rounds} rounds x {args.steps} timed steps, each variant in fresh processes")
+    setup = (f"{args.devices} x {args.device}, Llama {args.layers}x{args.hidden} ({n_params / 1e6:.1f}M params), "
+             f"micro batch {args.batch}x{args.seq}, {args.precision}, {args.rounds} rounds x {args.steps} timed steps,"
+             " each variant in fresh processes")
+    print(f"\nzero3_overhead: {setup}")
     base = statistics.median(times["raw deepspeed.initialize"])
+    rows = []
     for name, t in times.items():
         med = statistics.median(t)
         mems = "  ".join(f"rank{r} " + ", ".join(f"{k} {v:.0f}" for k, v in m.items())
                          for r, m in enumerate(memory_of[name]))
+        rows.append([name, med * 1e3, med / base, mems])
         print(f"  {name:<34} {med * 1e3:8.1f} ms/step  ratio {med / base:.3f}   {mems}")
     print("  (target: ratio <= 1.05 for disttrain_zero3; host RSS is each process's total after its run)")
+    write_table("zero3_overhead", "disttrain_zero3 against a raw deepspeed.initialize loop", setup,
+                ["variant", "ms/step", "ratio", "memory per rank"], rows, bars=("ms/step", "ratio"),
+                reference={"ratio": 1.0}, fmt={"ms/step": ".1f", "ratio": ".3f"},
+                notes=["ratio: median step time over the raw DeepSpeed loop's in the same run (target <= 1.05 for"
+                       " disttrain_zero3)", "host RSS is each process's total after its run"], out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

@@ -140,10 +140,18 @@ def test_default_strategy_and_config(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_strategy(16, "gpu") == ("disttrain_megatron", {"tensor_parallel_size": 2})
     assert default_strategy(1, "gpu") == ("disttrain_fsdp", {})  # tp=2 needs two devices
-    monkeypatch.delitem(STRATEGY_REGISTRY, "disttrain_megatron")
-    assert default_strategy(2, "gpu") == ("disttrain_fsdp", {})
-    assert default_strategy(1, "gpu") == ("disttrain_fsdp", {})  # tp=2 needs an even number of devices
-    assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
+    # not monkeypatch.delitem: it saves the entry with the registry's get(), which builds a strategy object, and
+    # would put that object back in place of the entry
+    entry = STRATEGY_REGISTRY.pop("disttrain_megatron")
+    try:
+        assert default_strategy(2, "gpu") == ("disttrain_fsdp", {})
+        assert default_strategy(1, "gpu") == ("disttrain_fsdp", {})  # tp=2 needs an even number of devices
+        assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
+    finally:
+        STRATEGY_REGISTRY["disttrain_megatron"] = entry
+    from disttrain.fabric import MegatronStrategy
+
+    assert STRATEGY_REGISTRY["disttrain_megatron"]["strategy"] is MegatronStrategy
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@
 The data is a tiny synthetic language: each sequence counts from a random start with a random stride
 (token[t+1] = token[t] + stride mod V). The first two tokens fix the stride, so held-out loss falls quickly
 when the model learns the rule. Shows: a progress bar, the loss falling, per-rank parameter memory against the
-unsharded size, and steps/s.
+unsharded size, and steps/s; TensorBoard and CSV logs under --out/logs (--logger) and the run report
+--out/report.png + report.md at the end. The bar is drawn only in a terminal (logs get the evaluation lines).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import disttrain  # noqa: F401  (registers disttrain_* names)
 from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
+from disttrain.report import fabric_loggers, interactive, start_run, write_report, write_run_info
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
 
@@ -38,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--out", default="runs/demo", help="the run folder: logs and report")
+    p.add_argument("--logger", default="tensorboard,csv", help="tensorboard,csv | csv | tensorboard | none")
     return p.parse_args()
 
 
@@ -49,8 +53,9 @@ def counting_batch(n: int, seq_len: int, vocab: int, generator: torch.Generator)
 
 def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict]:
     # Under `lightning run model` the launcher sets strategy/devices; run with plain python it uses these.
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="disttrain_fsdp") \
-        if not os.environ.get("LT_CLI_USED") else L.Fabric()
+    loggers = fabric_loggers(args.out, args.logger)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="disttrain_fsdp", loggers=loggers) \
+        if not os.environ.get("LT_CLI_USED") else L.Fabric(loggers=loggers)
     if not os.environ.get("LT_CLI_USED"):
         fabric.launch()
     fabric.seed_everything(0)
@@ -82,7 +87,8 @@ def fit(fabric: L.Fabric, state: dict, args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(fabric.global_rank)  # each rank draws its own data
     progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[rate]:.1f} steps/s"),
-                        TimeRemainingColumn(), console=Console(), disable=not fabric.is_global_zero)
+                        TimeRemainingColumn(), console=Console(),
+                        disable=not (fabric.is_global_zero and interactive()))
     start = time.perf_counter()
     with progress:
         task = progress.add_task("train", total=args.steps, loss=float("nan"), rate=0.0)
@@ -95,8 +101,12 @@ def fit(fabric: L.Fabric, state: dict, args: argparse.Namespace) -> None:
             state["step"] = step
             rate = step / (time.perf_counter() - start)
             progress.update(task, advance=1, loss=loss.item(), rate=rate)
+            fabric.log_dict({"train/loss": loss.item(), "train/lr": args.lr, "throughput/tokens_per_s":
+                             ids.numel() * fabric.world_size * rate, "time/elapsed_s": time.perf_counter() - start},
+                            step=step)
             if step % args.eval_every == 0 or step == args.steps:
                 held_out = validate(fabric, state, args)  # every rank takes part
+                fabric.log_dict({"val/loss": held_out, "val/ppl": math.exp(held_out)}, step=step)
                 if fabric.is_global_zero:
                     progress.console.print(f"step {step:3d}  train loss {loss.item():.3f}  "
                                            f"held-out loss {held_out:.3f}  {rate:.1f} steps/s")
@@ -123,8 +133,34 @@ def main() -> None:
                  f"Llama with {n_params / 1e6:.2f}M parameters, chance loss {math.log(args.vocab):.3f}")
     report_memory(fabric, state)
     fabric.print(f"held-out loss before training {validate(fabric, state, args):.3f}")
+    if fabric.is_global_zero:
+        start_run(args.out, recipe="recipes/demo/tiny_llama.py", strategy=fabric.strategy,
+                  world_size=fabric.world_size, device=fabric.device.type,
+                  precision=str(fabric.strategy.precision.precision))
+    start = time.perf_counter()
     fit(fabric, state, args)
     fabric.print(f"done: {state['step']} steps at {state['steps_per_s']:.1f} steps/s")
+    log_memory(fabric, state["step"])
+    if fabric.is_global_zero:
+        finish_run(fabric, args, time.perf_counter() - start)
+
+
+def log_memory(fabric: L.Fabric, step: int) -> None:
+    """Every rank's peak memory to the loggers (the report's per-rank bars)."""
+    from disttrain.callbacks.throughput import peak_memory_mib
+
+    peaks = fabric.all_gather(torch.tensor([peak_memory_mib(fabric.device)])).reshape(-1).tolist()
+    fabric.log_dict({f"memory/peak_mib_rank{r}": m for r, m in enumerate(peaks)}, step=step)
+
+
+def finish_run(fabric: L.Fabric, args: argparse.Namespace, wall_s: float) -> None:
+    """Rank 0: close the loggers, record the wall time, draw the run report (from the CSV logs)."""
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    write_run_info(args.out, finished=True, wall_s=round(wall_s, 2))
+    if "csv" in args.logger:
+        png, md = write_report(args.out)
+        print(f"report: {png} and {md}")
 
 
 if __name__ == "__main__":

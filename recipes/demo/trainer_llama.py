@@ -4,19 +4,23 @@
     torchrun --nproc_per_node 8 recipes/demo/trainer_llama.py --accelerator gpu --devices 8
     srun python recipes/demo/trainer_llama.py --accelerator gpu --devices 8 --num-nodes 4    # SLURM
 
-Saves a sharded checkpoint and a safetensors export of the Llama's full weights under --out.
+Saves a sharded checkpoint and a safetensors export of the Llama's full weights under --out, TensorBoard and CSV
+logs under --out/logs (--logger) and the run report --out/report.png + report.md (`disttrain report --out`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import lightning as L
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import disttrain
+from disttrain.callbacks import Throughput
+from disttrain.report import start_run, trainer_loggers, trainer_progress_callbacks, write_report, write_run_info
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
 
@@ -35,7 +39,8 @@ class LM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss = self.model(input_ids=batch, labels=batch).loss
-        self.log("loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
     def configure_optimizers(self):
@@ -51,19 +56,36 @@ def main() -> None:
     p.add_argument("--precision", default="bf16-mixed")
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--out", default="runs/trainer_llama")
+    p.add_argument("--logger", default="tensorboard,csv", help="tensorboard,csv | csv | tensorboard | none")
     args = p.parse_args()
 
     strategy = disttrain.strategies.FSDPStrategy(activation_checkpointing=True, empty_init=True) \
         if args.strategy == "disttrain_fsdp" else args.strategy
     trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices,
                         num_nodes=args.num_nodes, precision=args.precision, max_steps=args.max_steps,
-                        logger=False, enable_checkpointing=False, log_every_n_steps=1)
+                        logger=trainer_loggers(args.out, args.logger), enable_checkpointing=False,
+                        log_every_n_steps=1, enable_progress_bar=True,
+                        callbacks=[*trainer_progress_callbacks(), Throughput(every_n_steps=2)])
+    start = time.perf_counter()
     data = torch.utils.data.DataLoader(torch.randint(0, 1024, (256, 128)), batch_size=4)
+    if trainer.is_global_zero:
+        start_run(args.out, recipe="recipes/demo/trainer_llama.py", strategy=trainer.strategy,
+                  world_size=trainer.world_size, device=trainer.strategy.root_device.type, precision=args.precision)
     trainer.fit(LM(), data)
     trainer.save_checkpoint(f"{args.out}/ckpt")  # a sharded folder under disttrain_fsdp, written atomically
     if hasattr(trainer.strategy, "export_full"):
         trainer.strategy.export_full(f"{args.out}/model.safetensors", prefix="model.")  # plain HF weights
     trainer.print(f"saved {args.out}/ckpt and {args.out}/model.safetensors")
+    if trainer.is_global_zero:
+        report(trainer, args, time.perf_counter() - start)
+
+
+def report(trainer: L.Trainer, args: argparse.Namespace, wall_s: float) -> None:
+    """Rank 0: record the wall time and draw --out/report.png from the CSV logs."""
+    write_run_info(args.out, finished=True, wall_s=round(wall_s, 2))
+    if "csv" in args.logger:
+        png, md = write_report(args.out)
+        print(f"report: {png} and {md}")
 
 
 if __name__ == "__main__":

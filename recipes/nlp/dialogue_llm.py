@@ -11,7 +11,9 @@ disttrain strategy. Loss only on assistant turns; dialogues packed without atten
 Without --data/--tokenizer it trains on the chatterbot-corpus dialogues (English and Chinese), converted to JSONL
 with a BPE tokenizer trained on them, under data/dialogue/ on first use. Prints held-out loss and perplexity and
 tokens/s as it trains, exports a Hugging Face folder (--out/hf: config + safetensors + tokenizer) and prints the
-exported model's greedy reply to a sample prompt. --save-every N writes resumable checkpoints (model, optimizer,
+exported model's greedy reply to a sample prompt. A progress bar (rank 0, in a terminal; plain periodic lines in logs)
+follows training; TensorBoard and CSV logs go under --out/logs (--logger), and --out/report.png + report.md sum the
+run up at the end (`disttrain report --out` redraws them, also for an interrupted run). --save-every N writes resumable checkpoints (model, optimizer,
 schedule and the data position) under --out/checkpoints; --resume PATH continues with the next unseen batch.
 """
 
@@ -37,7 +39,9 @@ from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_dataset
 from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
 from disttrain.nlp.data import collate
 from disttrain.nlp.module import lr_factor
+from disttrain.nlp.replies import Sampling, sample_replies, side_by_side
 from disttrain.parallel.checkpoint import export_safetensors
+from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
 warnings.filterwarnings("ignore", message=".*all_gather is deprecated")  # Lightning's all_gather, once per rank
@@ -55,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
     p.add_argument("--global-batch", type=int, default=None, help="default: train.global_batch_size")
     p.add_argument("--lr", type=float, default=None, help="default: train.lr")
-    p.add_argument("--out", default="runs/dialogue_llm", help="checkpoints and the HF export go here")
+    p.add_argument("--out", default="runs/dialogue_llm", help="the run folder: logs, report, checkpoints, HF export")
+    p.add_argument("--logger", default="tensorboard,csv", help="tensorboard,csv | csv | tensorboard | none")
+    p.add_argument("--no-report", action="store_true", help="do not draw --out/report.png at the end")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: none)")
     p.add_argument("--log-every", type=int, default=0, help="print the train loss every N steps (0: at evals)")
     p.add_argument("--resume", default=None, help="a checkpoint folder written by --save-every")
@@ -100,9 +106,10 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
         cli_kwargs: dict[str, Any] = {"strategy": strategy}
     else:
         cli_kwargs = {}
+    cli_kwargs["loggers"] = fabric_loggers(args.out, args.logger)
     fabric = L.Fabric(precision=precision, **cli_kwargs) if cli else L.Fabric(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
-        precision=precision)
+        precision=precision, **cli_kwargs)
     dp = _sampler_kwargs(fabric)["num_replicas"]
     accumulation = GradientAccumulation(global_batch_size=int(train.get("global_batch_size") or micro * dp))
     accumulation.attach(fabric, micro)  # before launch: feeds disttrain_zero3's DeepSpeed config
@@ -187,64 +194,78 @@ def validate(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> di
 
 
 def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
+    steps, eval_every = run["steps"], int(run["cfg"]["train"].get("eval_every", 10))
+    # Report the rate at the evaluations (or at the end of a run shorter than eval_every); a rate needs 2 steps.
+    every = max(2, min(eval_every, steps - state["step"]))
+    throughput = Throughput(transformer=run["module"].config, every_n_steps=every, seq_len=run["seq_len"])
+    data = batches(run["train_loader"], state["sampler"])
+    state["losses"] = {}
+    start = time.perf_counter()
+    progress = StepProgress(total=steps, description="train", enabled=fabric.is_global_zero, start=state["step"])
+    with progress:
+        for step in range(state["step"] + 1, steps + 1):
+            train_step(fabric, state, run, step, data, throughput, progress, start)
+    state["seconds"] = time.perf_counter() - start
+
+
+def train_step(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any], step: int, data: Iterator[Any],
+               throughput: Throughput, progress: StepProgress, start: float) -> None:
+    """One optimizer step (all micro-steps), its logs, and the evaluation/checkpoint due at this step."""
     model, optimizer, sampler = state["model"], state["optimizer"], state["sampler"]
     acc: GradientAccumulation = run["accumulation"]
     cfg, steps = run["cfg"], run["steps"]
     eval_every = int(cfg["train"].get("eval_every", 10))
     save_every = run["args"].save_every
-    # Report the rate at the evaluations (or at the end of a run shorter than eval_every); a rate needs 2 steps.
-    every = max(2, min(eval_every, steps - state["step"]))
-    throughput = Throughput(transformer=run["module"].config, every_n_steps=every, seq_len=run["seq_len"])
-    data = batches(run["train_loader"], sampler)
-    state["losses"] = {}
-    start = time.perf_counter()
-    for step in range(state["step"] + 1, steps + 1):
-        set_lr(optimizer, run["module"].hparams, step - 1)
-        step_loss, tokens, samples = torch.zeros((), device=fabric.device), 0, 0
-        for micro in range(acc.steps):
-            batch = next(data)
-            with acc.micro_step(fabric, model, micro):
-                loss = model.training_step(batch, micro)
-                fabric.backward(acc.scale(fabric, loss))
-            sampler.advance(batch["input_ids"].shape[0])  # trained on: a checkpoint from now on skips it
-            step_loss += loss.detach() / acc.steps
-            tokens, samples = tokens + batch["input_ids"].numel(), samples + batch["input_ids"].shape[0]
-        optimizer.step()
-        optimizer.zero_grad()
-        state["step"] = step
-        rates = throughput.step(fabric, tokens=tokens, samples=samples)
-        if rates:
-            state["tokens_per_s"] = rates["throughput/tokens_per_s"]
-        loss_value = fabric.all_reduce(step_loss, reduce_op="mean").item()
-        state["losses"][step] = loss_value
-        if run["args"].log_every and step % run["args"].log_every == 0:
-            fabric.print(f"step {step:4d}  train loss {loss_value:.6f}")
-        if step % eval_every == 0 or step == steps:
-            held_out = validate(fabric, state, run)
-            tps = f"{state['tokens_per_s']:,.0f}" if "tokens_per_s" in state else "-"
-            fabric.print(f"step {step:4d}  train loss {loss_value:.3f}  held-out loss {held_out['val/loss']:.3f}"
-                         f"  held-out perplexity {held_out['val/ppl']:.1f}  {tps} tokens/s")
-            state["held_out"] = held_out
-        if save_every and step % save_every == 0:
-            path = Path(run["args"].out) / "checkpoints" / f"step-{step:06d}"
-            fabric.save(path, state_to_save(state))
-            fabric.print(f"saved {path}")
-    state["seconds"] = time.perf_counter() - start
+    lr = set_lr(optimizer, run["module"].hparams, step - 1)
+    step_loss, tokens, samples = torch.zeros((), device=fabric.device), 0, 0
+    for micro in range(acc.steps):
+        batch = next(data)
+        with acc.micro_step(fabric, model, micro):
+            loss = model.training_step(batch, micro)
+            fabric.backward(acc.scale(fabric, loss))
+        sampler.advance(batch["input_ids"].shape[0])  # trained on: a checkpoint from now on skips it
+        step_loss += loss.detach() / acc.steps
+        tokens, samples = tokens + batch["input_ids"].numel(), samples + batch["input_ids"].shape[0]
+    optimizer.step()
+    optimizer.zero_grad()
+    state["step"] = step
+    rates = throughput.step(fabric, tokens=tokens, samples=samples)
+    if rates:
+        state["tokens_per_s"] = rates["throughput/tokens_per_s"]
+    loss_value = fabric.all_reduce(step_loss, reduce_op="mean").item()
+    state["losses"][step] = loss_value
+    fabric.log_dict({"train/loss": loss_value, "train/lr": lr,
+                     "time/elapsed_s": time.perf_counter() - start}, step=step)
+    progress.update(loss=round(loss_value, 4))
+    if run["args"].log_every and step % run["args"].log_every == 0:
+        progress.print(f"step {step:4d}  train loss {loss_value:.6f}")
+    if step % eval_every == 0 or step == steps:
+        held_out = validate(fabric, state, run)
+        fabric.log_dict(held_out, step=step)
+        tps = f"{state['tokens_per_s']:,.0f}" if "tokens_per_s" in state else "-"
+        progress.print(f"step {step:4d}  train loss {loss_value:.3f}  held-out loss {held_out['val/loss']:.3f}"
+                       f"  held-out perplexity {held_out['val/ppl']:.1f}  {tps} tokens/s")
+        state["held_out"] = held_out
+    if save_every and step % save_every == 0:
+        path = Path(run["args"].out) / "checkpoints" / f"step-{step:06d}"
+        fabric.save(path, state_to_save(state))
+        progress.print(f"saved {path}")
 
 
-def set_lr(optimizer: Any, hparams: Any, step: int) -> None:
-    """Warm-up then cosine decay (DialogueLM's schedule) for 0-based optimizer ``step``."""
+def set_lr(optimizer: Any, hparams: Any, step: int) -> float:
+    """Warm-up then cosine decay (DialogueLM's schedule) for 0-based optimizer ``step``; returns the rate set."""
     lr = hparams.lr * lr_factor(step, hparams.warmup_steps, hparams.max_steps)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    return lr
 
 
 def state_to_save(state: dict[str, Any]) -> dict[str, Any]:
     return {k: state[k] for k in ("model", "optimizer", "sampler", "step")}
 
 
-def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> Path:
-    """The HF folder: the strategy gathers the full weights of DialogueLM.model (prefix "model.")."""
+def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any], name: str = "hf") -> Path:
+    """The HF folder --out/NAME: the strategy gathers the full weights of DialogueLM.model (prefix "model.")."""
     model = state["model"]
     strategy_export = getattr(fabric.strategy, "export_full", None)
 
@@ -254,7 +275,7 @@ def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> Path
         else:  # single-device strategies: the module is whole already
             export_safetensors(run["module"], path, prefix="model.")
 
-    return export_hf(Path(run["args"].out) / "hf", write_weights, run["module"].config, run["tokenizer"])
+    return export_hf(Path(run["args"].out) / name, write_weights, run["module"].config, run["tokenizer"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,18 +295,64 @@ def main(argv: list[str] | None = None) -> None:
     if state["step"]:
         fabric.print(f"resumed at step {state['step']} (epoch {state['sampler'].epoch}, "
                      f"sample {state['sampler'].position} of this rank's share)")
+    wall_start = time.perf_counter()
+    if fabric.is_global_zero:
+        start_run(args.out, recipe="recipes/nlp/dialogue_llm.py", strategy=fabric.strategy,
+                  world_size=fabric.world_size, device=fabric.device.type,
+                  precision=str(fabric.strategy.precision.precision), parameters=n_params, config=args.config)
     before = validate(fabric, state, run)
+    fabric.log_dict(before, step=state["step"])
     fabric.print(f"held-out loss before training {before['val/loss']:.3f}  held-out perplexity before training "
                  f"{before['val/ppl']:.1f}  (chance: {math.log(len(run['tokenizer'])):.3f})")
+    start = export_start(fabric, state, run, before)
     fit(fabric, state, run)
     out = export(fabric, state, run)
     fabric.print(f"done: {state['step']} steps in {state['seconds']:.1f}s; exported {out}")
-    if fabric.is_global_zero:
+    if start is not None:
+        print_replies(fabric, run, start, out, state)
+    elif fabric.is_global_zero:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         prompt = run["cfg"]["train"].get("prompt", "Hello, how are you?")
         print(f"sample  user: {prompt}\n        assistant: {reply_from_export(out, prompt)}", flush=True)
+    if fabric.is_global_zero:
+        finish_run(fabric, args, time.perf_counter() - wall_start)
+    fabric.barrier()
+
+
+def finish_run(fabric: L.Fabric, args: argparse.Namespace, wall_s: float) -> None:
+    """Rank 0 after training: close the loggers, record the wall time, draw the run report."""
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    write_run_info(args.out, finished=True, wall_s=round(wall_s, 2))
+    if args.no_report:
+        return
+    if "csv" not in args.logger:
+        print(f"no report: it is drawn from the CSV logs and --logger {args.logger!r} has no csv")
+        return
+    png, md = write_report(args.out)
+    print(f"report: {png} and {md}")
+
+def export_start(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any],
+                 held_out: dict[str, float]) -> tuple[Path, str] | None:
+    """When train.prompts is set: the model as it starts, exported to --out/hf_before (collective), and its label."""
+    if not run["cfg"]["train"].get("prompts"):
+        return None
+    when = f"at step {state['step']}" if state["step"] else "before training"
+    return export(fabric, state, run, "hf_before"), f"{when} (ppl {held_out['val/ppl']:,.0f})"
+
+
+def print_replies(fabric: L.Fabric, run: dict[str, Any], start: tuple[Path, str], out: Path,
+                  state: dict[str, Any]) -> None:
+    """Rank 0: train.prompts answered by the starting and the trained model, same seed and sampling, side by side."""
+    if fabric.is_global_zero:
+        train = run["cfg"]["train"]
+        prompts, sampling = list(train["prompts"]), Sampling(**(train.get("sampling") or {}))
+        ppl = f" (ppl {state['held_out']['val/ppl']:,.0f})" if "held_out" in state else ""
+        table = side_by_side(prompts, sample_replies(start[0], prompts, sampling),
+                             sample_replies(out, prompts, sampling), start[1], f"after {state['step']} steps{ppl}")
+        print(table, flush=True)
     fabric.barrier()
 
 

@@ -12,7 +12,9 @@ head-split tensor parallel (tp=2) x data parallel (``disttrain_megatron``), on a
 
 Writes under --out: ``ckpt`` (a resumable checkpoint, replaced atomically at epoch ends; ``--resume OUT/ckpt``
 continues from the next epoch, so a run stopped by --max-steps counts its last epoch as done) and ``export``
-(model.safetensors + config.json: ``timm.create_model("local-dir:OUT/export", pretrained=True)``).
+(model.safetensors + config.json: ``timm.create_model("local-dir:OUT/export", pretrained=True)``), ``logs``
+(TensorBoard and CSV, ``--logger``) and ``report.png`` + ``report.md`` at the end (``disttrain report OUT``).
+A progress bar follows training on rank 0 in a terminal; logs get plain periodic lines.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import disttrain  # noqa: F401  (registers the disttrain_* names)
+from disttrain.callbacks import Throughput
+from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 from disttrain.vision import (ImageFolderData, ViTClassifier, count_parameters, default_config, default_strategy,
                               export_timm, read_yaml)
 from disttrain.vision.defaults import cuda_memory
@@ -45,7 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=None, help="overrides train.epochs")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (train.max_steps)")
     p.add_argument("--out", default="runs/vit", help="where the checkpoint and the export are written")
-    p.add_argument("--log-every", type=int, default=20, help="print the training loss every this many steps")
+    p.add_argument("--log-every", type=int, default=20, help="log the training loss every this many steps")
+    p.add_argument("--logger", default="tensorboard,csv", help="tensorboard,csv | csv | tensorboard | none")
+    p.add_argument("--no-report", action="store_true", help="do not draw --out/report.png at the end")
     p.add_argument("--resume", default=None, help="a checkpoint folder written by this recipe (e.g. runs/vit/ckpt)")
     # Used when started with plain `python`; under `lightning run model` the launcher's own options decide.
     p.add_argument("--accelerator", default="auto")
@@ -67,7 +73,7 @@ def make_fabric(args: argparse.Namespace, accelerator: str, precision: str, devi
     """Fabric with the launcher's settings; what the launcher left open comes from the args and the defaults."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"loggers": fabric_loggers(args.out, args.logger)}
     if not os.environ.get("LT_ACCELERATOR"):
         kwargs["accelerator"] = args.accelerator
     if not os.environ.get("LT_DEVICES"):
@@ -149,36 +155,55 @@ def make_loaders(fabric: L.Fabric, data: ImageFolderData) -> dict[str, Any]:
 
 
 def fit(fabric: L.Fabric, state: dict, run: dict, out: Path, log_every: int) -> dict[str, float]:
+    cfg = run["vit"].train_config
+    metrics: dict[str, float] = {}
+    start = time.perf_counter()
+    total = min(cfg.epochs * len(run["train"]), cfg.max_steps or 10**12)
+    # images/s and per-rank memory at the log steps; FLOPs of the timm model are not counted here, so no MFU
+    throughput = Throughput(every_n_steps=max(2, log_every))
+    with StepProgress(total=total, description="train", enabled=fabric.is_global_zero, start=state["step"]) as bar:
+        for epoch in range(state["epoch"], cfg.epochs):
+            epoch_metrics, last = fit_epoch(fabric, state, run, out, epoch, log_every, start, throughput, bar)
+            metrics = epoch_metrics or metrics
+            if last:
+                break
+    return metrics
+
+
+def fit_epoch(fabric: L.Fabric, state: dict, run: dict, out: Path, epoch: int, log_every: int, start: float,
+              throughput: Throughput, bar: StepProgress) -> tuple[dict[str, float], bool]:
+    """One epoch, then the validation and checkpoint it is due; returns (metrics or {}, whether training ends)."""
     model, optimizer, scheduler = state["model"], state["optimizer"], state["scheduler"]
     cfg = run["vit"].train_config
     metrics: dict[str, float] = {}
-    start, first_step = time.perf_counter(), state["step"]
-    for epoch in range(state["epoch"], cfg.epochs):
-        run["train"].sampler.set_epoch(epoch)
-        model.train()
-        for batch in run["train"]:
-            loss = model.training_step(fabric.to_device(batch), state["step"])
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
-            state["step"] += 1
-            if state["step"] % log_every == 0:
-                rate = (state["step"] - first_step) / (time.perf_counter() - start)
-                fabric.print(f"epoch {epoch + 1} step {state['step']}: loss {loss.item():.4f}, {rate:.2f} steps/s")
-            if cfg.max_steps and state["step"] >= cfg.max_steps:
-                break
-        state["epoch"] = epoch + 1
-        last = state["epoch"] == cfg.epochs or bool(cfg.max_steps and state["step"] >= cfg.max_steps)
-        if last or state["epoch"] % cfg.val_every_epochs == 0:
-            metrics = validate(fabric, state, run)
-            fabric.print(f"epoch {state['epoch']}: val_acc {metrics['val_acc']:.4f}, val_loss {metrics['val_loss']:.4f}"
-                         f" ({time.perf_counter() - start:.1f} s)")
-        if last or state["epoch"] % cfg.checkpoint_every_epochs == 0:
-            fabric.save(out / "ckpt", state)  # atomic: a crash mid-save keeps the previous checkpoint
-        if last:
+    run["train"].sampler.set_epoch(epoch)
+    model.train()
+    for batch in run["train"]:
+        loss = model.training_step(fabric.to_device(batch), state["step"])
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step()
+        state["step"] += 1
+        throughput.step(fabric, batch)
+        bar.update(epoch=epoch + 1, loss=round(loss.item(), 4))
+        if state["step"] % log_every == 0:
+            bar.print(f"epoch {epoch + 1} step {state['step']}: loss {loss.item():.4f}, {bar.rate():.2f} steps/s")
+            fabric.log_dict({"train/loss": loss.item(), "train/lr": lr,
+                             "time/elapsed_s": time.perf_counter() - start}, step=state["step"])
+        if cfg.max_steps and state["step"] >= cfg.max_steps:
             break
-    return metrics
+    state["epoch"] = epoch + 1
+    last = state["epoch"] == cfg.epochs or bool(cfg.max_steps and state["step"] >= cfg.max_steps)
+    if last or state["epoch"] % cfg.val_every_epochs == 0:
+        metrics = validate(fabric, state, run)
+        fabric.log_dict({"val/acc": metrics["val_acc"], "val/loss": metrics["val_loss"]}, step=state["step"])
+        bar.print(f"epoch {state['epoch']}: val_acc {metrics['val_acc']:.4f}, val_loss {metrics['val_loss']:.4f}"
+                  f" ({time.perf_counter() - start:.1f} s)")
+    if last or state["epoch"] % cfg.checkpoint_every_epochs == 0:
+        fabric.save(out / "ckpt", state)  # atomic: a crash mid-save keeps the previous checkpoint
+    return metrics, last
 
 
 @torch.no_grad()
@@ -194,8 +219,13 @@ def validate(fabric: L.Fabric, state: dict, run: dict) -> dict[str, float]:
 
 def main() -> None:
     args = parse_args()
+    wall_start = time.perf_counter()
     fabric, state, run = setup(args)
     out = Path(args.out)
+    if fabric.is_global_zero:
+        start_run(out, recipe="recipes/vision/vit2b.py", strategy=fabric.strategy, world_size=fabric.world_size,
+                  device=fabric.device.type, precision=str(fabric.strategy.precision.precision),
+                  config=str(args.config or "default"))
     if state["epoch"] >= run["vit"].train_config.epochs:
         metrics = validate(fabric, state, run)
         fabric.print(f"already trained: val_acc {metrics['val_acc']:.4f}")
@@ -205,6 +235,23 @@ def main() -> None:
                          lambda path: _export_weights(fabric, state["model"], path),
                          data=run["vit"].data_config, class_names=run["classes"])
     fabric.print(f"final val_acc {metrics['val_acc']:.4f}; checkpoint {out / 'ckpt'}, timm export {export}")
+    if fabric.is_global_zero:
+        finish_run(fabric, args, out, time.perf_counter() - wall_start)
+    fabric.barrier()
+
+
+def finish_run(fabric: L.Fabric, args: argparse.Namespace, out: Path, wall_s: float) -> None:
+    """Rank 0 after training: close the loggers, record the wall time, draw the run report."""
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    write_run_info(out, finished=True, wall_s=round(wall_s, 2))
+    if args.no_report:
+        return
+    if "csv" not in args.logger:
+        print(f"no report: it is drawn from the CSV logs and --logger {args.logger!r} has no csv")
+        return
+    png, md = write_report(out)
+    print(f"report: {png} and {md}")
 
 
 def _export_weights(fabric: L.Fabric, model: Any, path: Path) -> Optional[Path]:

@@ -174,6 +174,8 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
     parser.add_argument("--simulate", action="store_true", help="also shard the model with the recommended strategy"
                         " on a fake process group and show the simulated model states beside the estimate")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw per-rank memory per strategy against"
+                        " the usable device memory into this PNG")
     args = parser.parse_args(argv)
     overrides = {}
     if args.gpus_per_node:
@@ -186,6 +188,8 @@ def _plan(argv: list[str]) -> int:
     plan = choose(args.model, args.gpus, hw, micro_batch=args.micro_batch, seq_len=args.seq_len,
                   precision=args.precision, headroom=args.headroom)
     print(plan.report())
+    if args.plot:
+        _plan_plot(plan, args.plot)
     if args.simulate:
         _plan_simulation(args.model, plan, args.precision)
     return 0 if plan.choice is not None else 1
@@ -222,6 +226,29 @@ def _simulate(argv: list[str]) -> int:
                    pipeline_parallel_size=args.pp, precision=args.precision, hybrid_shard_size=args.hybrid_shard_size)
     print(sim.table())
     return 0
+
+
+def _report(argv: list[str]) -> int:
+    """``disttrain report RUN_DIR``: redraw a recipe run's report.png/report.md from its logs (also of an interrupted
+    run), or the daily job's model history when RUN_DIR is its --model-root."""
+    parser = argparse.ArgumentParser(prog="disttrain report", description=_report.__doc__)
+    parser.add_argument("run_dir", help="a recipe's --out folder, or the daily job's --model-root")
+    args = parser.parse_args(argv)
+    from disttrain.report import write_report
+    from disttrain.report.daily import is_daily_root, write_history_report
+
+    png, md = (write_history_report if is_daily_root(args.run_dir) else write_report)(args.run_dir)
+    print(f"wrote {png} and {md}")
+    return 0
+
+def _plan_plot(plan, path: str) -> None:
+    from disttrain.planner.plot import save_plan_plot
+
+    try:
+        print(f"wrote {save_plan_plot(plan, path)}")
+    except OSError as e:
+        raise SystemExit(f"disttrain plan: error: cannot write --plot {path}: {e.strerror or e}; choose a writable"
+                         " path") from None
 
 
 def _recsys(argv: list[str]) -> int:
@@ -274,6 +301,8 @@ commands:
                  (--simulate: the recommendation also sharded on a fake process group, beside the estimate)
   simulate --model CONFIG.yaml --strategy NAME --world-size N [--tp T --pp P --hybrid-shard-size S]
                  shard the model with the real strategy code on N fake ranks; bytes per rank role
+  report RUN_DIR  redraw RUN_DIR/report.png and report.md from a run's logs (a recipe's --out, also interrupted
+                 runs) or, for the daily job's --model-root, the model history from its run records
   recsys make-data OUT_DIR [--days N --rows R]
                  write Criteo-format demo days from a planted model with daily drift
   recsys daily --data-root DIR --model-root DIR [--run-date YYYY-MM-DD] [--force]
@@ -288,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     commands = {"run": launch, "export": _export, "verify": _verify, "strategies": _strategies, "plan": _plan,
-                "recsys": _recsys, "simulate": _simulate}
+                "recsys": _recsys, "report": _report, "simulate": _simulate}
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ dataclasses and options, :func:`keys_of`), so the check and the consumer cannot 
 - ``disttrain.nlp.module.DIALOGUE_RECIPE`` (``configs/nlp``: ``model:`` LlamaConfig, ``data:``, ``train:``),
 - ``disttrain.vision.config.VIT_RECIPE`` (``configs/vision``: ``model:`` timm VisionTransformer, ``data:``,
   ``train:``),
-- ``disttrain.recsys.daily.DEEPFM_RECIPE`` (``configs/recsys``: ``model:`` DeepFMNet, ``train:``, ``strategy:``,
+- ``disttrain.recsys.model.DEEPFM_RECIPE`` (``configs/recsys``: ``model:`` DeepFMNet, ``train:``, ``strategy:``,
   ``daily:``).
 
 A new key is added to the class that consumes it (and, for the shipped configs, commented in their YAML); a new

@@ -27,7 +27,7 @@ ConfigSource = Union[str, os.PathLike, dict, None]
 # The keys of the data: and train: sections, as the dialogue recipe and DialogueData read them.
 DATA_KEYS = ("train", "tokenizer", "seq_len", "val_fraction", "seed")
 TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "lr", "weight_decay", "warmup_steps", "steps", "eval_every",
-              "precision", "prompt")
+              "precision", "prompt", "prompts", "sampling")
 
 
 def llama_keys() -> set[str]:
@@ -37,7 +37,10 @@ def llama_keys() -> set[str]:
 
 def recipe_schema() -> Schema:
     """What a dialogue recipe YAML may hold (see :mod:`disttrain.config`)."""
-    return {"model": LLAMA.config_schema({}), "data": dict.fromkeys(DATA_KEYS), "train": dict.fromkeys(TRAIN_KEYS)}
+    from disttrain.nlp.replies import SAMPLING_KEYS
+
+    train = {**dict.fromkeys(TRAIN_KEYS), "sampling": dict.fromkeys(SAMPLING_KEYS)}
+    return {"model": LLAMA.config_schema({}), "data": dict.fromkeys(DATA_KEYS), "train": train}
 
 
 DIALOGUE_RECIPE = Recipe("dialogue", "configs/nlp/dialogue_tiny.yaml", recipe_schema)

@@ -9,7 +9,8 @@ processes                                      ``setup_mesh``, ``data_parallel_g
 where modules are built                        ``init_context`` (the meta device, ``deepspeed.zero.Init``)
 set up a module and its optimizers             ``setup``, ``check_optimizers``, ``module_transforms`` (FP8)
 gradient accumulation                          ``no_sync`` (no gradient sync on non-final micro-steps)
-backward the engine owns                       ``prepare_step`` (the pipeline schedule), ``backward`` (DeepSpeed)
+backward the engine owns                       ``prepare_step`` (the pipeline schedule); DeepSpeed's own backward
+                                               runs through Lightning's DeepSpeed strategies we subclass
 clipping by the whole model's norm             ``clip_grad_norm_``
 buffers as DDP keeps them                      ``broadcast_buffers``, ``sync_buffers_after_forward``
 checkpoints in the one DCP layout              ``model_state``, ``optimizer_state``, ``reads_checkpoint``,

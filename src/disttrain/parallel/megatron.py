@@ -37,6 +37,7 @@ class MegatronOptions(FSDPOptions):
     tp_plan: your own plan, ``{"path.in.block": ColwiseParallel(), ...}`` relative to one block; default: the plan of
         the model's family (HF Llama family, GPT-2, BERT-style encoders, timm ViT).
     pipeline_schedule: "gpipe", "1f1b" or "interleaved_1f1b" (virtual stages: ``virtual_stages`` per rank, >= 2).
+    virtual_stages: stages per rank under "interleaved_1f1b" (1 means 2, the least it needs); other schedules: 1.
     microbatches: microbatches per batch under PP (default ``2 * pipeline_parallel_size``); divides the batch.
     split_points: block indices where stages 1, 2, ... start; default: balanced by parameter count.
     pipeline_module: attribute of the LightningModule holding the model to split/shard (default ``"model"``;

@@ -35,18 +35,16 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from disttrain.config import ConfigError, Recipe, Schema, keys_of
+from disttrain.config import ConfigError
 from disttrain.parallel import checkpoint as ckpt
 from disttrain.recsys.data import BadDataError, Day, DayBatches, convert_day, day_stats, list_days, load_day, \
     parse_date, split_rows
 from disttrain.recsys.metrics import ClickMetrics
+from disttrain.recsys.defaults import DAILY_DEFAULTS, TRAIN_DEFAULTS
 from disttrain.recsys.publish import LockedError, ModelStore, StoreError
 from disttrain.recsys.validate import ValidationBounds, check_day
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "recsys" / "deepfm_tiny.yaml"
-DAILY_DEFAULTS = {"eval_fraction": 0.1, "auc_tolerance": 0.005, "min_auc": 0.55, "keep_versions": 3,
-                  "max_bad_fraction": 0.01, "skip_missing_days": False, "train_late_days": False}
-TRAIN_DEFAULTS = {"batch_size": 512, "lr": 1e-3, "seed": 0}
 # TEST ONLY: name a point of the run (after-day-YYYY-MM-DD, before-publish, before-pointer) and the job dies there
 # with os._exit, as a killed process would (no cleanup); the tests use it to check that a restart recovers.
 CRASH_ENV = "DISTTRAIN_DAILY_CRASH_AT"
@@ -77,23 +75,15 @@ class DailyOptions:
     train_late_days: Optional[bool] = None
     skip_validation: bool = False
     verbose: bool = False
-
-
-def recipe_schema() -> Schema:
-    """What a DeepFM recipe YAML may hold (see :mod:`disttrain.config`)."""
-    from disttrain.parallel.recsys import RecsysOptions
-    from disttrain.recsys.model import MODEL_SCHEMA
-
-    return {"model": MODEL_SCHEMA, "train": dict.fromkeys(TRAIN_DEFAULTS), "strategy": keys_of(RecsysOptions),
-            "daily": {**dict.fromkeys(DAILY_DEFAULTS), "validation": keys_of(ValidationBounds)}}
-
-
-DEEPFM_RECIPE = Recipe("deepfm", "configs/recsys/deepfm_tiny.yaml", recipe_schema)
+    logger: str = "tensorboard,csv"
+    no_report: bool = False
 
 
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
     """A DeepFM recipe YAML (``model:``, ``train:``, ``strategy:``, ``daily:``) as a dict; an unknown section or key
     is one error naming the file, the section, the closest valid key and all valid keys."""
+    from disttrain.recsys.model import DEEPFM_RECIPE
+
     return DEEPFM_RECIPE.read(path)
 
 
@@ -200,6 +190,9 @@ class DailyJob:
         self.strategy_options = {k: v for k, v in (self.recipe.get("strategy") or {}).items() if v is not None}
         self.store = ModelStore(options.model_root)
         self.cache = self.store.root / "cache"
+        from disttrain.report import parse_logger_spec
+
+        parse_logger_spec(options.logger)  # a misspelt --logger fails before any work
 
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -207,7 +200,16 @@ class DailyJob:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         with ExitStack() as stack:
             _rank0(stack.enter_context, self.store.lock())  # rank 0 holds it; every rank gets its error
-            return self._run_locked()
+            result = self._run_locked()
+            if result["status"] in ("published", "rejected") and not self.options.no_report:
+                _rank0(self._history_report)
+            return result
+
+    def _history_report(self) -> None:
+        from disttrain.report.daily import write_history_report
+
+        png, md = write_history_report(self.store.root)
+        _log(f"model history: {png} and {md}")
 
     def _run_locked(self) -> dict[str, Any]:
         started = time.time()
@@ -466,12 +468,24 @@ class DailyJob:
                                                       seed=int(self.train["seed"]) + day.date.toordinal())
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=sampler)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        from disttrain.callbacks import Throughput
+        from disttrain.report import trainer_loggers, trainer_progress_callbacks
+
+        # The logs of a day's training: MODEL_ROOT/logs/DAY/{csv,tensorboard}/version_N (a retrained day adds one).
+        loggers = trainer_loggers(self.store.root / "logs" / day.date.isoformat(), self.options.logger,
+                                  subdir="")
+        # rows/s and per-rank memory; DeepFM's FLOPs are not counted, so no MFU.
+        # Log about every 10 steps, and at least twice on a short day (a rate needs two steps).
+        every = max(2, min(10, len(loader) // 2))
+        callbacks = [*trainer_progress_callbacks(), Throughput(every_n_steps=every)]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(num_workers|small|does not have many workers).*")
+            warnings.filterwarnings("ignore", message=".*FLOPs of a step are unknown.*")
             trainer = L.Trainer(strategy=RecsysStrategy(**self.strategy_options),
                                 accelerator="gpu" if self.device.type == "cuda" else "cpu", devices=local,
-                                num_nodes=self.world // local, max_epochs=1, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                                num_nodes=self.world // local, max_epochs=1, logger=loggers,
+                                enable_checkpointing=False, callbacks=callbacks, log_every_n_steps=every,
+                                enable_progress_bar=True, enable_model_summary=False, use_distributed_sampler=False,
                                 num_sanity_val_steps=0)
             trainer.fit(module, loader)
         return dataset.rows
@@ -618,6 +632,10 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
     p.add_argument("--skip-validation", action="store_true",
                    help="train without checking the days against the days before them (a real change in the data)")
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failure too")
+    p.add_argument("--logger", default="tensorboard,csv",
+                   help="per-day training logs under MODEL_ROOT/logs/DAY: tensorboard,csv | csv | tensorboard | none")
+    p.add_argument("--no-report", action="store_true",
+                   help="do not redraw MODEL_ROOT/report.png (the model history) after a run")
     return p
 
 

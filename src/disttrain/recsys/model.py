@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from disttrain.config import Schema, keys_of
+from disttrain.config import Recipe, Schema, keys_of
 from disttrain.parallel.recsys import dense_parameters
 
 NUM_DENSE, NUM_SPARSE = 13, 26
@@ -109,11 +109,22 @@ MODEL_SCHEMA: Schema = {**keys_of(DeepFMNet, exclude=["device"]),
                         "sparse_optimizer": dict.fromkeys(("name", "lr", "eps"))}
 
 
+def recipe_schema() -> Schema:
+    """What a DeepFM recipe YAML may hold (see :mod:`disttrain.config`)."""
+    from disttrain.parallel.recsys import RecsysOptions
+    from disttrain.recsys.defaults import DAILY_DEFAULTS, TRAIN_DEFAULTS
+    from disttrain.recsys.validate import ValidationBounds
+
+    return {"model": MODEL_SCHEMA, "train": dict.fromkeys(TRAIN_DEFAULTS), "strategy": keys_of(RecsysOptions),
+            "daily": {**dict.fromkeys(DAILY_DEFAULTS), "validation": keys_of(ValidationBounds)}}
+
+
+DEEPFM_RECIPE = Recipe("deepfm", "configs/recsys/deepfm_tiny.yaml", recipe_schema)
+
+
 def load_model_config(config: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
     """The ``model:`` mapping of a recipe YAML (or a dict that is either the whole recipe or that mapping); an
     unknown key is one error with the closest valid key."""
-    from disttrain.recsys.daily import DEEPFM_RECIPE
-
     return DEEPFM_RECIPE.model(config)
 
 
