@@ -19,6 +19,8 @@ What is counted, per role (ranks that hold the same kind of part: a pipeline sta
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -167,11 +169,20 @@ def fsdp_traffic(module: nn.Module, dp: int, compute_bytes: int, reduce_bytes: i
 
 # -- building -------------------------------------------------------------------------------------------------
 def meta_model(config: Union[str, dict]) -> nn.Module:
+    """A fresh meta-device copy of the recipe's model. Every rank role shards its own copy; building a 2B ViT's
+    modules takes seconds, copying the built one a fraction of that, so each config is built once per process."""
     from disttrain.planner.spec import meta_model as build
-
     from disttrain.planner.spec import recipe_model
 
-    return build(config if isinstance(config, dict) else recipe_model(config))
+    mapping = config if isinstance(config, dict) else recipe_model(config)
+    key = json.dumps(mapping, sort_keys=True, default=str)
+    if key not in _BUILT:
+        with torch.device("meta"):
+            _BUILT[key] = build(mapping)
+    return copy.deepcopy(_BUILT[key])
+
+
+_BUILT: dict[str, nn.Module] = {}
 
 
 def _precision_sizes(precision: str) -> tuple[int, int]:
@@ -210,8 +221,7 @@ def simulate(config: Union[str, dict], strategy: str, world_size: int, *, tensor
 
 
 def prepared(config: Union[str, dict], precision: str) -> nn.Module:
-    with torch.device("meta"):
-        module = meta_model(config)
+    module = meta_model(config)
     if precision in _DTYPES:
         module.to(_DTYPES[precision])
     return module
