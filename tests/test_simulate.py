@@ -9,8 +9,8 @@ from disttrain.simulate import simulate, versus
 
 DIALOGUE, VIT, DEEPFM = "configs/nlp/dialogue_10b.yaml", "configs/vision/vit2b.yaml", "configs/recsys/deepfm_5b.yaml"
 # The article's three cases at their real sizes: (config, strategy, world size, tensor-parallel size).
-ARTICLE = [(DIALOGUE, "disttrain_fsdp", 32, 1), (DIALOGUE, "disttrain_zero3", 32, 1), (VIT, "disttrain_megatron", 16, 2),
-           (DEEPFM, "disttrain_recsys", 8, 1)]
+ARTICLE = [(DIALOGUE, "disttrain_fsdp", 32, 1), (DIALOGUE, "disttrain_zero3", 32, 1),
+           (VIT, "disttrain_megatron", 16, 2), (DEEPFM, "disttrain_recsys", 8, 1)]
 _SIMULATIONS: dict = {}
 
 

@@ -7,7 +7,6 @@ from collections import Counter
 from typing import Any, Optional, Union
 
 import torch
-from torch import nn
 
 from disttrain.simulate.core import (
     Role,
@@ -47,9 +46,9 @@ def ddp(sim: Simulation, config: Config, **_: Any) -> None:
         p, g, o, c = count(module, DDPEngine(DDPOptions()), replicas=n)
     # DDP all-reduces the gradients in their own dtype, bucket by bucket: a ring sends 2(n-1)/n of them.
     sim.roles.append(Role("every rank", 0, n, p, g, o, c, {"dp": 2 * (n - 1) / n * g}))
-    sim.notes.append("DDP: every rank holds the whole model (DistributedDataParallel cannot be built on meta tensors; it"
-                     " keeps the module's parameters as they are); the checkpoint's replicated tensors are written once (DCP de-duplication),"
-                     " shown as a 1/world share")
+    sim.notes.append("DDP: every rank holds the whole model (DistributedDataParallel cannot be built on meta tensors;"
+                     " it keeps the module's parameters as they are); the checkpoint's replicated tensors are written"
+                     " once (DCP de-duplication), shown as a 1/world share")
 
 
 def fsdp(sim: Simulation, config: Config, hybrid_shard_size: Optional[int] = None, **_: Any) -> None:
