@@ -172,6 +172,8 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
+    parser.add_argument("--simulate", action="store_true", help="also shard the model with the recommended strategy"
+                        " on a fake process group and show the simulated model states beside the estimate")
     parser.add_argument("--plot", default=None, metavar="PNG", help="also draw per-rank memory per strategy against"
                         " the usable device memory into this PNG")
     args = parser.parse_args(argv)
@@ -188,7 +190,42 @@ def _plan(argv: list[str]) -> int:
     print(plan.report())
     if args.plot:
         _plan_plot(plan, args.plot)
+    if args.simulate:
+        _plan_simulation(args.model, plan, args.precision)
     return 0 if plan.choice is not None else 1
+
+
+def _plan_simulation(model: str, plan, precision: str) -> None:
+    """``plan --simulate``: the recommendation (else the candidate needing the least memory) simulated."""
+    from disttrain.simulate import simulate, simulated_name, versus
+
+    candidate = plan.choice or min(plan.candidates, key=lambda c: c.estimate.device)
+    e = candidate.estimate
+    sim = simulate(model, simulated_name(e.strategy), e.world_size, tensor_parallel_size=e.tensor_parallel_size,
+                   pipeline_parallel_size=e.pipeline_parallel_size, precision=precision)
+    print(f"\nsimulated: {candidate.label} (the real sharding code on a fake process group)\n")
+    print(versus(sim, e))
+
+
+def _simulate(argv: list[str]) -> int:
+    from disttrain.simulate import SIMULATED, simulate
+
+    parser = argparse.ArgumentParser(prog="disttrain simulate", description="Shard a recipe's model with a strategy"
+                                     " on a fake process group of --world-size ranks (one process, meta tensors: no"
+                                     " memory is allocated) and print what each rank role holds.")
+    parser.add_argument("--model", required=True, help="recipe YAML with a top-level `model:` mapping")
+    parser.add_argument("--strategy", required=True, choices=SIMULATED)
+    parser.add_argument("--world-size", type=int, required=True, help="ranks to simulate, e.g. 32 or 1024")
+    parser.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "--pp", dest="pp", type=int, default=1)
+    parser.add_argument("--hybrid-shard-size", type=int, default=None,
+                        help="disttrain_fsdp with hybrid_shard=True: ranks per shard group")
+    parser.add_argument("--precision", default="bf16-mixed")
+    args = parser.parse_args(argv)
+    sim = simulate(args.model, args.strategy, args.world_size, tensor_parallel_size=args.tp,
+                   pipeline_parallel_size=args.pp, precision=args.precision, hybrid_shard_size=args.hybrid_shard_size)
+    print(sim.table())
+    return 0
 
 
 def _report(argv: list[str]) -> int:
@@ -261,6 +298,9 @@ commands:
   strategies     list the registered disttrain strategy names
   plan --model CONFIG.yaml|HF_DIR|TIMM_NAME --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
                  per-rank memory of every strategy, whether it fits, and the recommended one
+                 (--simulate: the recommendation also sharded on a fake process group, beside the estimate)
+  simulate --model CONFIG.yaml --strategy NAME --world-size N [--tp T --pp P --hybrid-shard-size S]
+                 shard the model with the real strategy code on N fake ranks; bytes per rank role
   report RUN_DIR  redraw RUN_DIR/report.png and report.md from a run's logs (a recipe's --out, also interrupted
                  runs) or, for the daily job's --model-root, the model history from its run records
   recsys make-data OUT_DIR [--days N --rows R]
@@ -277,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     commands = {"run": launch, "export": _export, "verify": _verify, "strategies": _strategies, "plan": _plan,
-                "recsys": _recsys, "report": _report}
+                "recsys": _recsys, "report": _report, "simulate": _simulate}
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

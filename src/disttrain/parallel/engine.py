@@ -238,6 +238,9 @@ class FSDPEngine(Engine):
 
     casts_itself = True
     options: FSDPOptions
+    #: Allocate and initialise the sharded parameters after sharding; ``disttrain.simulate`` turns it off to keep the
+    #: shards on the meta device (their shapes are what it counts; a world of fake ranks allocates nothing).
+    allocates: bool = True
 
     def __init__(self, options: FSDPOptions, name: str = "disttrain_fsdp") -> None:
         super().__init__(options, name)
@@ -316,8 +319,9 @@ class FSDPEngine(Engine):
                 transform(module)
             apply_fsdp(module, self.dims.fsdp_mesh(self.mesh), self.options, precision, device)
             register_forward_methods(module, forward_methods)
-        materialize(module, device)
-        claim_root(module)
+        if self.allocates:
+            materialize(module, device)
+            claim_root(module)
         return module
 
     def is_parallelized(self, module: nn.Module) -> bool:

@@ -135,9 +135,10 @@ class MegatronEngine(FSDPEngine):
         else:
             apply_fsdp(module, self.mesh["dp"], opts, precision, device)
             register_forward_methods(module, forward_methods)
-        materialize(module, device)
-        if dims.pp == 1:  # under PP each stage module is a root of its own, called by the schedule
-            claim_root(module)
+        if self.allocates:
+            materialize(module, device)
+            if dims.pp == 1:  # under PP each stage module is a root of its own, called by the schedule
+                claim_root(module)
         return module
 
     def full_model(self, model: nn.Module) -> AbstractContextManager[nn.Module]:

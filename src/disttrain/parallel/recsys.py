@@ -141,12 +141,12 @@ def shard(module: nn.Module, options: RecsysOptions, device: torch.device) -> nn
         raise RuntimeError("disttrain_recsys shards over a process group: initialise torch.distributed first"
                            " (the Trainer and Fabric strategies do it in setup)")
     module_sharders = sharders(fused_params(options, getattr(module, "sparse_optimizer", None)))
-    _quiet_planner_logs()
+    quiet_planner_logs()
     sharding_plan = plan(module, options, dist.get_world_size(), device, module_sharders, dist.group.WORLD)
     return DistributedModelParallel(module, device=device, plan=sharding_plan, sharders=module_sharders)
 
 
-def _quiet_planner_logs() -> None:
+def quiet_planner_logs() -> None:
     # The planner warns about its own topology construction and about meta-device dry runs at every call.
     for name in ("torchrec.distributed.planner.types", "torchrec.distributed.planner.storage_reservations",
                  "torchrec.distributed.utils"):

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from disttrain.parallel.families import family_named
+from disttrain.planner.shards import first_rank_elements, zero3_partition_elements
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
 STRATEGIES = ("disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3",
@@ -149,7 +150,8 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
     if strategy != "disttrain_megatron" and (t, p) != (1, 1):
         raise ValueError(f"tensor_parallel_size={t}, pipeline_parallel_size={p} need strategy='disttrain_megatron'")
     seq = int(seq_len or spec.tokens or 1)
-    opt = optimizer or ("adagrad" if spec.table_rows and strategy == "disttrain_recsys" else "adamw")
+    recsys_opt = spec.extra.get("recsys", {}).get("sparse_optimizer") or "adagrad"
+    opt = optimizer or (recsys_opt if spec.table_rows and strategy == "disttrain_recsys" else "adamw")
     pb, gb, ob, cb, rb = _precision_bytes(precision, strategy, opt)
     n, P = world_size, spec.params
     est = dict(strategy=strategy, world_size=n, micro_batch=micro_batch, seq_len=seq, precision=precision,
@@ -178,10 +180,13 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_b
             block = spec.layer_params or unit
             buffers = root * cb + 2 * block * cb + block * rb
         comm = {"dp": (n - 1) / n * P * (2 * cb + rb)}  # all-gather forward and backward, reduce-scatter
-        states = (math.ceil(P / n) * pb, math.ceil(P / n) * gb, math.ceil(P / n) * ob)
+        # ZeRO-3 pads each parameter to a multiple of n (DeepSpeed's partition rule); FSDP2 chunks dim 0.
+        exact = zero3_partition_elements(spec, n) if zero else first_rank_elements(spec, n)
+        shard = exact if exact is not None else math.ceil(P / n)
+        states = (shard * pb, shard * gb, shard * ob)
         if strategy.endswith("_offload"):
-            comm["pcie"] = math.ceil(P / n) * (cb + gb)  # shards up before use, gradients down
-            comm["host_optimizer"] = math.ceil(P / n) * (pb + ob)
+            comm["pcie"] = shard * (cb + gb)  # shards up before use, gradients down
+            comm["host_optimizer"] = shard * (pb + ob)
             return Estimate(params=0, grads=0, optimizer=0, activations=acts, buffers=buffers + logits_grad,
                             host=sum(states), comm=comm, **est)
         return Estimate(params=states[0], grads=states[1], optimizer=states[2], activations=acts,
@@ -226,7 +231,8 @@ def _megatron(spec: ModelSpec, est: dict, n: int, t: int, p: int, b: int, s: int
     # rank (the plans split blocks only; embeddings, final norm and head are replicated, then FSDP-sharded).
     root = spec.root_params
     local = math.ceil(spec.layers // p * spec.layer_params / t) + (root if p == 1 else math.ceil(root / 2))
-    shard = math.ceil(local / dp)  # FSDP on the data dimension
+    exact = first_rank_elements(spec, dp, t) if p == 1 else None
+    shard = exact if exact is not None else math.ceil(local / dp)  # FSDP on the data dimension
     cb_act = cb if est["precision"] != "32-true" else 4
     per_mb = activation_bytes(spec, b, s, cb_act, ac, tensor_parallel_size=t)
     # 1F1B: the first stage holds min(p, m) pipeline microbatches (b/m samples each) of its layers/p blocks.
@@ -256,21 +262,77 @@ def table_placement(rows: tuple[int, ...], world_size: int) -> list[list[int]]:
     return ranks
 
 
+def torchrec_placement(spec: ModelSpec, world_size: int) -> list[tuple[int, int]] | None:
+    """(table elements, table rows) per rank as torchrec's planner places the tables (the engine's ``plan``, with
+    the recipe's sharding types and constraints), or None without torchrec."""
+    try:
+        import torchrec  # noqa: F401
+    except ImportError:
+        return None
+    settings = spec.extra.get("recsys", {})
+    key = (spec.table_rows, spec.embedding_dim, world_size, repr(settings))
+    if key not in _PLACEMENTS:
+        _PLACEMENTS[key] = _plan_tables(spec, world_size, settings)
+    return _PLACEMENTS[key]
+
+
+_PLACEMENTS: dict[tuple, list[tuple[int, int]]] = {}
+
+
+def _plan_tables(spec: ModelSpec, world_size: int, settings: dict) -> list[tuple[int, int]]:
+    import torch
+    from torch import nn
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    from disttrain.parallel import recsys as rs
+
+    class Tables(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # DeepFMNet's table and feature names, so the recipe's constraints name the same tables.
+            self.ebc = EmbeddingBagCollection(tables=[
+                EmbeddingBagConfig(name=f"t_cat_{i}", embedding_dim=spec.embedding_dim, num_embeddings=rows,
+                                   feature_names=[f"cat_{i}"]) for i, rows in enumerate(spec.table_rows)],
+                device=torch.device("meta"))
+
+    options = rs.RecsysOptions(sharding_types=settings.get("sharding_types"),
+                               constraints=dict(settings.get("constraints") or {}))
+    fused = rs.fused_params(options, {"name": settings["sparse_optimizer"]} if settings.get("sparse_optimizer")
+                            else None)
+    rs.quiet_planner_logs()
+    plan = rs.plan(Tables(), options, world_size, torch.device("cuda"), rs.sharders(fused))
+    per_rank = [[0, 0] for _ in range(world_size)]
+    for shardings in plan.plan.values():
+        for sharding in shardings.values():
+            for shard in sharding.sharding_spec.shards:
+                rows, cols = shard.shard_sizes
+                per_rank[shard.placement.rank()][0] += rows * cols
+                per_rank[shard.placement.rank()][1] += rows
+    return [(elements, rows) for elements, rows in per_rank]
+
+
 def _recsys(spec: ModelSpec, est: dict, n: int, b: int, sizes: tuple[int, int, int, int, int],
             acts: int, optimizer: str) -> Estimate:
     pb, gb, ob, cb, rb = sizes
     if not spec.table_rows:
         raise ValueError(f"disttrain_recsys shards embedding tables; a {spec.family} model has none")
-    placement = table_placement(spec.table_rows, n)
-    busiest = max(placement, key=lambda tables: sum(spec.table_rows[i] for i in tables))
-    rows = sum(spec.table_rows[i] for i in busiest)
-    table = rows * spec.embedding_dim
+    placed = torchrec_placement(spec, n)
+    if placed is not None:  # torchrec's own planner: row/column/table-wise as the run will shard
+        table, rows = max(placed)
+        busiest_tables = len(spec.table_rows) / n  # pooled lookups per rank, on average
+    else:  # table-wise, largest first onto the least loaded rank
+        placement = table_placement(spec.table_rows, n)
+        busiest = max(placement, key=lambda tables: sum(spec.table_rows[i] for i in tables))
+        rows = sum(spec.table_rows[i] for i in busiest)
+        table = rows * spec.embedding_dim
+        busiest_tables = len(busiest)
     dense = spec.dense_params
     # Tables stay fp32; the fused optimizer updates them in backward, so no table gradient is kept. Row-wise
-    # Adagrad keeps one value per row, Adagrad one per element.
+    # Adagrad keeps one value per row, Adagrad one per element. The dense part trains with Adam.
     opt_tables = 4 * (rows if optimizer == "rowwise_adagrad" else table * OPTIMIZER_STATES[optimizer])
-    pooled = b * n * len(busiest) * spec.embedding_dim * cb  # this rank's tables looked up for the global batch
+    dense_opt = dense * 4 * OPTIMIZER_STATES["adam"]
+    pooled = int(b * n * busiest_tables * spec.embedding_dim * cb)  # this rank's tables looked up for the batch
     comm = {"dp": 2 * (n - 1) / n * dense * gb,
             "a2a": 2 * (n - 1) / n * b * len(spec.table_rows) * spec.embedding_dim * cb}
-    return Estimate(params=table * 4 + dense * pb, grads=dense * gb, optimizer=opt_tables + dense * ob,
+    return Estimate(params=table * 4 + dense * pb, grads=dense * gb, optimizer=opt_tables + dense_opt,
                     activations=acts, buffers=2 * pooled + dense * gb, comm=comm, **est)

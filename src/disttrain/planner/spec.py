@@ -85,9 +85,23 @@ def _model_schema(mapping: Any) -> Any:
     return family.config_schema(mapping) if family is not None else None
 
 
+def recipe_model(path: str | os.PathLike) -> dict:
+    """The ``model:`` mapping of a recipe YAML of any kind, its keys checked as the recipes check them."""
+    return read_recipe(path, model_schema=_model_schema)["model"]
+
+
 def _from_yaml(path: Path) -> ModelSpec:
-    """A recipe YAML of any kind, read (and its ``model:`` keys checked) as the recipes read it."""
-    return _from_mapping(read_recipe(path, model_schema=_model_schema)["model"], source=str(path))
+    """A recipe YAML of any kind, read (and its ``model:`` keys checked) as the recipes read it. A recsys recipe's
+    table optimizer and ``strategy:`` sharding constraints go into ``extra["recsys"]``: they decide where the
+    tables land."""
+    recipe = read_recipe(path, model_schema=_model_schema)
+    spec = _from_mapping(recipe["model"], source=str(path))
+    if spec.table_rows:
+        strategy = recipe.get("strategy") or {}
+        spec.extra["recsys"] = {
+            "sparse_optimizer": (recipe["model"].get("sparse_optimizer") or {}).get("name"),
+            "sharding_types": strategy.get("sharding_types"), "constraints": strategy.get("constraints") or {}}
+    return spec
 
 
 def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec:
@@ -95,7 +109,9 @@ def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec
         mapping = mapping["model"]
     family = family_for_config(mapping)
     if family is not None:
-        return family.spec_from_config(mapping)
+        spec = family.spec_from_config(mapping)
+        spec.extra["config"] = dict(mapping)  # for the exact per-parameter shards (planner.shards)
+        return spec
     if "model_type" in mapping:  # an HF config of a family without formulas
         from transformers import AutoConfig
 
@@ -157,4 +173,4 @@ def meta_model(spec_source: dict) -> nn.Module:
     return family.meta_model(cfg)
 
 
-__all__ = ["ModelLike", "ModelSpec", "count_params", "meta_model", "model_spec", "parse_bytes"]
+__all__ = ["ModelLike", "ModelSpec", "count_params", "meta_model", "model_spec", "parse_bytes", "recipe_model"]

@@ -1,0 +1,68 @@
+"""Exact per-rank shard sizes from the model's parameter shapes: FSDP2 shards every parameter by ``torch.chunk``
+on dim 0 (``ceil(rows / n)`` rows on the first ranks), tensor parallelism splits the plan's column-wise layers on
+dim 0 and row-wise layers on dim 1. Dividing the parameter count by the world size misses that padding, which
+grows with the world size (a ViT-2B qkv weight of 2688 rows holds 6, not 5.25, rows per rank at dp=512)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from disttrain.parallel.families import family_named
+from disttrain.planner.spec import ModelSpec
+
+
+def parameter_shapes(spec: ModelSpec) -> Optional[list[tuple[str, torch.Size]]]:
+    """(name, shape) of every parameter of a model built from a config (on the meta device, once per spec)."""
+    if "shapes" not in spec.extra:
+        family, config = family_named(spec.family), spec.extra.get("config")
+        shapes = None
+        if family is not None and config is not None:
+            try:
+                model = family.meta_model(config)
+            except (ValueError, ImportError):
+                model = None
+            if model is not None:
+                shapes = [(name, p.shape) for name, p in model.named_parameters()]
+        spec.extra["shapes"] = shapes
+    return spec.extra["shapes"]
+
+
+def tp_local_shape(name: str, shape: torch.Size, plan: dict, tp: int) -> torch.Size:
+    """The shape of ``name`` on one tensor-parallel rank under ``plan`` (module paths relative to a block)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    module, _, leaf = name.rpartition(".")
+    for path, style in plan.items():
+        if module == path or module.endswith("." + path):
+            if isinstance(style, ColwiseParallel):
+                return torch.Size((shape[0] // tp, *shape[1:]))
+            if isinstance(style, RowwiseParallel) and leaf == "weight" and len(shape) > 1:
+                return torch.Size((shape[0], shape[1] // tp, *shape[2:]))
+    return shape
+
+
+def first_rank_elements(spec: ModelSpec, dp: int, tp: int = 1) -> Optional[int]:
+    """Elements of parameters on the first data-parallel rank (the busiest) of a tensor-parallel rank, or None
+    when the shapes are unknown."""
+    shapes = parameter_shapes(spec)
+    if shapes is None:
+        return None
+    plan = family_named(spec.family).tp_plan() if tp > 1 else {}
+    total = 0
+    for name, shape in shapes:
+        shape = tp_local_shape(name, shape, plan, tp) if tp > 1 else shape
+        rows = shape[0] if len(shape) else 1
+        total += math.ceil(rows / dp) * math.prod(shape[1:])
+    return total
+
+
+def zero3_partition_elements(spec: ModelSpec, world_size: int) -> Optional[int]:
+    """Elements of DeepSpeed ZeRO-3's partition on every rank: each parameter padded to a multiple of the world
+    size (``partition_parameters``' ``_padding_size``), ``ceil(numel / n)`` elements per rank."""
+    shapes = parameter_shapes(spec)
+    if shapes is None:
+        return None
+    return sum(math.ceil(math.prod(shape) / world_size) for _, shape in shapes)
