@@ -22,9 +22,8 @@ from __future__ import annotations
 import copy
 import json
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -185,39 +184,11 @@ def meta_model(config: Union[str, dict]) -> nn.Module:
 _BUILT: dict[str, nn.Module] = {}
 
 
-def _precision_sizes(precision: str) -> tuple[int, int]:
+def precision_sizes(precision: str) -> tuple[int, int]:
     """(compute, reduce) bytes per element of the collectives of a sharded step."""
     if precision == "32-true":
         return 4, 4
     return 2, (2 if precision.endswith("-true") else 4)
-
-
-def simulate(config: Union[str, dict], strategy: str, world_size: int, *, tensor_parallel_size: int = 1,
-             pipeline_parallel_size: int = 1, precision: str = "bf16-mixed", hybrid_shard_size: Optional[int] = None,
-             ) -> Simulation:
-    """Shard the model of ``config`` (a recipe YAML path or its ``model:`` mapping) with ``strategy`` on a fake
-    world of ``world_size`` ranks and count what each rank role holds (see the module docstring).
-
-    ``tensor_parallel_size``/``pipeline_parallel_size``: ``disttrain_megatron``'s sizes (data parallel is what is
-    left). ``hybrid_shard_size``: ``disttrain_fsdp`` with ``hybrid_shard=True`` and that many ranks per shard group.
-    Sizes the real run refuses raise the real run's error.
-    """
-    if strategy not in SIMULATED:
-        raise ValueError(f"strategy={strategy!r} is not simulated; choose one of {', '.join(SIMULATED)}"
-                         " (the _offload variants hold the same states, on the host)")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
-    if strategy != "disttrain_megatron" and (tensor_parallel_size, pipeline_parallel_size) != (1, 1):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
-                         f"{pipeline_parallel_size} need strategy='disttrain_megatron'")
-    start = time.perf_counter()
-    sim = Simulation(strategy, world_size, precision, tensor_parallel_size, pipeline_parallel_size)
-    from disttrain.simulate import strategies
-
-    runner = getattr(strategies, strategy.removeprefix("disttrain_"))
-    runner(sim, config, hybrid_shard_size=hybrid_shard_size)
-    sim.seconds = time.perf_counter() - start
-    return sim
 
 
 def prepared(config: Union[str, dict], precision: str) -> nn.Module:
@@ -227,7 +198,7 @@ def prepared(config: Union[str, dict], precision: str) -> nn.Module:
     return module
 
 
-__all__ = ["SIMULATED", "Role", "Simulation", "fake_world", "simulate"]
+__all__ = ["SIMULATED", "Role", "Simulation", "fake_world"]
 
 
 def simulated_name(strategy: str) -> str:

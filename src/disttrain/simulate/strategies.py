@@ -1,17 +1,20 @@
-"""One function per simulated strategy: fill a :class:`~disttrain.simulate.core.Simulation` with its roles."""
+"""One function per simulated strategy (fill a :class:`~disttrain.simulate.core.Simulation` with its roles), and
+:func:`simulate`, which picks one."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from typing import Any, Optional, Union
 
 import torch
 
 from disttrain.simulate.core import (
+    SIMULATED,
     Role,
     Simulation,
-    _precision_sizes,
+    precision_sizes,
     count,
     fake_world,
     fsdp_traffic,
@@ -60,7 +63,7 @@ def fsdp(sim: Simulation, config: Config, hybrid_shard_size: Optional[int] = Non
     shard = hybrid_shard_size or n
     shapes = [p.shape for p in meta_model(config).parameters()]
     by_rank = [chunk_numel(shapes, r, shard) for r in range(shard)]
-    compute, reduce = _precision_sizes(sim.precision)
+    compute, reduce = precision_sizes(sim.precision)
     for rank in sorted({0, shard - 1}):
         with fake_world(rank, n):
             module = prepared(config, sim.precision)
@@ -110,7 +113,7 @@ def megatron(sim: Simulation, config: Config, **_: Any) -> None:
 
     n, t, pp = sim.world_size, sim.tensor_parallel_size, sim.pipeline_parallel_size
     dims = ParallelDims(world_size=n, tp=t, pp=pp)  # the real run's size check and error
-    compute, reduce = _precision_sizes(sim.precision)
+    compute, reduce = precision_sizes(sim.precision)
     for stage in range(pp):
         for tp_rank in range(t):
             rank = stage * dims.dp * t + tp_rank  # mesh order (pp, dp, tp): dp rank 0 of this stage and tp rank
@@ -182,3 +185,33 @@ def _recipe(path: str) -> dict:
 
     with open(path, encoding="utf-8") as f:
         return yaml.safe_load(f) or {}
+
+
+RUNNERS = {"disttrain_ddp": ddp, "disttrain_fsdp": fsdp, "disttrain_zero3": zero3, "disttrain_megatron": megatron,
+           "disttrain_recsys": recsys}
+
+
+def simulate(config: Union[str, dict], strategy: str, world_size: int, *, tensor_parallel_size: int = 1,
+             pipeline_parallel_size: int = 1, precision: str = "bf16-mixed", hybrid_shard_size: Optional[int] = None,
+             ) -> Simulation:
+    """Shard the model of ``config`` (a recipe YAML path or its ``model:`` mapping) with ``strategy`` on a fake
+    world of ``world_size`` ranks and count what each rank role holds (see the module docstring).
+
+    ``tensor_parallel_size``/``pipeline_parallel_size``: ``disttrain_megatron``'s sizes (data parallel is what is
+    left). ``hybrid_shard_size``: ``disttrain_fsdp`` with ``hybrid_shard=True`` and that many ranks per shard group.
+    Sizes the real run refuses raise the real run's error.
+    """
+    if strategy not in SIMULATED:
+        raise ValueError(f"strategy={strategy!r} is not simulated; choose one of {', '.join(SIMULATED)}"
+                         " (the _offload variants hold the same states, on the host)")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    if strategy != "disttrain_megatron" and (tensor_parallel_size, pipeline_parallel_size) != (1, 1):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
+                         f"{pipeline_parallel_size} need strategy='disttrain_megatron'")
+    start = time.perf_counter()
+    sim = Simulation(strategy, world_size, precision, tensor_parallel_size, pipeline_parallel_size)
+    runner = RUNNERS[strategy]
+    runner(sim, config, hybrid_shard_size=hybrid_shard_size)
+    sim.seconds = time.perf_counter() - start
+    return sim
