@@ -15,9 +15,12 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from zygote import Launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -404,7 +408,40 @@ class BlockFailed(Exception):
     pass
 
 
-def run_block(block: Block, work: Path, env: dict[str, str]) -> tuple[str, list[str]]:
+def python_argv(command: str) -> Optional[list[str]]:
+    """What ``python`` runs for ``command`` when it is ``python[3] SCRIPT.py ...`` or ``disttrain ...`` (not its
+    launcher, ``disttrain run``), with no shell syntax beyond a trailing comment; None for anything else."""
+    if any(c in command.split(" #")[0] for c in "|&;<>$`*?~(){}"):
+        return None
+    words = shlex.split(command, comments=True)
+    if len(words) > 1 and words[0] in ("python", "python3") and words[1].endswith(".py"):
+        return words[1:]
+    if len(words) > 1 and words[0] == "disttrain" and words[1] != "run":
+        return ["-m", "disttrain.cli", *words[1:]]  # the console script's entry point, disttrain.cli:main
+    return None
+
+
+def run_command(command: str, work: Path, env: dict[str, str], zygote: Optional[Launcher]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of one documented command in ``work``. A Python program runs in a fork of a
+    zygote that has imported torch, Lightning and the rest once (tests/zygote.py: the same process a fresh
+    interpreter would be), anything else under bash."""
+    # Lightning's launchers take MASTER_PORT when it is set: two pages run at once must not pick the same one.
+    port = {"MASTER_PORT": str(free_port())}
+    argv = python_argv(command) if zygote is not None else None
+    if argv is None:
+        proc = subprocess.run(["bash", "-c", command], cwd=work, env={**env, **port}, capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT)
+        return proc.returncode, proc.stdout, proc.stderr
+    out, err = zygote.logs("docs", 2)
+    try:
+        code = zygote.run_one(argv, env, port, out, err, COMMAND_TIMEOUT, cwd=work)
+    except TimeoutError:
+        raise subprocess.TimeoutExpired(command, COMMAND_TIMEOUT) from None
+    return code, out.read_text(errors="replace"), err.read_text(errors="replace")
+
+
+def run_block(block: Block, work: Path, env: dict[str, str],
+              zygote: Optional[Launcher] = None) -> tuple[str, list[str]]:
     """Run a block's commands (a Python block as a script); return what it printed and its commands' timings."""
     if block.lang in PYTHON:
         script = work / f"docs_{block.page.stem}_{block.line}.py"
@@ -417,9 +454,8 @@ def run_block(block: Block, work: Path, env: dict[str, str]) -> tuple[str, list[
     expect_failure = bool(block.marker and block.marker[0] == "fails")
     for command in commands:
         start = time.perf_counter()
-        # Lightning's launchers take MASTER_PORT when it is set: two pages run at once must not pick the same one.
-        proc = subprocess.run(["bash", "-c", command], cwd=work, env={**env, "MASTER_PORT": str(free_port())},
-                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+        code, stdout, stderr = run_command(command, work, env, zygote)
+        proc = subprocess.CompletedProcess(command, code, stdout, stderr)
         timings.append(f"{time.perf_counter() - start:6.1f}s  {block.where}  {command}")
         output += proc.stdout + proc.stderr
         failed = proc.returncode != 0
@@ -429,13 +465,13 @@ def run_block(block: Block, work: Path, env: dict[str, str]) -> tuple[str, list[
     return output, timings
 
 
-def run_page(path: Path, work: Path) -> tuple[Optional[str], list[str]]:
+def run_page(path: Path, work: Path, zygote: Optional[Launcher] = None) -> tuple[Optional[str], list[str]]:
     """Every runnable block of the page in order, shown output checked: (what failed or None, timings)."""
     env, last_output, timings = environment(), "", []
     try:
         for block in PARSED[path].blocks:
             if block.runs:
-                last_output, spent = run_block(block, work, env)
+                last_output, spent = run_block(block, work, env, zygote)
                 timings += spent
             elif block.marker and block.marker[0] == "output":  # parse() saw to it that a run block comes before
                 missing = printed(block.text, last_output)
@@ -473,9 +509,22 @@ def page_runs(request, tmp_path_factory) -> dict[Path, tuple[Optional[str], list
     works = {path: workspace(tmp_path_factory.mktemp("docs-page"), data) for path in wanted}
     longest_first = sorted(wanted, key=lambda p: -sum(len(b.commands()) if b.lang in SHELL else 2
                                                         for b in PARSED[p].blocks if b.runs))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {path: pool.submit(run_page, path, works[path]) for path in longest_first}
-    return {path: future.result() for path, future in futures.items()}
+    zygotes: dict[int, Launcher] = {}  # one per thread of the pool (a zygote serves one request at a time)
+
+    def run(path: Path) -> tuple[Optional[str], list[str]]:
+        thread = threading.get_ident()
+        if thread not in zygotes:
+            zygotes[thread] = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-docs-")))
+        return run_page(path, works[path], zygotes[thread])
+
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {path: pool.submit(run, path) for path in longest_first}
+        return {path: future.result() for path, future in futures.items()}
+    finally:
+        for zygote in zygotes.values():
+            zygote.close()
+            shutil.rmtree(zygote.log_dir, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -273,11 +273,13 @@ class Launcher:
         return [codes[rank] for rank in range(nproc)]
 
     def run_one(self, argv: list[str], env: dict[str, str], run_env: dict[str, str], out: Path, err: Path,
-                timeout: float) -> int:
+                timeout: float, cwd: Path | None = None) -> int:
         """``python argv...`` as one plain process (no launcher variables), stdout and stderr to their files; its
-        exit code. ``run_env``: variables the program reads only after its imports (they are not the zygote's)."""
+        exit code. ``run_env``: variables the program reads only after its imports (they are not the zygote's);
+        ``cwd``: where it runs (default: the launcher's folder)."""
         zygote = self._zygotes(1, env)[0]
-        zygote.send({"argv": argv, "cwd": str(self.cwd), "log": str(out), "err": str(err), "env": {**env, **run_env}})
+        zygote.send({"argv": argv, "cwd": str(cwd or self.cwd), "log": str(out), "err": str(err),
+                     "env": {**env, **run_env}})
         reply = zygote.read(time.monotonic() + 60)
         if reply is None or "pid" not in reply:
             raise RuntimeError(f"the zygote did not start {argv}: {reply}")
