@@ -12,7 +12,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, launch, run_launched
+from conftest import ROOT, launch, run_launched, run_python
 from safetensors.torch import load_file
 
 from disttrain.vision import (ImageFolderData, TrainConfig, ViTClassifier, build_vit, count_parameters, data_config,
@@ -229,6 +229,19 @@ def test_recipe_learns_digits_under_fsdp_and_resumes(tmp_path):
     assert "resumed from" in proc.stdout and "at epoch 8, step 352" in proc.stdout
     assert "epoch 9 step 360" in proc.stdout and "epoch 1 " not in proc.stdout  # only the new epoch ran
     assert final_accuracy(proc.stdout) > 0.8
+
+
+@pytest.mark.slow
+def test_recipe_on_one_device_with_lightnings_own_strategy_trains(tmp_path):
+    """`--devices 1 --strategy auto` is Lightning's single-device strategy, which leaves an empty_init model as
+    uninitialised memory: the recipe builds normally there (the loss was NaN from the first step)."""
+    proc = run_python("recipes/vision/vit2b.py", "--config", "configs/vision/vit_tiny.yaml", "--devices", "1",
+                      "--strategy", "auto", "--max-steps", "3", "--out", str(tmp_path / "run"), "--data-root",
+                      str(tmp_path / "digits"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "SingleDeviceStrategy on 1 x cpu" in proc.stdout
+    losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "  loss " in line]
+    assert len(losses) == 3 and all(2.0 < loss < 2.5 for loss in losses), losses  # ln(10) = 2.30 at the start
 
 
 @pytest.mark.slow

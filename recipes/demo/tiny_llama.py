@@ -26,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import disttrain  # noqa: F401  (registers disttrain_* names)
+from disttrain.fabric import builds_empty
 from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
 from disttrain.report import fabric_loggers, interactive, start_run, write_report, write_run_info
 
@@ -62,7 +63,7 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict]:
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len,
                          use_cache=False, tie_word_embeddings=False)
-    with fabric.init_module(empty_init=True):  # meta device under disttrain_fsdp: shards only
+    with fabric.init_module(empty_init=builds_empty(fabric.strategy)):  # meta device under disttrain_fsdp: shards only
         model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     model, optimizer = fabric.setup(model, optimizer)

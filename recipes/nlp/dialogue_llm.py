@@ -34,6 +34,7 @@ import torch
 
 import disttrain  # registers the disttrain_* names
 from disttrain.callbacks import GradientAccumulation, Throughput, apply_fast_attention
+from disttrain.fabric import builds_empty
 from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_datasets, export_hf, load_tokenizer, \
     read_jsonl, read_recipe_config, reply_from_export
 from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
@@ -135,7 +136,7 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     module = DialogueLM(config={"model": cfg["model"]}, lr=float(train.get("lr", 3e-4)),
                         weight_decay=float(train.get("weight_decay", 0.0)),
                         warmup_steps=int(train.get("warmup_steps", 0)), max_steps=steps)
-    with fabric.init_module(empty_init=True):  # meta device / zero.Init: shards only, for any model size
+    with fabric.init_module(empty_init=builds_empty(fabric.strategy)):  # meta device / zero.Init: shards only, for any model size
         module.configure_model()
     attention = apply_fast_attention(module, device=fabric.device)
     # The schedule is applied by hand each step (set_lr): DeepSpeed's ZeRO-3 optimizer regroups the parameters, so

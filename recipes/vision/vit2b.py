@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.callbacks import Throughput
+from disttrain.fabric import builds_empty
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 from disttrain.vision import (ImageFolderData, ViTClassifier, count_parameters, default_config, default_strategy,
                               export_timm, read_yaml)
@@ -122,7 +124,7 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict, dict]:
     data.setup()
     loaders = make_loaders(fabric, data)
 
-    with fabric.init_module(empty_init=True):  # meta device (FSDP) / zero.Init (ZeRO-3): only shards allocated
+    with fabric.init_module(empty_init=builds_empty(fabric.strategy)):  # meta device (FSDP) / zero.Init (ZeRO-3): only shards allocated
         vit.configure_model()
     per_epoch = len(loaders["train"])
     vit.total_steps = min(vit.train_config.epochs * per_epoch, vit.train_config.max_steps or 10**12)
@@ -231,6 +233,9 @@ def main() -> None:
         fabric.print(f"already trained: val_acc {metrics['val_acc']:.4f}")
     else:
         metrics = fit(fabric, state, run, out, args.log_every)
+    if not math.isfinite(metrics["val_loss"]):  # a diverged model is never exported
+        raise SystemExit(f"held-out loss is {metrics['val_loss']}: training diverged, nothing exported to "
+                         f"{out / 'export'}; lower train.lr or use precision 32-true in {args.config or 'the config'}")
     export = export_timm(out / "export", run["vit"].model_args,
                          lambda path: _export_weights(fabric, state["model"], path),
                          data=run["vit"].data_config, class_names=run["classes"])

@@ -96,6 +96,14 @@ class FabricAdapter(EngineAdapter):
         return restore_rest(state, targets, metadata)
 
 
+def builds_empty(strategy: Any) -> bool:
+    """Whether ``fabric.init_module(empty_init=True)`` gives a trained-from-scratch model under ``strategy``: every
+    disttrain strategy builds on the meta device (or under ``deepspeed.zero.Init``) and initialises the weights in
+    ``setup`` (or builds as usual), while Lightning's own single-device and DDP strategies leave them as
+    uninitialised memory (a NaN loss from the first step). Recipes pass it as ``empty_init``."""
+    return isinstance(strategy, FabricAdapter)
+
+
 class FSDP2MixedPrecision(MixedPrecision):
     """``*-mixed`` under FSDP2: loss scaling kept, autocast dropped (the MixedPrecisionPolicy already runs each block
     in half precision and reduces gradients in fp32)."""
