@@ -11,10 +11,11 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
+	@# --no-compile: Python compiles what is imported on first use; pip compiling all of torch doubles its install
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e ".[deepspeed,recsys,fp8,dev]"
-	$(PY) -m pip install -q --no-deps torchrec==1.9.2 $(FBGEMM)
+	$(PY) -m pip install -q --no-compile torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q --no-compile -e ".[deepspeed,recsys,fp8,dev]"
+	$(PY) -m pip install -q --no-compile --no-deps torchrec==1.9.2 $(FBGEMM)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,14 +25,17 @@ demo: $(STAMP)
 # Two pytest workers, whole files each (module fixtures stay shared): a multi-process test spends much of its
 # time in rendezvous, gloo waits and file I/O, so a second one beside it nearly halves the wall time on 2 cores.
 # `make test JOBS=0` runs in one process.
+# Each worker computes on one OpenMP thread (the ranks its tests start already do): two workers of two threads
+# each on 2 cores oversubscribe them.
 JOBS ?= 2
 XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
+THREADS = $(if $(filter 0,$(JOBS)),,OMP_NUM_THREADS=1)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=25 $(XDIST)
+	$(THREADS) $(PY) -m pytest -q -ra --durations=25 $(XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow" $(XDIST)
+	$(THREADS) $(PY) -m pytest -q -ra -m "not slow" $(XDIST)
 
 bench: $(STAMP)
 	$(PY) bench/fsdp_overhead.py

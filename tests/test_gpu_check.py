@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import ROOT, child_env
+from conftest import ROOT, run_python
 
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 LABELS = ["1 MFU", "2 attention", "3 FP8", "4 fp16 + sharded scaler", "5 offload", "6 planner",
@@ -18,10 +17,7 @@ LABELS = ["1 MFU", "2 attention", "3 FP8", "4 fp16 + sharded scaler", "5 offload
 
 
 def gpu_check(out, *args: str, timeout: int = 1500) -> tuple[subprocess.CompletedProcess, dict]:
-    env = child_env()
-    env["PYTHONPATH"] = f"{ROOT / 'src'}:{env.get('PYTHONPATH', '')}"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_python(str(SCRIPT), "--dry-run", "--out", str(out), *args, timeout=timeout)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
     return proc, report
 
