@@ -25,17 +25,14 @@ demo: $(STAMP)
 # Two pytest workers, whole files each (module fixtures stay shared): a multi-process test spends much of its
 # time in rendezvous, gloo waits and file I/O, so a second one beside it nearly halves the wall time on 2 cores.
 # `make test JOBS=0` runs in one process.
-# Each worker computes on one OpenMP thread (the ranks its tests start already do): two workers of two threads
-# each on 2 cores oversubscribe them.
 JOBS ?= 2
 XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
-THREADS = $(if $(filter 0,$(JOBS)),,OMP_NUM_THREADS=1)
 
 test: $(STAMP)
-	$(THREADS) $(PY) -m pytest -q -ra --durations=25 $(XDIST)
+	$(PY) -m pytest -q -ra --durations=25 $(XDIST)
 
 test-fast: $(STAMP)
-	$(THREADS) $(PY) -m pytest -q -ra -m "not slow" $(XDIST)
+	$(PY) -m pytest -q -ra -m "not slow" $(XDIST)
 
 bench: $(STAMP)
 	$(PY) bench/fsdp_overhead.py
