@@ -11,11 +11,10 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	@# --no-compile: Python compiles what is imported on first use; pip compiling all of torch doubles its install
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q --no-compile -e ".[deepspeed,recsys,fp8,dev]"
-	$(PY) -m pip install -q --no-compile --no-deps torchrec==1.9.2 $(FBGEMM)
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e ".[deepspeed,recsys,fp8,dev]"
+	$(PY) -m pip install -q --no-deps torchrec==1.9.2 $(FBGEMM)
 	touch $(STAMP)
 
 demo: $(STAMP)
