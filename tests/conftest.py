@@ -104,13 +104,7 @@ def run_python(*argv: str, env: dict[str, str] | None = None, timeout: float = 9
     if LAUNCHER == "torchrun" or not _launcher.serves(base):
         return subprocess.run([sys.executable, *argv], cwd=ROOT, env={**base, **run_env}, capture_output=True,
                               text=True, timeout=timeout)
-    out = _launcher.logs(Path(argv[1] if argv[0] == "-m" else argv[0]).stem, 2)
-    try:
-        code = _launcher.run_one(list(argv), base, run_env, out[0], out[1], timeout)
-    except TimeoutError:
-        raise subprocess.TimeoutExpired([sys.executable, *argv], timeout) from None
-    return subprocess.CompletedProcess([sys.executable, *argv], code, out[0].read_text(errors="replace"),
-                                       out[1].read_text(errors="replace"))
+    return _launcher.run_one(list(argv), base, run_env, timeout)
 
 
 def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None = None, accelerator: str = "cpu",

@@ -421,23 +421,18 @@ def python_argv(command: str) -> Optional[list[str]]:
     return None
 
 
-def run_command(command: str, work: Path, env: dict[str, str], zygote: Optional[Launcher]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of one documented command in ``work``. A Python program runs in a fork of a
-    zygote that has imported torch, Lightning and the rest once (tests/zygote.py: the same process a fresh
-    interpreter would be), anything else under bash."""
+def run_command(command: str, work: Path, env: dict[str, str],
+                zygote: Optional[Launcher]) -> subprocess.CompletedProcess:
+    """One documented command in ``work``. A Python program runs in a fork of a zygote that has imported torch,
+    Lightning and the rest once (tests/zygote.py: the same process a fresh interpreter would be), anything else
+    under bash."""
     # Lightning's launchers take MASTER_PORT when it is set: two pages run at once must not pick the same one.
     port = {"MASTER_PORT": str(free_port())}
     argv = python_argv(command) if zygote is not None else None
     if argv is None:
-        proc = subprocess.run(["bash", "-c", command], cwd=work, env={**env, **port}, capture_output=True, text=True,
+        return subprocess.run(["bash", "-c", command], cwd=work, env={**env, **port}, capture_output=True, text=True,
                               timeout=COMMAND_TIMEOUT)
-        return proc.returncode, proc.stdout, proc.stderr
-    out, err = zygote.logs("docs", 2)
-    try:
-        code = zygote.run_one(argv, env, port, out, err, COMMAND_TIMEOUT, cwd=work)
-    except TimeoutError:
-        raise subprocess.TimeoutExpired(command, COMMAND_TIMEOUT) from None
-    return code, out.read_text(errors="replace"), err.read_text(errors="replace")
+    return zygote.run_one(argv, env, port, COMMAND_TIMEOUT, cwd=work)
 
 
 def run_block(block: Block, work: Path, env: dict[str, str],
@@ -454,8 +449,7 @@ def run_block(block: Block, work: Path, env: dict[str, str],
     expect_failure = bool(block.marker and block.marker[0] == "fails")
     for command in commands:
         start = time.perf_counter()
-        code, stdout, stderr = run_command(command, work, env, zygote)
-        proc = subprocess.CompletedProcess(command, code, stdout, stderr)
+        proc = run_command(command, work, env, zygote)
         timings.append(f"{time.perf_counter() - start:6.1f}s  {block.where}  {command}")
         output += proc.stdout + proc.stderr
         failed = proc.returncode != 0

@@ -272,11 +272,13 @@ class Launcher:
                 stop_at = min(deadline, time.monotonic() + GRACE_S)
         return [codes[rank] for rank in range(nproc)]
 
-    def run_one(self, argv: list[str], env: dict[str, str], run_env: dict[str, str], out: Path, err: Path,
-                timeout: float, cwd: Path | None = None) -> int:
-        """``python argv...`` as one plain process (no launcher variables), stdout and stderr to their files; its
-        exit code. ``run_env``: variables the program reads only after its imports (they are not the zygote's);
+    def run_one(self, argv: list[str], env: dict[str, str], run_env: dict[str, str], timeout: float,
+                cwd: Path | None = None) -> subprocess.CompletedProcess:
+        """``python argv...`` as one plain process (no launcher variables), its exit code, stdout and stderr as
+        ``subprocess.run(capture_output=True, text=True)`` gives them (``subprocess.TimeoutExpired`` past
+        ``timeout``). ``run_env``: variables the program reads only after its imports (they are not the zygote's);
         ``cwd``: where it runs (default: the launcher's folder)."""
+        out, err = self.logs(Path(argv[1] if argv[0] == "-m" else argv[0]).stem, 2)
         zygote = self._zygotes(1, env)[0]
         zygote.send({"argv": argv, "cwd": str(cwd or self.cwd), "log": str(out), "err": str(err),
                      "env": {**env, **run_env}})
@@ -287,8 +289,9 @@ class Launcher:
         if exited is None:
             self._signal([reply["pid"]], {}, signal.SIGKILL)
             self._next_exit([zygote], {}, time.monotonic() + 60)
-            raise TimeoutError(f"{' '.join(argv)} did not end in {timeout:.0f} s")
-        return exited[1]
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+        return subprocess.CompletedProcess([sys.executable, *argv], exited[1], out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
     @staticmethod
     def _next_exit(zygotes: list[Zygote], done: dict[int, int], until: float) -> tuple[int, int] | None:
