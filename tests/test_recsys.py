@@ -293,10 +293,14 @@ def test_daily_job_on_two_processes_warm_starts_from_sharded_version(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
 
     def torchrun() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(RECIPE),
-                               "--data-root", str(data), "--model-root", str(models), "--accelerator", "cpu"],
-                              env=env, capture_output=True, text=True, timeout=900)
+        for _ in range(3):  # the free port can be taken by another run before torchrun's store binds it
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(RECIPE),
+                                   "--data-root", str(data), "--model-root", str(models), "--accelerator", "cpu"],
+                                  env=env, capture_output=True, text=True, timeout=900)
+            if "EADDRINUSE" not in proc.stderr:
+                return proc
+        return proc
 
     first = torchrun()
     assert first.returncode == 0, first.stderr[-3000:]
