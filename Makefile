@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 # torchrec's kernels: the CUDA wheel fails to load without the NVIDIA driver, so CPU machines get the CPU build.
 FBGEMM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo fbgemm-gpu==1.9.0 || echo fbgemm-gpu-cpu==1.9.0)
 
-.PHONY: install demo test test-fast bench clean gpu-wheels gpu-check
+.PHONY: install demo test test-fast durations bench clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -21,17 +21,21 @@ demo: $(STAMP)
 	$(VENV)/bin/lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp \
 	    --config configs/nlp/dialogue_demo.yaml
 
-# Two pytest workers, whole files each (module fixtures stay shared): a multi-process test spends much of its
-# time in rendezvous, gloo waits and file I/O, so a second one beside it nearly halves the wall time on 2 cores.
-# `make test JOBS=0` runs in one process.
+# Two pytest workers, whole files each (module fixtures stay shared; the files sharing conftest's session launches
+# go together), longest first (tests/scheduling.py): a multi-process test spends much of its time in rendezvous,
+# gloo waits and file I/O, so a second one beside it nearly halves the wall time on 2 cores.
+# `make test JOBS=0` runs in one process; `make durations` re-measures the files' seconds that order them.
 JOBS ?= 2
-XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
+XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=25 $(XDIST)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow" $(XDIST)
+
+durations: $(STAMP)
+	$(PY) -m pytest -q $(XDIST) --record-durations tests/durations.json
 
 bench: $(STAMP)
 	$(PY) bench/fsdp_overhead.py

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from zygote import Launcher
 
+pytest_plugins = ["scheduling"]  # how make test's workers share the files (tests/scheduling.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 DIST = Path(__file__).parent / "dist"
 sys.path.insert(0, str(DIST))
@@ -107,29 +109,41 @@ def run_python(*argv: str, env: dict[str, str] | None = None, timeout: float = 9
     return _launcher.run_one(list(argv), base, run_env, timeout)
 
 
-def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None = None, accelerator: str = "cpu",
-                 precision: str | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``lightning run model --accelerator A --devices N [--strategy S] [--precision P] script args`` on one node:
-    the ranks get the LT_* variables the launcher sets (disttrain.cli.launch) and torchrun's, forked from the
-    zygotes (tests/zygote.py). stdout and stderr are the ranks' in rank order, as torchrun's console shows them.
-    Tests of the launcher itself (tests/test_cli.py, the documented commands) start the real command."""
-    launcher_env = {"LT_CLI_USED": "1", "LT_DEVICES": str(devices), "LT_NUM_NODES": "1", "LT_ACCELERATOR": accelerator}
-    launcher_env.update({k: v for k, v in (("LT_STRATEGY", strategy), ("LT_PRECISION", precision)) if v is not None})
+def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str] | None = None,
+                 timeout: float = 900) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node N script args`` on one node (CPU), the ranks forked from the zygotes
+    (tests/zygote.py); stdout and stderr are the ranks' in rank order, as torchrun's console shows them, the exit
+    code the first failing rank's. ``run_env``: variables the script reads only after its imports."""
     base = child_env()
     if LAUNCHER == "torchrun" or not _launcher.serves(base):
-        flags = [f"--{k}={v}" for k, v in (("accelerator", accelerator), ("devices", devices), ("strategy", strategy),
-                                           ("precision", precision), ("main-port", free_port())) if v is not None]
-        return subprocess.run([str(Path(sys.executable).parent / "lightning"), "run", "model", *flags, script, *args],
-                              cwd=ROOT, env=base, capture_output=True, text=True, timeout=timeout)
-    logs = _launcher.logs(Path(script).stem, 2 * devices)
-    outs, errs = logs[:devices], logs[devices:]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", script, *args]
+        return subprocess.run(cmd, cwd=ROOT, env={**base, **(run_env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
+    logs = _launcher.logs(Path(script).stem, 2 * nproc)
+    outs, errs = logs[:nproc], logs[nproc:]
     try:
-        codes = _launcher.run([str(ROOT / script), *args], base, devices, free_port(), outs, timeout,
-                              run_env=launcher_env, errs=errs)
+        codes = _launcher.run([str(ROOT / script), *args], base, nproc, free_port(), outs, timeout,
+                              run_env=run_env, errs=errs)
     except TimeoutError:
         raise subprocess.TimeoutExpired(script, timeout) from None
     read = lambda files: "".join(f.read_text(errors="replace") for f in files if f.exists())  # noqa: E731
     return subprocess.CompletedProcess([script, *args], next((c for c in codes if c), 0), read(outs), read(errs))
+
+
+def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None = None, accelerator: str = "cpu",
+                 precision: str | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``lightning run model --accelerator A --devices N [--strategy S] [--precision P] script args`` on one node:
+    the ranks get the LT_* variables the launcher sets (disttrain.cli.launch) besides torchrun's (run_torchrun).
+    Tests of the launcher itself (tests/test_cli.py, the documented commands) start the real command."""
+    launcher_env = {"LT_CLI_USED": "1", "LT_DEVICES": str(devices), "LT_NUM_NODES": "1", "LT_ACCELERATOR": accelerator}
+    launcher_env.update({k: v for k, v in (("LT_STRATEGY", strategy), ("LT_PRECISION", precision)) if v is not None})
+    if LAUNCHER == "torchrun" or not _launcher.serves(child_env()):
+        flags = [f"--{k}={v}" for k, v in (("accelerator", accelerator), ("devices", devices), ("strategy", strategy),
+                                           ("precision", precision), ("main-port", free_port())) if v is not None]
+        return subprocess.run([str(Path(sys.executable).parent / "lightning"), "run", "model", *flags, script, *args],
+                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    return run_torchrun(script, *args, nproc=devices, run_env=launcher_env, timeout=timeout)
 
 
 def rank_logs(logs: list[Path], tail: int = 6000) -> str:
