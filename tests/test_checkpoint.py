@@ -1,12 +1,10 @@
 """Checkpoint files: atomic writes, clear errors for missing/incomplete/corrupt checkpoints, consolidation."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_python
 from safetensors.torch import load_file
 
 from common import tiny_llama
@@ -107,16 +105,14 @@ def test_consolidate_to_safetensors(tmp_path, trained):
 def test_export_command(tmp_path, trained):
     path = save(tmp_path / "ckpt", *trained)
     out = tmp_path / "cli.safetensors"
-    cmd = [sys.executable, "-m", "disttrain.cli", "export", str(path), str(out), "--key", "model"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = run_python("-m", "disttrain.cli", "export", str(path), str(out), "--key", "model")
     assert proc.returncode == 0, proc.stderr
     assert set(load_file(out)) == set(trained[0].state_dict())
 
 
 @pytest.mark.slow
 def test_export_command_reports_missing_checkpoint(tmp_path):
-    cmd = [sys.executable, "-m", "disttrain.cli", "export", str(tmp_path / "none"), str(tmp_path / "o.safetensors")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_python("-m", "disttrain.cli", "export", str(tmp_path / "none"), str(tmp_path / "o.safetensors"))
     assert proc.returncode != 0 and "does not exist" in proc.stderr
     assert not Path(tmp_path / "o.safetensors").exists()
 

@@ -1,16 +1,16 @@
 """`lightning run model` / `disttrain run`: the launcher users call from the README."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env, free_port
+from conftest import ROOT, child_env, free_port, run_python
 
-# Every test here starts processes (launches or the CLI).
+# Every test here starts processes (launches or the CLI; the console scripts themselves where the launcher is tested,
+# `python -m disttrain.cli` forked from a zygote where only the command's output is).
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
@@ -30,8 +30,7 @@ def test_lightning_run_model_launches_fabric_script_with_disttrain_fsdp(tmp_path
 
 
 def test_unknown_strategy_is_rejected_with_the_choices(tmp_path):
-    proc = subprocess.run([str(BIN / "disttrain"), "run", "tests/dist/cli_fabric.py", "--strategy", "disttrain_fsdq"],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    proc = run_python("-m", "disttrain.cli", "run", "tests/dist/cli_fabric.py", "--strategy", "disttrain_fsdq")
     assert proc.returncode != 0
     assert "'disttrain_fsdq' is not a registered strategy; choose one of:" in proc.stderr
     assert "disttrain_fsdp_offload" in proc.stderr
@@ -44,8 +43,7 @@ def test_missing_script(tmp_path):
 
 
 def test_strategies_lists_the_name_table():
-    proc = subprocess.run([str(BIN / "disttrain"), "strategies"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = run_python("-m", "disttrain.cli", "strategies")
     assert proc.returncode == 0
     from disttrain.names import STRATEGIES
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 import torch
 import xxhash
 
-from conftest import ROOT, child_env, run_python
+from conftest import ROOT, run_python
 from disttrain.parallel.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -256,9 +254,7 @@ def crashed_swap(tmp_path_factory):
     """The folder a save leaves when it is killed between `path -> .path.old` and `.path.tmp -> path`."""
     root = tmp_path_factory.mktemp("crash_swap")
     path = root / "ckpts" / "last"
-    env = {**child_env(), "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/dist/crash_swap.py"), str(root / "out"), str(path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(str(ROOT / "tests/dist/crash_swap.py"), str(root / "out"), str(path), timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert sorted(p.name for p in path.parent.iterdir()) == [".last.old", ".last.tmp"]
     return path

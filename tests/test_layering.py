@@ -30,13 +30,27 @@ def modules_of(package: str) -> list[str]:
     return sorted(name.removesuffix(".__init__") for name in names)
 
 
-@pytest.mark.parametrize("layer", ["disttrain.parallel", "disttrain.planner"])
-def test_torch_only_layers_import_no_upper_layer(layer):
-    """Every module of the layer, imported in one fresh interpreter: nothing of Lightning, the adapters or the
-    domain packages is loaded (``python -c "import disttrain.parallel"`` works where Lightning is not wanted)."""
-    names = modules_of(layer)
-    loaded = fresh(f"import importlib, json, sys\nfor m in {names!r}: importlib.import_module(m)\n"
-                   "print(json.dumps(sorted(sys.modules)))")
+TORCH_ONLY = ("disttrain.parallel", "disttrain.planner")
+
+
+@pytest.fixture(scope="module")
+def torch_only_import() -> dict:
+    """One fresh interpreter: the import finders before and after ``import disttrain.parallel`` (its first import),
+    then the modules loaded once every module of each torch-only layer is imported, layer after layer (a layer that
+    leaks shows in its own list: the lists before it are checked to be clean)."""
+    return fresh("import importlib, json, sys\nfinders = [type(f).__name__ for f in sys.meta_path]\n"
+                 "import disttrain.parallel\nout = {'finders': [finders, [type(f).__name__ for f in sys.meta_path]]}\n"
+                 f"for layer, names in {[(layer, modules_of(layer)) for layer in TORCH_ONLY]!r}:\n"
+                 "    for m in names: importlib.import_module(m)\n"
+                 "    out[layer] = sorted(sys.modules)\n"
+                 "print(json.dumps(out))")
+
+
+@pytest.mark.parametrize("layer", TORCH_ONLY)
+def test_torch_only_layers_import_no_upper_layer(layer, torch_only_import):
+    """Every module of the layer imported: nothing of Lightning, the adapters or the domain packages is loaded
+    (``python -c "import disttrain.parallel"`` works where Lightning is not wanted)."""
+    loaded = torch_only_import[layer]
     leaked = sorted(m for m in loaded if m.split(".")[0] == "lightning" or m.startswith(UPPER_LAYERS[1:]))
     assert not leaked, f"{layer} imports {leaked[:10]}"
 
@@ -137,7 +151,7 @@ def test_names_are_registered_whatever_is_imported_first(first):
     assert result["trainer"] == result["fabric"] == result["names"]
 
 
-def test_import_has_no_side_effect_beyond_registration():
+def test_import_has_no_side_effect_beyond_registration(torch_only_import):
     """No exit handler is installed by importing disttrain and its adapters (it is installed where a process group
     is created), and ``import disttrain.parallel`` leaves the import system as it found it apart from the one
     finder that registers the names once Lightning comes."""
@@ -145,6 +159,5 @@ def test_import_has_no_side_effect_beyond_registration():
                    "import disttrain, disttrain.strategies, disttrain.fabric, disttrain.callbacks\n"
                    "print(json.dumps({'before': before, 'after': atexit._ncallbacks()}))")
     assert result["after"] == result["before"]
-    finders = fresh("import json, sys\nbefore = [type(f).__name__ for f in sys.meta_path]\nimport disttrain.parallel\n"
-                    "print(json.dumps({'before': before, 'after': [type(f).__name__ for f in sys.meta_path]}))")
-    assert finders["after"] == ["_RegisterWithLightning"] + finders["before"]
+    before, after = torch_only_import["finders"]
+    assert after == ["_RegisterWithLightning"] + before

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, child_env, free_port, run_dist
+from conftest import ROOT, child_env, free_port, run_dist, run_python
 
 from common import reference_losses, tiny_llama
 from disttrain.parallel.checkpoint import CheckpointError, latest_checkpoint, load_sharded
@@ -64,8 +64,7 @@ def test_vit_checkpoint_keeps_timm_qkv_order_across_tensor_parallel_sizes(tmp_pa
 @pytest.mark.slow
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     ckpts = tmp_path / "ckpts"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/dist/crash_save.py"), str(tmp_path / "out"), str(ckpts)],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(str(ROOT / "tests/dist/crash_save.py"), str(tmp_path / "out"), str(ckpts), timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]  # killed inside the second save
     assert sorted(p.name for p in ckpts.iterdir()) == [".step-000002.tmp", "step-000001"]
     assert latest_checkpoint(ckpts) == ckpts / "step-000001"
@@ -143,8 +142,7 @@ def test_export_hf_directory_loads_in_transformers(tmp_path):
     model = tiny_llama(seed=3)
     ckpt = _save(tmp_path / "ckpt", model, hf_config=model.config.to_dict())
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "disttrain.cli", "export", str(ckpt), "--to", "hf", str(out)],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    proc = run_python("-m", "disttrain.cli", "export", str(ckpt), "--to", "hf", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     loaded = AutoModelForCausalLM.from_pretrained(out)

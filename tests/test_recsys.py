@@ -9,14 +9,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, child_env, run_dist, run_python
+from conftest import ROOT, run_dist, run_python, run_torchrun
 
 from disttrain.recsys.data import BadDataError, DayBatches, day_stats, list_days, load_day, parse_day_file
 from disttrain.recsys.metrics import ClickMetrics
@@ -285,22 +284,10 @@ def test_deploy_files_run_the_daily_job():
 def test_daily_job_on_two_processes_warm_starts_from_sharded_version(tmp_path):
     """torchrun with 2 processes: the tables are sharded, partial batches are dropped or padded so every rank
     runs the same collectives, and the next day warm-starts from the 2-rank published checkpoint."""
-    from conftest import free_port
-
     data, models = tmp_path / "data", tmp_path / "models"
     make_days(data, 1, 6000)
-    env = child_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-
-    def torchrun() -> subprocess.CompletedProcess:
-        for _ in range(3):  # the free port can be taken by another run before torchrun's store binds it
-            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(RECIPE),
-                                   "--data-root", str(data), "--model-root", str(models), "--accelerator", "cpu"],
-                                  env=env, capture_output=True, text=True, timeout=900)
-            if "EADDRINUSE" not in proc.stderr:
-                return proc
-        return proc
+    torchrun = lambda: run_torchrun(str(RECIPE.relative_to(ROOT)), "--data-root", str(data),  # noqa: E731
+                                    "--model-root", str(models), "--accelerator", "cpu")
 
     first = torchrun()
     assert first.returncode == 0, first.stderr[-3000:]

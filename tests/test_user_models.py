@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import lightning as L
 import pytest
 import torch
-from conftest import DIST, ROOT, child_env, relative_diff, run_dist
+from conftest import DIST, relative_diff, run_dist, run_python
 
 import disttrain  # noqa: F401  (installs load_from_checkpoint for disttrain folders)
 from common import global_batch, LlamaModule
@@ -83,11 +81,9 @@ def loaded(runs, tmp_path_factory) -> dict:
     specs = [f"GAN={part(runs, s, 'trainer_gan')['checkpoint']}" for s in ("disttrain_fsdp", "disttrain_megatron")]
     specs.append(f"Classifier={part(runs, 'disttrain_fsdp', 'classifier')['checkpoint']}")
     out = tmp_path_factory.mktemp("loaded") / "loaded.json"
-    env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(DIST / "load_in_one_process.py"), str(out), *specs], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    # run_python: no launcher variables (RANK, WORLD_SIZE, ...), so no process group
+    proc = run_python(str(DIST / "load_in_one_process.py"), str(out), *specs, env={"CUDA_VISIBLE_DEVICES": ""},
+                      timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -5,13 +5,11 @@ test_distributed.py (runs trainer_zero3 / fabric_zero3)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, relative_diff, run_dist
+from conftest import relative_diff, run_dist, run_python
 from safetensors.torch import load_file
 
 from common import probe_input, reference_losses, tiny_llama
@@ -57,8 +55,7 @@ def test_consolidated_zero_checkpoint_loads_into_plain_model(tmp_path, trainer_z
     result = trainer_zero3[0]
     ckpt = Path(result["ckpt_dir"]) / "epoch=1-step=5.ckpt"  # the state after the last step
     out = tmp_path / "fp32.safetensors"
-    proc = subprocess.run([str(Path(sys.executable).parent / "disttrain"), "export", str(ckpt), str(out),
-                           "--prefix", "model."], env=child_env(), capture_output=True, text=True)
+    proc = run_python("-m", "disttrain.cli", "export", str(ckpt), str(out), "--prefix", "model.")
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = tiny_llama(seed=99)
     plain.load_state_dict(load_file(out))
