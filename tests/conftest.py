@@ -138,11 +138,12 @@ def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None
     Tests of the launcher itself (tests/test_cli.py, the documented commands) start the real command."""
     launcher_env = {"LT_CLI_USED": "1", "LT_DEVICES": str(devices), "LT_NUM_NODES": "1", "LT_ACCELERATOR": accelerator}
     launcher_env.update({k: v for k, v in (("LT_STRATEGY", strategy), ("LT_PRECISION", precision)) if v is not None})
-    if LAUNCHER == "torchrun" or not _launcher.serves(child_env()):
+    base = child_env()
+    if LAUNCHER == "torchrun" or not _launcher.serves(base):
         flags = [f"--{k}={v}" for k, v in (("accelerator", accelerator), ("devices", devices), ("strategy", strategy),
                                            ("precision", precision), ("main-port", free_port())) if v is not None]
         return subprocess.run([str(Path(sys.executable).parent / "lightning"), "run", "model", *flags, script, *args],
-                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+                              cwd=ROOT, env=base, capture_output=True, text=True, timeout=timeout)
     return run_torchrun(script, *args, nproc=devices, run_env=launcher_env, timeout=timeout)
 
 

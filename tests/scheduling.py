@@ -67,5 +67,3 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("record_durations")
     if path and not hasattr(session.config, "workerinput"):  # the controller sees every worker's reports
         Path(path).write_text(json.dumps({k: round(v, 1) for k, v in sorted(_seconds.items())}, indent=1) + "\n")
-
-
