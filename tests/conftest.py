@@ -20,7 +20,7 @@ pytest_plugins = ["scheduling"]  # how make test's workers share the files (test
 ROOT = Path(__file__).resolve().parents[1]
 DIST = Path(__file__).parent / "dist"
 sys.path.insert(0, str(DIST))
-# DeepSpeed JIT-builds its CPU communication op into TORCH_EXTENSIONS_DIR when a ZeRO run starts. The default,
+# DeepSpeed JIT-builds its ops (CPU Adam, ...) into TORCH_EXTENSIONS_DIR when a ZeRO run needs one. The default,
 # ~/.cache/torch_extensions, is shared by every virtual environment on the machine, and the build's command line
 # names the environment's paths: two environments in turn rebuild it for each other (a minute of CPU each time).
 # One folder per environment in this checkout: built once, then reused by every run of the session and the next.

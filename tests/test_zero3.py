@@ -99,6 +99,12 @@ def test_conflicting_ds_config_is_a_clear_error(user, message):
         config(options={"config": user})
 
 
+@pytest.mark.slow
+def test_deepspeed_starts_without_building_its_inference_comm_op(checks):
+    """DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce (used only for inference) first."""
+    assert checks["shm_comm_op"] is False
+
+
 def test_clipping_and_precision_come_from_the_trainer():
     cfg = config(precision="bf16-mixed", gradient_clipping=0.5)
     assert cfg["bf16"] == {"enabled": True} and cfg["gradient_clipping"] == 0.5

@@ -24,6 +24,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from disttrain.parallel.engine import Engine
 from disttrain.parallel.options import build_options
+from disttrain.parallel.zero import skip_inference_comm_op
 
 DEFAULT_TIMEOUT: timedelta = default_pg_timeout
 # Methods the Trainer and Fabric call on a LightningModule instead of ``forward``: engines that gather parameters
@@ -103,6 +104,7 @@ class DeepSpeedPlumbing(EngineAdapter):
         validate_gpu_indices(self.parallel_devices)
         reset_seed()
         set_world_ranks()
+        skip_inference_comm_op()
         self._init_deepspeed_distributed()  # type: ignore[attr-defined]
         register_clean_exit()
 

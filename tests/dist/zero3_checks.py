@@ -7,6 +7,7 @@ import sys
 
 import lightning as L
 import torch
+from deepspeed.comm import comm as deepspeed_comm
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import LlamaModule, loader, write_result  # noqa: E402
@@ -63,4 +64,5 @@ write_result({
     "offload_losses": offloaded.losses, "offload": [zero_cfg["offload_optimizer"]["device"],
                                                     zero_cfg["offload_param"]["device"]],
     "offload_param_device": str(next(offloaded.model.parameters()).ds_tensor.device),
+    "shm_comm_op": deepspeed_comm.cdb.shm_comm_op is not None,
 })

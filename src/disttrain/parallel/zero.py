@@ -178,6 +178,21 @@ def set_extensions_dir(options: ZeroOptions) -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = str(options.extensions_dir)
 
 
+def skip_inference_comm_op() -> None:
+    """Let DeepSpeed's communication backend start on CPU without JIT-compiling its shared-memory all-reduce op.
+
+    On CPU, DeepSpeed builds that op when its backend starts (``deepspeed.comm.torch.build_shm_op``: ~25 s of C++
+    compiling on a machine's first run, and a compiler at all), yet only ``inference_all_reduce`` (DeepSpeed
+    inference's tensor parallelism) calls it: ZeRO training reduces through torch.distributed either way. The op is
+    marked unusable in DeepSpeed's own table of ops, the path DeepSpeed takes on machines that cannot build it."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__[get_accelerator().get_op_builder("ShareMemCommBuilder").NAME] = False
+
+
 def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The same Adam/AdamW (groups and hyper-parameters) as DeepSpeedCPUAdam, the fast optimizer for an
     offloaded optimizer state. Other optimizers are returned unchanged."""
