@@ -100,7 +100,8 @@ def test_fabric_meta_init_never_materialises_whole_model(fabric_fsdp):
 
 @pytest.mark.parametrize("compression,tolerance", [("fp16", 1e-3), ("bf16", 1e-2), ("powersgd", 5e-2)])
 def test_ddp_gradient_compression(tmp_path_factory, reference, compression, tolerance):
-    spec = f"disttrain_ddp:gradient_compression={compression},powersgd_start_iter=2"
+    spec = f"disttrain_ddp:gradient_compression={compression}" + (",powersgd_start_iter=2" if compression == "powersgd"
+                                                                  else "")
     result = launch(tmp_path_factory, "fabric_fsdp.py", spec)[0]
     diff = relative_diff(result["losses"], reference)
     assert 0 < diff <= tolerance, diff  # the hook ran (not bit-identical) and stayed close
@@ -113,6 +114,14 @@ def test_fsdp_offload_checkpointing_bf16(tmp_path_factory, reference):
     assert result["precision_plugin"] == "FSDP2MixedPrecision"
     assert result["param_dtype"] == "torch.float32"  # fp32 master weights; bf16 only for compute
     assert relative_diff(result["losses"], reference) <= 2e-2
+
+
+def test_ddp_activation_checkpointing(tmp_path_factory, reference):
+    """DDP's activation_checkpointing option wraps every block, as disttrain_fsdp's does, and changes no loss."""
+    result = launch(tmp_path_factory, "trainer_options.py", "disttrain_ddp:activation_checkpointing=true", "32-true")[0]
+    assert result["wrapped_blocks"] == 2 and result["use_cache"] is False
+    assert result["local_numel"] == result["numel"]  # every rank holds the whole model
+    assert relative_diff(result["losses"], reference) <= 1e-5
 
 
 def test_trainer_empty_init_builds_on_meta(tmp_path_factory):

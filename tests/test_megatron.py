@@ -13,7 +13,9 @@ from disttrain.parallel.megatron import MegatronOptions
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.options import build_options
 from disttrain.parallel.pipeline import plan_stages
-from disttrain.parallel.tp import apply_tp, check_heads, qkv_rank_major, restore_rows
+from disttrain.parallel.families.base import check_heads
+from disttrain.parallel.families.layout import qkv_rank_major, restore_rows
+from disttrain.parallel.tp import apply_tp
 
 TOL = 1e-5
 
@@ -24,7 +26,7 @@ def megatron(**options: object) -> str:
 
 # -- sizes and plans, no processes ----------------------------------------------------------------------------
 def test_indivisible_sizes_are_rejected_with_the_valid_choices():
-    with pytest.raises(ValueError, match=r"world_size=4 is not divisible by tp\*pp=3"):
+    with pytest.raises(ValueError, match=r"world_size=4 is not divisible by tp=3; choose sizes"):
         ParallelDims(world_size=4, tp=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_heads=4; choose 1, 2 or 4"):
         check_heads(3, num_heads=4)

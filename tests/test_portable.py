@@ -116,8 +116,8 @@ def test_two_node_hybrid_sharding_matches_one_process(tmp_path):
 def test_hybrid_shard_sizes_are_checked():
     from disttrain.parallel.mesh import ParallelDims
 
-    with pytest.raises(ValueError, match=r"dp_replicate=3 does not divide the data-parallel degree dp=4; choose"
-                                         r" 1, 2, 4"):
+    with pytest.raises(ValueError, match=r"world_size=4 is not divisible by dp_replicate=3; choose sizes whose"
+                                         r" product divides 4"):
         ParallelDims(world_size=4, dp_replicate=3)
     assert ParallelDims(world_size=8, dp_replicate=2).dp_shard == 4
 

@@ -44,7 +44,7 @@ def tiny_vit(seed: int = 0):
 
 
 def grads_check(fabric: L.Fabric, family: str) -> dict:
-    from disttrain.parallel.tp import restore_rows
+    from disttrain.parallel.families.layout import restore_rows
 
     model = tiny_llama(layers=layers) if family == "llama" else tiny_vit()
     reference = copy.deepcopy(model)
@@ -78,7 +78,7 @@ def grads_check(fabric: L.Fabric, family: str) -> dict:
 
 def train(fabric: L.Fabric) -> dict:
     engine = fabric.strategy.engine
-    dp_mesh = engine.mesh["dp"]
+    dp_mesh = engine.meshes.dp
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     model = tiny_llama(layers=layers)
     total_params = sum(p.numel() for p in model.parameters())
@@ -116,7 +116,7 @@ def train(fabric: L.Fabric) -> dict:
 
 
 def clip(fabric: L.Fabric, max_norm: float = 0.05) -> dict:
-    dp_mesh = fabric.strategy.engine.mesh["dp"]
+    dp_mesh = fabric.strategy.engine.meshes.dp
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
 
     def run(model, optimizer, clip_fn, shard: slice) -> tuple[list[float], list[float]]:

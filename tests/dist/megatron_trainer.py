@@ -73,7 +73,7 @@ class Module(L.LightningModule):
         loss = self.step_loss(batch)
         self.log("train_loss", loss)
         global_loss = loss.detach().clone()  # the mean over data-parallel ranks = the global batch's loss
-        dp = self.trainer.strategy.engine.mesh["dp"]
+        dp = self.trainer.strategy.engine.meshes.dp
         torch.distributed.all_reduce(global_loss, group=dp.get_group())
         self.losses.append(global_loss.item() / dp.size())
         return loss

@@ -25,8 +25,8 @@ GLOBAL_WORLD = 2  # global_batch(step, 2): 4 samples per step, split over howeve
 
 fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy_from_spec(spec, "fabric"))
 fabric.launch()
-mesh = getattr(getattr(fabric.strategy, "engine", None), "mesh", None)
-dp_group = mesh["dp"].get_group() if mesh is not None else None  # megatron/fsdp; else all ranks
+engine = getattr(fabric.strategy, "engine", None)
+dp_group = engine.data_parallel_group() if engine is not None else None  # None: all ranks
 dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
 dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
 

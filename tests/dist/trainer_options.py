@@ -1,4 +1,4 @@
-"""Trainer + FSDP options on 2 CPU processes. Usage: trainer_options.py OUT SPEC PRECISION
+"""Trainer + FSDP (or DDP) options on 2 CPU processes. Usage: trainer_options.py OUT SPEC PRECISION
 
 Builds the model in configure_model (on the meta device when the spec sets empty_init) and records what the
 strategy did: meta at build time, shard sizes, checkpoint wrappers, offload, losses."""
@@ -26,14 +26,14 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy_from_spec(sp
                     precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False)
 trainer.fit(module, loader())
-params = list(module.parameters())
+params = [getattr(p, "to_local", lambda p=p: p)() for p in module.parameters()]  # DTensor shards, or DDP's own
 write_result({
     "losses": module.losses,
     "built_on_meta": module.built_on_meta,
-    "local_numel": sum(p.to_local().numel() for p in params),
-    "numel": sum(p.numel() for p in params),
+    "local_numel": sum(p.numel() for p in params),
+    "numel": sum(p.numel() for p in module.parameters()),
     "wrapped_blocks": sum(isinstance(m, CheckpointWrapper) for m in module.modules()),
-    "param_devices": sorted({str(p.to_local().device) for p in params}),
+    "param_devices": sorted({str(p.device) for p in params}),
     "param_dtype": str(params[0].dtype),
     "precision_plugin": type(trainer.strategy.precision_plugin).__name__,
     "use_cache": module.model.config.use_cache,

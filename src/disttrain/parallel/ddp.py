@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.parallel.ac import apply_ac, has_ac
+from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.checkpoint import is_sharded_checkpoint
 from disttrain.parallel.engine import Engine, Optimizers
 from disttrain.parallel.tables import refuse_torchrec_tables
@@ -28,6 +30,8 @@ class DDPOptions:
     powersgd_rank: rank of PowerSGD's approximation (higher: closer to exact, more bytes).
     powersgd_start_iter: plain all-reduce for this many steps before PowerSGD starts (warm-up).
     find_unused_parameters, static_graph: passed to DistributedDataParallel.
+    activation_checkpointing: recompute each block's activations in backward (blocks found as disttrain_fsdp finds
+        them).
     """
 
     gradient_compression: Optional[str] = None
@@ -35,6 +39,7 @@ class DDPOptions:
     powersgd_start_iter: int = 10
     find_unused_parameters: bool = False
     static_graph: bool = False
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.gradient_compression is not None and self.gradient_compression not in COMPRESSIONS:
@@ -42,6 +47,10 @@ class DDPOptions:
                              f" of {', '.join(COMPRESSIONS)}")
         if self.powersgd_rank < 1:
             raise ValueError(f"powersgd_rank={self.powersgd_rank} must be at least 1")
+        for name, default in (("powersgd_rank", 1), ("powersgd_start_iter", 10)):
+            if getattr(self, name) != default and self.gradient_compression != "powersgd":
+                raise ValueError(f"{name}={getattr(self, name)} applies with gradient_compression='powersgd'; set"
+                                 f" it, or remove {name}")
 
     def ddp_kwargs(self) -> dict:
         return {"find_unused_parameters": self.find_unused_parameters, "static_graph": self.static_graph}
@@ -69,6 +78,8 @@ class DDPEngine(Engine):
     say) and keeps the buffers equal itself. Checkpoints are the one DCP layout, so they move to and from every
     sharded strategy."""
 
+    options_cls = DDPOptions
+    replicates = True
     options: DDPOptions
 
     def __init__(self, options: DDPOptions, name: str = "disttrain_ddp") -> None:
@@ -87,6 +98,8 @@ class DDPEngine(Engine):
         refuse_torchrec_tables(module, self.name)
         for transform in self.module_transforms:
             transform(module)
+        if self.options.activation_checkpointing and not has_ac(module):
+            apply_ac(module, find_blocks(module))
         if sync_batchnorm:
             module = convert(module) if convert is not None else nn.SyncBatchNorm.convert_sync_batchnorm(module)
         return self.wrap(module.to(device), device), list(optimizers)

@@ -46,16 +46,18 @@ from disttrain.parallel.buffers import (
 from disttrain.parallel.clip import clip_grad_norm_
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, gathered, set_gradient_sync
 from disttrain.parallel.init import materialize
-from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.mesh import Meshes, ParallelDims
 from disttrain.parallel.tables import refuse_torchrec_tables
 
 Optimizers = list[torch.optim.Optimizer]
 
 
 class Engine:
-    """The protocol, with what most engines share. ``options`` is the strategy's option dataclass; ``name`` the
-    registered strategy name that errors quote."""
+    """The protocol, with what most engines share. ``options`` is the strategy's option dataclass
+    (``options_cls``); ``name`` the registered strategy name that errors quote."""
 
+    #: The options dataclass of the strategy: the single source of its options (docs tables are generated from it).
+    options_cls: ClassVar[type]
     #: The engine casts to half precision itself (FSDP2's MixedPrecisionPolicy): adapters must not autocast.
     casts_itself: ClassVar[bool] = False
     #: Checkpoints hold the optimizers' state by parameter name (``optimizer_state``), restored in place by
@@ -63,28 +65,50 @@ class Engine:
     optimizers_by_name: ClassVar[bool] = True
     #: ``module_transforms`` run on the plain model before it is parallelised (the FP8 callback's Linear swap).
     takes_module_transforms: ClassVar[bool] = True
+    #: The engine shards over device meshes (built in ``setup_mesh`` from its ``ParallelDims``).
+    builds_meshes: ClassVar[bool] = False
+    #: Every rank keeps a whole copy of the (dense) model (DDP, torchrec's dense part), rather than a shard of one.
+    replicates: ClassVar[bool] = False
 
     def __init__(self, options: Any, name: str = "disttrain") -> None:
         self.options = options
         self.name = name
         self.world_size, self.rank = 1, 0
-        self.mesh: DeviceMesh | None = None  # engines that shard over a device mesh build it in setup_mesh
+        self.dims: ParallelDims | None = None  # the degrees, from the options (parallel_dims) in setup_mesh
+        self.meshes: Meshes | None = None
+        self.mesh: DeviceMesh | None = None  # the world mesh of engines that shard over device meshes
         # Functions that change the plain model right before it is parallelised (the FP8 callback's Linear swap).
         self.module_transforms: list[Callable[[nn.Module], None]] = []
 
     # -- processes --------------------------------------------------------------------------------------------
+    @classmethod
+    def parallel_dims(cls, options: Any, world_size: int, local_size: int | None = None) -> ParallelDims:
+        """The degrees ``options`` ask for on ``world_size`` ranks (``local_size``: processes per node), with the
+        strategy's own error for sizes it cannot use: the one mapping from options to degrees, which the engine,
+        the planner and the simulator share. Default: every rank a data-parallel rank, holding a replica
+        (``replicates``) or a shard of one copy (ZeRO-3)."""
+        return ParallelDims.data_parallel(world_size, replicate=cls.replicates)
+
     def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh | None:
         """Called once the process group exists. ``local_size``: processes per node (Lightning's count)."""
         self.world_size, self.rank = world_size, dist.get_rank() if dist.is_initialized() else 0
-        return None
+        self.dims = self.parallel_dims(self.options, world_size, local_size)
+        if self.builds_meshes:
+            self.meshes = self.dims.build(device.type)
+            self.mesh = self.meshes.world
+        return self.mesh
 
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold the same part of the model and see different samples (None: all ranks)."""
-        return None
+        return self.meshes.dp.get_group() if self.meshes is not None else None
 
     def sampler_kwargs(self) -> dict[str, int]:
-        """``DistributedSampler`` arguments: one replica per data-parallel rank."""
-        return {"num_replicas": self.world_size, "rank": self.rank}
+        """``DistributedSampler`` arguments: one replica per data-parallel rank (context-, tensor- and
+        pipeline-parallel ranks of one replica read the same samples)."""
+        if self.dims is None:
+            return {"num_replicas": self.world_size, "rank": self.rank}
+        at = self.dims.coordinates(self.rank)
+        return {"num_replicas": self.dims.dp, "rank": at["dp_replicate"] * self.dims.dp_shard + at["dp_shard"]}
 
     @staticmethod
     def reduce(tensor: Any, op: Any = "mean", group: dist.ProcessGroup | None = None) -> Any:
@@ -236,7 +260,9 @@ class Engine:
 class FSDPEngine(Engine):
     """FSDP2: holds the options and the data-parallel mesh; shards, checkpoints and exports a model."""
 
+    options_cls = FSDPOptions
     casts_itself = True
+    builds_meshes = True
     options: FSDPOptions
     #: Allocate and initialise the sharded parameters after sharding; ``disttrain.simulate`` turns it off to keep the
     #: shards on the meta device (their shapes are what it counts; a world of fake ranks allocates nothing).
@@ -244,32 +270,22 @@ class FSDPEngine(Engine):
 
     def __init__(self, options: FSDPOptions, name: str = "disttrain_fsdp") -> None:
         super().__init__(options, name)
-        self.dims: ParallelDims | None = None
 
     # -- processes ------------------------------------------------------------------------------------------
-    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh:
-        """``local_size``: processes per node (the adapters pass Lightning's count; else torchrun's
-        LOCAL_WORLD_SIZE): under hybrid sharding the processes of one node form one shard group."""
-        super().setup_mesh(world_size, device, local_size)
-        replicate = 1
-        if self.options.hybrid_shard:
-            shard = self.options.shard_size or local_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            if shard < 1 or world_size % shard:
-                raise ValueError(f"shard_size={shard} does not divide world_size={world_size}; pass shard_size= the"
-                                 " processes per node (a divisor of the world size)")
-            replicate = world_size // shard
-        self.dims = ParallelDims(world_size=world_size, dp_replicate=replicate)
-        self.mesh = self.dims.build_mesh(device.type)
-        return self.mesh
-
-    def sampler_kwargs(self) -> dict[str, int]:
-        assert self.mesh is not None, "setup_mesh() first"
-        dp = self.mesh["dp"]
-        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
-
-    def data_parallel_group(self) -> dist.ProcessGroup:
-        assert self.mesh is not None, "setup_mesh() first"
-        return self.mesh["dp"].get_group()
+    @classmethod
+    def parallel_dims(cls, options: FSDPOptions, world_size: int, local_size: int | None = None) -> ParallelDims:
+        """Every rank shards one copy; under ``hybrid_shard`` the processes of one node (``shard_size``, else
+        ``local_size``, else torchrun's LOCAL_WORLD_SIZE) form a shard group and the groups replicate."""
+        if not options.hybrid_shard:
+            if options.shard_size is not None:
+                raise ValueError(f"shard_size={options.shard_size} applies to hybrid sharding only; pass"
+                                 " hybrid_shard=True with it, or leave shard_size out")
+            return ParallelDims(world_size)
+        shard = options.shard_size or local_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if shard < 1 or world_size % shard:
+            raise ValueError(f"shard_size={shard} does not divide world_size={world_size}; pass shard_size= the"
+                             " processes per node (a divisor of the world size)")
+        return ParallelDims(world_size, dp_replicate=world_size // shard, dp_shard=shard)
 
     # -- the model ------------------------------------------------------------------------------------------
     def init_context(self, empty_init: bool | None) -> AbstractContextManager:
@@ -307,7 +323,7 @@ class FSDPEngine(Engine):
         ``forward_methods`` are methods called instead of ``forward`` (a LightningModule's ``training_step``):
         FSDP2 gathers the root's parameters around them as it does around ``forward``.
         """
-        assert self.mesh is not None and self.dims is not None, "setup_mesh() first"
+        assert self.meshes is not None, "setup_mesh() first"
         if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
             raise TypeError("the model is wrapped in FSDP1 (FullyShardedDataParallel); disttrain_fsdp applies FSDP2"
                             " itself: pass the plain model")
@@ -317,7 +333,7 @@ class FSDPEngine(Engine):
             refuse_torchrec_tables(module, "disttrain_fsdp")
             for transform in self.module_transforms:
                 transform(module)
-            apply_fsdp(module, self.dims.fsdp_mesh(self.mesh), self.options, precision, device)
+            apply_fsdp(module, self.meshes.fsdp, self.options, precision, device)
             register_forward_methods(module, forward_methods)
         if self.allocates:
             materialize(module, device)

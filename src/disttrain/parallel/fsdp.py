@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -184,8 +185,16 @@ def _refuse_shards(name: str, unit: str, fsdp_dims: set[str]):
     return check
 
 
-def is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+def shard_elements(shapes: Iterable[Sequence[int]], rank: int, n: int) -> int:
+    """Elements FSDP2 keeps on ``rank`` of ``n`` for parameters of these shapes: each parameter is chunked on dim 0
+    with ``torch.chunk`` (``ceil(rows / n)`` rows per rank, the last ranks fewer or none), so the first ranks hold
+    the most; dividing the element count by ``n`` misses that padding, which grows with ``n``."""
+    total = 0
+    for shape in shapes:
+        rows = shape[0] if len(shape) else 1
+        per = math.ceil(rows / n)
+        total += max(0, min(per, rows - rank * per)) * math.prod(shape[1:])
+    return total
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

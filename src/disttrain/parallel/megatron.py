@@ -15,12 +15,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel.engine import FSDPEngine, register_forward_methods
 from disttrain.parallel.families import family_of, find_model
-from disttrain.parallel.families.layout import QKVRowsLayout  # noqa: F401  (public here too)
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, shard_blocks, shard_root
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
@@ -54,10 +52,23 @@ class MegatronOptions(FSDPOptions):
     split_points: Optional[Sequence[int]] = None
     pipeline_module: str = "model"
 
+    def __post_init__(self) -> None:
+        # Every option a user sets is read or refused: these are read only by the dimension they belong to.
+        unused = []
+        if self.pipeline_parallel_size == 1:
+            unused += [(name, "pipeline_parallel_size > 1") for name, default in (
+                ("pipeline_schedule", "1f1b"), ("microbatches", None), ("virtual_stages", 1), ("split_points", None))
+                if getattr(self, name) != default]
+        if self.tensor_parallel_size == 1 and self.tp_plan is not None:
+            unused.append(("tp_plan", "tensor_parallel_size > 1"))
+        for name, needs in unused:
+            raise ValueError(f"{name}={getattr(self, name)!r} applies with {needs}; set it, or remove {name}")
+
 
 class MegatronEngine(FSDPEngine):
     """Holds the 3D mesh; splits, tensor-parallelises and shards a model; checkpoints and exports it."""
 
+    options_cls = MegatronOptions
     options: MegatronOptions
 
     def __init__(self, options: MegatronOptions, name: str = "disttrain_megatron") -> None:
@@ -66,17 +77,17 @@ class MegatronEngine(FSDPEngine):
         self.tp_result = TPResult()
         self._target_prefix = ""
 
-    def setup_mesh(self, world_size: int, device: torch.device, local_size: int | None = None) -> DeviceMesh:
-        if self.options.hybrid_shard:
-            raise ValueError("hybrid_shard=True is a disttrain_fsdp option; under disttrain_megatron the data-parallel"
-                             " dimension is fully sharded: remove hybrid_shard or use strategy='disttrain_fsdp'")
-        self.dims = ParallelDims(world_size=world_size, tp=self.options.tensor_parallel_size,
-                                 pp=self.options.pipeline_parallel_size)
-        self.mesh = self.dims.build_mesh(device.type)
-        return self.mesh
+    @classmethod
+    def parallel_dims(cls, options: MegatronOptions, world_size: int,
+                      local_size: int | None = None) -> ParallelDims:
+        """Tensor x pipeline parallel as the options ask; the data dimension (FSDP) takes the remaining ranks."""
+        if options.hybrid_shard or options.shard_size is not None:
+            raise ValueError("hybrid_shard/shard_size are disttrain_fsdp options; under disttrain_megatron the"
+                             " data-parallel dimension is fully sharded: remove them or use strategy='disttrain_fsdp'")
+        return ParallelDims(world_size, tp=options.tensor_parallel_size, pp=options.pipeline_parallel_size)
 
     def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
-        return self.mesh["pp"].get_group() if self.pipeline is not None and self.mesh is not None else None
+        return self.meshes.pp.get_group() if self.pipeline is not None and self.meshes is not None else None
 
     def check_accumulation(self, steps: int) -> None:
         if self.options.pipeline_parallel_size > 1 and steps > 1:
@@ -110,7 +121,7 @@ class MegatronEngine(FSDPEngine):
 
     def parallelize(self, module: nn.Module, device: torch.device, precision: str,
                     forward_methods: tuple[str, ...] = ()) -> nn.Module:
-        assert self.mesh is not None and self.dims is not None, "setup_mesh() first"
+        assert self.meshes is not None and self.dims is not None, "setup_mesh() first"
         if self.is_parallelized(module):  # set up before (a Trainer re-setup): only materialise
             materialize(module, device)
             return module
@@ -119,21 +130,21 @@ class MegatronEngine(FSDPEngine):
             transform(module)
         prefix, target = self._target(module)
         self._target_prefix = prefix
-        opts, dims = self.options, self.dims
+        opts, dims, meshes = self.options, self.dims, self.meshes
         if dims.pp > 1:
             self.pipeline = pipeline_model(
-                target, self.mesh["pp"], device, schedule=opts.pipeline_schedule, microbatches=opts.microbatches,
+                target, meshes.pp, device, schedule=opts.pipeline_schedule, microbatches=opts.microbatches,
                 virtual_stages=opts.virtual_stages, split_points=opts.split_points)
-            self.pipeline.dp_group = self.mesh["dp"].get_group()
+            self.pipeline.dp_group = meshes.dp.get_group()
             hook = getattr(module, "loss_fn", None)
             if module is not target and callable(hook) and not self.pipeline.owns_loss:
                 module.loss_fn = self.pipeline.defer_loss(hook)  # the documented PP hook of a LightningModule
         if dims.tp > 1:
-            self.tp_result = apply_tp(target, self.mesh["tp"], opts.tp_plan, opts.wrap_classes)
+            self.tp_result = apply_tp(target, meshes.tp, opts.tp_plan, opts.wrap_classes)
         if dims.pp > 1:
             self._shard_stages(device, precision)
         else:
-            apply_fsdp(module, self.mesh["dp"], opts, precision, device)
+            apply_fsdp(module, meshes.fsdp, opts, precision, device)
             register_forward_methods(module, forward_methods)
         if self.allocates:
             materialize(module, device)
@@ -157,11 +168,11 @@ class MegatronEngine(FSDPEngine):
         """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP), as
         :func:`apply_fsdp` shards a whole model: the schedule calls the stage modules, so FSDP's root hooks run
         around every microbatch."""
-        assert self.pipeline is not None and self.mesh is not None
+        assert self.pipeline is not None and self.meshes is not None
         for stage in self.pipeline.stage_modules:
             blocks = list((stage.layers if hasattr(stage, "layers") else stage.blocks).values())
-            shard_blocks(stage, blocks, self.mesh["dp"], self.options, precision, device)
-            shard_root(stage, self.mesh["dp"], self.options, precision, device)
+            shard_blocks(stage, blocks, self.meshes.fsdp, self.options, precision, device)
+            shard_root(stage, self.meshes.fsdp, self.options, precision, device)
 
     # -- checkpoints and export -----------------------------------------------------------------------------
     def storage_layout(self) -> ckpt.StorageLayout:
@@ -184,11 +195,11 @@ class MegatronEngine(FSDPEngine):
         """Each pipeline stage's full tensors (gathered over dp/tp in its own groups), then collected on rank 0."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        assert self.mesh is not None
+        assert self.meshes is not None and self.dims is not None
         local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         local = {k: v.detach().cpu() for k, v in local.items()}
-        pp_group = self.mesh["pp"].get_group()
-        first_of_rest = all(self.mesh[d].get_local_rank() == 0 for d in self.mesh.mesh_dim_names if d != "pp")
+        pp_group = self.meshes.pp.get_group()
+        first_of_rest = all(v == 0 for d, v in self.dims.coordinates(_rank()).items() if d != "pp")
         parts: list[Any] = [None] * dist.get_world_size(pp_group)
         if first_of_rest:  # one copy per stage: the ranks at dp = tp = 0 take part
             dist.gather_object(local, parts if _rank() == 0 else None, dst=dist.get_global_rank(pp_group, 0),

@@ -1,81 +1,165 @@
-"""Parallel degrees and the device mesh: the one place that does world-size arithmetic."""
+"""Parallel degrees and the device meshes: the one place that does world-size arithmetic.
+
+:class:`ParallelDims` is how degrees travel everywhere (strategy options -> engine -> planner -> simulator -> CLI ->
+run reports); every strategy states its options as one (``Engine.parallel_dims``). :meth:`ParallelDims.build` makes
+the device meshes the engines shard over, named by what they are for (:class:`Meshes`).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# The dimensions in mesh order (outermost first): pipeline stages talk least, tensor-parallel ranks most, so the
+# tensor-parallel ranks are neighbours (one node) and the pipeline spans nodes.
+DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of data (dp), tensor (tp) and pipeline (pp) parallelism over ``world_size`` ranks.
+    """Degrees of parallelism over ``world_size`` ranks; their product is the world size.
 
-    ``dp=-1`` means "whatever is left": ``world_size / (tp * pp)``. ``dp_replicate > 1`` splits the data-parallel
-    ranks into ``dp_replicate`` groups that each hold one full sharded copy (HSDP: shard within a node, replicate
-    across nodes); ``dp_shard = dp / dp_replicate`` ranks share one copy.
+    dp_replicate: copies of the model that see different data (DDP's replicas, or HSDP's replicas across nodes).
+    dp_shard: ranks that share one copy's shards (FSDP2 / ZeRO-3) and see different data; -1: what is left.
+    cp: context parallel: ranks that split each sequence (they see the same samples, different tokens).
+    tp: tensor parallel: ranks that split each block's heads and MLP.
+    pp: pipeline parallel: stages over ranks.
+    ep: expert parallel: ranks that split an MoE layer's experts, borrowed from ``dp_shard x cp`` (as torchtitan
+        does), so it adds no ranks of its own.
+
+    Data parallel (different samples per rank) is ``dp = dp_replicate * dp_shard``; FSDP shards over
+    ``dp_shard * cp`` ranks (context-parallel ranks hold the same parameters, so they share the shards too).
     """
 
     world_size: int
-    dp: int = -1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
-    dp_replicate: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size!r} must be a positive integer")
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name}={value} must be a positive integer")
-        model_parallel = self.tp * self.pp
-        if self.world_size % model_parallel:
-            raise ValueError(
-                f"world_size={self.world_size} is not divisible by tp*pp={model_parallel} (tp={self.tp}, pp={self.pp});"
-                f" choose sizes whose product divides {self.world_size}"
-            )
-        if self.dp == -1:
-            object.__setattr__(self, "dp", self.world_size // model_parallel)
-        if self.dp * model_parallel != self.world_size:
-            raise ValueError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * model_parallel} does not equal"
-                f" world_size={self.world_size}; set dp=-1 to derive it"
-            )
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        fixed = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % fixed:
+                raise ValueError(f"world_size={self.world_size} is not divisible by {self._product(without='dp_shard')};"
+                                 f" choose sizes whose product divides {self.world_size}")
+            object.__setattr__(self, "dp_shard", self.world_size // fixed)
+        elif not isinstance(self.dp_shard, int) or self.dp_shard < 1:
+            raise ValueError(f"dp_shard={self.dp_shard!r} must be a positive integer, or -1 for what is left")
+        if fixed * self.dp_shard != self.world_size:
+            raise ValueError(f"{self._product(every=True)} does not equal world_size={self.world_size}; pass"
+                             " dp_shard=-1 to derive it")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp_shard*cp={self.dp_shard * self.cp}: expert-parallel"
+                             " ranks are taken from the data-sharding and context-parallel ranks; choose one of"
+                             f" {', '.join(map(str, divisors(self.dp_shard * self.cp)))}")
 
-        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
-            raise ValueError(
-                f"dp_replicate={self.dp_replicate} does not divide the data-parallel degree dp={self.dp}; choose"
-                f" {', '.join(str(d) for d in range(1, self.dp + 1) if self.dp % d == 0)} (nodes that each hold one"
-                " sharded copy)"
-            )
+    def _product(self, without: str = "", every: bool = False) -> str:
+        """``"tp*pp=4 (tp=2, pp=2)"``: the product of the degrees above 1 (of all of them with ``every``)."""
+        names = [n for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if n != without and
+                 (every or getattr(self, n) > 1)] or ["tp"]
+        product = math.prod(getattr(self, n) for n in names)
+        if len(names) == 1:
+            return f"{names[0]}={product}"
+        return f"{'*'.join(names)}={product} ({', '.join(f'{n}={getattr(self, n)}' for n in names)})"
+
+    @classmethod
+    def data_parallel(cls, world_size: int, replicate: bool = False) -> ParallelDims:
+        """Every rank a data-parallel rank: DDP's replicas (``replicate=True``) or FSDP's / ZeRO-3's shards."""
+        return cls(world_size, dp_replicate=world_size, dp_shard=1) if replicate else cls(world_size)
+
+    # -- derived degrees ------------------------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
 
     @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
+    def shard(self) -> int:
+        """Ranks one copy of the parameters is sharded over (FSDP's group): ``dp_shard * cp``."""
+        return self.dp_shard * self.cp
 
     @property
     def hybrid(self) -> bool:
-        return self.dp_replicate > 1
+        """Sharded copies replicated across groups (HSDP)."""
+        return self.dp_replicate > 1 and self.shard > 1
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """A mesh with only the dimensions whose degree is above 1 (always at least ``dp``). Hybrid sharding builds
-        ("dp_replicate", "dp_shard") and flattens them into "dp" too, so samplers and reductions still use "dp"."""
-        names, shape = [], []
-        dp_dims = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.hybrid \
-            else (("dp", self.dp),)
-        for name, degree in (("pp", self.pp), *dp_dims, ("tp", self.tp)):
-            if degree > 1 or name.startswith("dp"):
-                names.append(name)
-                shape.append(degree)
-        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-        if self.hybrid:
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+    def degrees(self) -> dict[str, int]:
+        """The degrees above 1 (``{"dp_shard": 8, "tp": 2}``), the data-sharding one always, for labels and run
+        reports."""
+        values = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                  "pp": self.pp, "ep": self.ep}
+        return {k: v for k, v in values.items() if v > 1 or (k == "dp_shard" and self.dp_replicate == 1)}
 
-    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh fully_shard takes: 2D (replicate, shard) for hybrid sharding, else the 1D "dp" mesh."""
-        return mesh["dp_replicate", "dp_shard"] if self.hybrid else mesh["dp"]
+    def label(self) -> str:
+        """``"dp_shard=8 tp=2"``: what :meth:`degrees` holds, in one line."""
+        return " ".join(f"{k}={v}" for k, v in self.degrees().items())
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits along each dimension (mesh order :data:`DIMENSIONS`: tp fastest)."""
+        out = {}
+        for name in reversed(DIMENSIONS):
+            size = getattr(self, name)
+            out[name], rank = rank % size, rank // size
+        return out
+
+    def rank_of(self, **coordinates: int) -> int:
+        """The global rank at these coordinates (unnamed dimensions at 0)."""
+        rank = 0
+        for name in DIMENSIONS:
+            rank = rank * getattr(self, name) + coordinates.get(name, 0)
+        return rank
+
+    # -- meshes -------------------------------------------------------------------------------------------------
+    def build(self, device_type: str) -> Meshes:
+        """The device meshes of these degrees (collective: every rank calls it once the process group exists)."""
+        sizes = {name: getattr(self, name) for name in DIMENSIONS}
+        # Only dimensions above 1 (the data-sharding one always, so that every mesh below exists).
+        names = tuple(n for n in DIMENSIONS if sizes[n] > 1 or n == "dp_shard")
+        world = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+
+        def joined(parts: tuple[str, ...], name: str) -> DeviceMesh:
+            present = tuple(p for p in parts if p in names)
+            return world[present]._flatten(name) if len(present) > 1 else world[present[0]]
+
+        dp = joined(("dp_replicate", "dp_shard"), "dp")
+        shard = joined(("dp_shard", "cp"), "dp_shard_cp")
+        if self.hybrid and self.cp > 1:
+            raise ValueError(f"dp_replicate={self.dp_replicate} with cp={self.cp}: hybrid sharding and context"
+                             " parallelism together are not supported; use dp_replicate=1")
+        # HSDP: fully_shard takes a 2-D (replicate, shard) mesh.
+        fsdp = world["dp_replicate", "dp_shard"] if self.hybrid else shard
+        return Meshes(world=world, dp=dp, fsdp=fsdp, cp=world["cp"] if self.cp > 1 else None,
+                      tp=world["tp"] if self.tp > 1 else None, pp=world["pp"] if self.pp > 1 else None)
 
 
-def device_type_of(device: torch.device | str) -> str:
-    return torch.device(device).type
+@dataclass(frozen=True)
+class Meshes:
+    """The device meshes of one :class:`ParallelDims`, by use. ``world``: every dimension above 1 (what Lightning's
+    ``device_mesh`` shows); ``dp``: the ranks that see different samples (samplers, buffers); ``fsdp``: what
+    ``fully_shard`` shards over (``dp_shard x cp``; 2-D for HSDP); ``cp``/``tp``/``pp``: those dimensions, None when
+    their degree is 1."""
+
+    world: DeviceMesh
+    dp: DeviceMesh
+    fsdp: DeviceMesh
+    cp: Optional[DeviceMesh] = None
+    tp: Optional[DeviceMesh] = None
+    pp: Optional[DeviceMesh] = None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+

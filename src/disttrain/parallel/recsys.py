@@ -20,12 +20,8 @@ from torch import nn
 
 from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel.engine import Engine
-from disttrain.parallel.tables import (  # noqa: F401  (public here too: the dense optimizer is made from these)
-    dense_parameters,
-    has_torchrec_tables,
-    is_embedding_module,
-    refuse_torchrec_tables,
-)
+# dense_parameters: what the dense optimizer is made from (users reach it here, next to the strategy's engine).
+from disttrain.parallel.tables import dense_parameters, has_torchrec_tables
 
 # Sharding types the planner may choose per table by default. data_parallel is left out: replicating a table
 # would defeat the point of the strategy (torchrec's planner picks it for small tables on one process).
@@ -146,6 +142,19 @@ def shard(module: nn.Module, options: RecsysOptions, device: torch.device) -> nn
     return DistributedModelParallel(module, device=device, plan=sharding_plan, sharders=module_sharders)
 
 
+def shards_per_rank(sharding_plan: Any, world_size: int) -> list[tuple[int, int]]:
+    """(table elements, table rows) each rank holds under a torchrec sharding plan (what :func:`plan` returns):
+    what the planner estimates and the simulator reports."""
+    per_rank = [[0, 0] for _ in range(world_size)]
+    for shardings in sharding_plan.plan.values():
+        for sharding in shardings.values():
+            for shard in sharding.sharding_spec.shards:
+                rows, cols = shard.shard_sizes
+                per_rank[shard.placement.rank()][0] += rows * cols
+                per_rank[shard.placement.rank()][1] += rows
+    return [(elements, rows) for elements, rows in per_rank]
+
+
 def quiet_planner_logs() -> None:
     # The planner warns about its own topology construction and about meta-device dry runs at every call.
     for name in ("torchrec.distributed.planner.types", "torchrec.distributed.planner.storage_reservations",
@@ -220,13 +229,15 @@ class RecsysEngine(Engine):
     """The engine of ``disttrain_recsys``: tables sharded by torchrec's planner (DMP), the dense part data-parallel,
     and sharded checkpoints (table shards and fused optimizer state through DCP; everything else in ``meta.pt``)."""
 
+    options_cls = RecsysOptions
+    # No device mesh: DMP shards over the default process group and DDP uses it for the dense part (torchrec's
+    # planner reads the topology itself). In degrees: the dense part is replicated on every rank; the tables are
+    # placed by torchrec's planner across all of them.
+    replicates = True
     options: RecsysOptions
 
     def __init__(self, options: RecsysOptions, name: str = "disttrain_recsys") -> None:
         super().__init__(options, name)
-
-    # No device mesh: DMP shards over the default process group and DDP uses it for the dense part (torchrec's
-    # planner reads the topology itself); Engine.setup_mesh records the world.
 
     def setup(self, module: nn.Module, device: torch.device, precision: str, optimizers: Any = (), *,
               container: bool = False, training: bool = True, forward_methods: tuple[str, ...] = (),

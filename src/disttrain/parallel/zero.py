@@ -9,7 +9,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +17,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from disttrain.parallel.checkpoint import (  # noqa: F401  (DeepSpeed folders: read in checkpoint.py, public here too)
-    is_zero_checkpoint,
-    restore_rest,
-    write_from_rank0,
-    zero_fp32_state_dict,
-)
+from disttrain.parallel.checkpoint import restore_rest, write_from_rank0
 
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 
@@ -41,7 +36,7 @@ class ZeroOptions:
         costs a ~2.5-minute JIT build the first time).
     extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build once.
     micro_batch_size, gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and
-        ``accumulate_grad_batches``).
+        ``accumulate_grad_batches``, and refuses these).
     broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the ranks: rank 0's after every
         training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
     sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's
@@ -70,6 +65,12 @@ class ZeroOptions:
         for name in ("micro_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.nvme_path != "/local_nvme" and "nvme" not in (self.offload_optimizer, self.offload_parameters):
+            raise ValueError(f"nvme_path={self.nvme_path!r} applies to NVMe offload; pass offload_optimizer='nvme'"
+                             " and/or offload_parameters='nvme' with it, or remove nvme_path")
+        if self.cpu_adam is not None and self.offload_optimizer is None:
+            raise ValueError(f"cpu_adam={self.cpu_adam} applies to an offloaded optimizer; set"
+                             " offload_optimizer='cpu' (disttrain_zero3_offload), or remove cpu_adam")
 
     def use_cpu_adam(self, device_type: str) -> bool:
         if self.offload_optimizer is None:
@@ -203,6 +204,12 @@ def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
               for g in optimizer.param_groups]
     return DeepSpeedCPUAdam(groups, adamw_mode=isinstance(optimizer, torch.optim.AdamW))
+
+
+def partition_elements(numels: Iterable[int], world_size: int) -> int:
+    """Elements of ZeRO-3's partition on every rank for parameters of these sizes: DeepSpeed pads each parameter to a
+    multiple of the world size (``partition_parameters``' ``_padding_size``) and keeps ``ceil(numel / n)`` each."""
+    return sum(math.ceil(numel / world_size) for numel in numels)
 
 
 def zero_partition_numel(module: torch.nn.Module) -> tuple[int, int]:
@@ -650,18 +657,6 @@ def _master(model: torch.nn.Module, optimizer: Optional[tuple[str, Any]]) -> Any
     return engine_optimizer if hasattr(engine_optimizer, "fp32_partitioned_groups_flat") else None
 
 
-def save_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, optimizer: Any, metadata: dict[str, Any],
-                     model_key: str, optim_key: Optional[str] = None) -> Path:
-    """Write a ZeRO-3 model (under ``model_key``; the fp32 master weights when ``optimizer``, DeepSpeed's ZeRO-3
-    optimizer, holds them) and, with ``optim_key``, its optimizer state as one DCP checkpoint folder in the layout
-    every disttrain strategy reads, each rank writing only its partitions, atomically. ``metadata`` goes to
-    ``meta.pt``. Collective."""
-    tensors: dict[str, Any] = {model_key: zero3_model_state(module, optimizer)}
-    if optim_key is not None:
-        tensors[optim_key] = zero3_optimizer_state(module, optimizer)
-    return save_zero3_tensors(path, tensors, metadata)
-
-
 def save_zero3_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
     """Write ``tensors`` (``{key: zero3_model_state(...) | zero3_optimizer_state(...)}``) and ``metadata`` as one
     DCP checkpoint folder, atomically, each rank writing only its partitions. Collective."""
@@ -669,17 +664,6 @@ def save_zero3_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], m
 
     with _sharded_tensors_allowed():
         return save_sharded(path, tensors, metadata)
-
-
-def save_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any]) -> Path:
-    """Fabric-style ``{"model": engine, "optimizer": opt, "step": 3}`` -> :func:`save_zero3_state`. Collective."""
-    model, optimizer, rest = _split_zero_state(state)
-    if model is None:
-        raise ValueError(f"checkpoint state must hold the model; it holds {sorted(state)}")
-    module = getattr(model[1], "module", model[1])  # DeepSpeedEngine -> the user's model
-    metadata = {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for k, v in rest.items()}
-    return save_zero3_state(path, module, _master(model[1], optimizer), metadata, model[0],
-                            optimizer[0] if optimizer else None)
 
 
 def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], strict: bool = True,

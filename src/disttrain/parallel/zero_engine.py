@@ -19,11 +19,11 @@ from torch import nn
 from disttrain.parallel.buffers import convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
 from disttrain.parallel.engine import Engine, Optimizers
 from disttrain.parallel.tables import refuse_torchrec_tables
+from disttrain.parallel.checkpoint import is_zero_checkpoint
 from disttrain.parallel.zero import (
     ZeroOptions,
     attach_zero3_optimizer,
     export_zero3,
-    is_zero_checkpoint,
     load_zero3_checkpoint,
     save_zero3_tensors,
     set_extensions_dir,
@@ -42,6 +42,7 @@ class ZeroEngine(Engine):
     takes_module_transforms = False
     # (Where modules are built, deepspeed.zero.Init, is the context of Lightning's DeepSpeed strategies, which the
     # adapters keep: it is built from the same config and is what their own set-up expects.)
+    options_cls = ZeroOptions
     options: ZeroOptions
 
     def __init__(self, options: ZeroOptions, name: str = "disttrain_zero3") -> None:

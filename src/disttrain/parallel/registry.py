@@ -1,0 +1,131 @@
+"""Every disttrain strategy, registered once: its name, engine, options and description.
+
+Everything else finds a strategy here: the Lightning name table (``disttrain.names``: the Trainer and Fabric
+adapters of each row's engine), the planner (its formulas by engine class), the simulator (its runners by engine
+class), the CLI (``disttrain strategies``, the ``--strategy`` choices), the docs' tables and the tests. A row's
+options are its engine's options dataclass, with the row's ``defaults`` (``disttrain_fsdp_offload`` is
+``disttrain_fsdp`` with ``cpu_offload=True``); ``Registered.dims`` turns options into :class:`ParallelDims` with the
+engine's own rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from disttrain.parallel.ddp import DDPEngine
+from disttrain.parallel.engine import Engine, FSDPEngine
+from disttrain.parallel.megatron import MegatronEngine
+from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.options import build_options
+from disttrain.parallel.recsys import RecsysEngine
+from disttrain.parallel.zero_engine import ZeroEngine
+
+
+@dataclass
+class AutoOptions:
+    """Options of ``disttrain_auto`` (the same on the Trainer and Fabric).
+
+    model: the model to plan for: a recipe YAML path, its ``model:`` dict, a ModelSpec or a module. Trainer: by
+        default the LightningModule (its ``configure_model`` is run on the meta device if it builds the model
+        there). Fabric: required.
+    micro_batch, seq_len: samples per device per step and tokens per sample (default: the model's length).
+    headroom: fraction of device memory kept free. hardware: a preset name for bandwidths ("A100-40GB");
+    device_memory: overrides the detected memory per device ("40GiB").
+    """
+
+    model: Any = None
+    micro_batch: int = 1
+    seq_len: Optional[int] = None
+    headroom: float = 0.1
+    hardware: Optional[str] = None
+    device_memory: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One registered strategy name. ``engine``: its engine class (None for ``disttrain_auto``, which runs as the
+    strategy the planner picks); ``defaults``: options this name sets (users' keywords override them)."""
+
+    name: str
+    engine: Optional[type[Engine]]
+    description: str
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def options_cls(self) -> type:
+        return self.engine.options_cls if self.engine is not None else AutoOptions
+
+    def options(self, **given: Any) -> Any:
+        """The options dataclass built from the row's defaults and ``given`` (an unknown or misspelt key is one
+        clear error naming the strategy, the valid options and the strategies that take it)."""
+        try:
+            return build_options(self.options_cls, self.name, {**self.defaults, **given})
+        except TypeError as e:
+            owners = {key: [row.name for row in STRATEGIES if row.engine is not None and row.engine is not self.engine
+                            and key in row.options_cls.__dataclass_fields__] for key in given
+                      if key not in self.options_cls.__dataclass_fields__}
+            hints = [f"{key} is an option of {', '.join(dict.fromkeys(names))}" for key, names in owners.items() if names]
+            if not hints:
+                raise
+            raise TypeError(f"{e} ({'; '.join(hints)})") from None
+
+    def dims(self, world_size: int, options: Any = None, local_size: Optional[int] = None) -> ParallelDims:
+        """The degrees this strategy runs with on ``world_size`` ranks (``options``: a dataclass or a dict)."""
+        if self.engine is None:
+            raise ValueError(f"{self.name} has no degrees of its own: it runs as the strategy the planner chooses")
+        if not dataclasses.is_dataclass(options):
+            options = self.options(**(options or {}))
+        return self.engine.parallel_dims(options, world_size, local_size)
+
+    def given(self, options: Any) -> dict[str, Any]:
+        """The options of ``options`` that differ from the dataclass defaults and the row's, for labels and reports."""
+        defaults = {f.name: f.default for f in dataclasses.fields(options) if f.default is not dataclasses.MISSING}
+        defaults.update(self.defaults)
+        return {k: v for k, v in dataclasses.asdict(options).items() if k not in defaults or defaults[k] != v}
+
+
+DDP = Registered("disttrain_ddp", DDPEngine,
+                 "DDP with optional gradient compression (fp16, bf16, PowerSGD); CPU (gloo) and GPU (nccl)")
+FSDP = Registered("disttrain_fsdp", FSDPEngine,
+                  "FSDP2 fully_shard, one unit per block found automatically, full shard; CPU (gloo) and GPU (nccl)")
+FSDP_OFFLOAD = Registered("disttrain_fsdp_offload", FSDPEngine,
+                          "FSDP2 with parameters, gradients and optimizer state offloaded to CPU", {"cpu_offload": True})
+ZERO3 = Registered("disttrain_zero3", ZeroEngine,
+                   "DeepSpeed ZeRO stage 3; batch settings from the Trainer/Fabric; CPU (gloo) and GPU (nccl)")
+ZERO3_OFFLOAD = Registered("disttrain_zero3_offload", ZeroEngine,
+                           "DeepSpeed ZeRO-3 with optimizer state and parameters offloaded to CPU (or NVMe:"
+                           " offload_*='nvme', nvme_path=)", {"offload_optimizer": "cpu", "offload_parameters": "cpu"})
+MEGATRON = Registered("disttrain_megatron", MegatronEngine,
+                      "Megatron-style 3D: tensor parallel (heads/MLP) x pipeline parallel (torch pipelining) x FSDP2"
+                      " data parallel")
+RECSYS = Registered("disttrain_recsys", RecsysEngine,
+                    "torchrec DistributedModelParallel: tables sharded by the planner, dense part data-parallel; CPU"
+                    " and GPU")
+AUTO = Registered("disttrain_auto", None,
+                  "the planner's choice among the registered strategies, from model size, device memory and world"
+                  " size")
+
+STRATEGIES: tuple[Registered, ...] = (DDP, FSDP, FSDP_OFFLOAD, ZERO3, ZERO3_OFFLOAD, MEGATRON, RECSYS, AUTO)
+
+
+def names() -> list[str]:
+    return [row.name for row in STRATEGIES]
+
+
+def lookup(name: str) -> Registered:
+    """The row of a registered name; an unknown one is one error with the closest name and the full list."""
+    for row in STRATEGIES:
+        if row.name == name:
+            return row
+    close = difflib.get_close_matches(str(name), names(), n=1) or \
+        difflib.get_close_matches(f"disttrain_{name}", names(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"strategy={name!r} is not a registered disttrain strategy; {hint}choose one of"
+                     f" {', '.join(names())}")
+
+
+__all__ = ["AUTO", "AutoOptions", "DDP", "FSDP", "FSDP_OFFLOAD", "MEGATRON", "RECSYS", "Registered", "STRATEGIES",
+           "ZERO3", "ZERO3_OFFLOAD", "lookup", "names"]
