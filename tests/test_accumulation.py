@@ -92,7 +92,7 @@ def test_fabric_attach_feeds_zero3_config():
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy="disttrain_zero3")
     acc = GradientAccumulation(global_batch_size=8)
     assert acc.attach(fabric, micro_batch_size=2) == 4
-    options = fabric.strategy.zero_options
+    options = fabric.strategy.engine.options
     assert (options.micro_batch_size, options.gradient_accumulation_steps) == (2, 4)
     assert acc.scale(fabric, torch.tensor(8.0)).item() == 8.0  # DeepSpeed divides by itself
 

@@ -36,6 +36,22 @@ def test_fabric_with_a_model_config(tmp_path):
     assert ranks[0]["class"] == "disttrain.fabric.fsdp.FSDPStrategy"
 
 
+@pytest.mark.parametrize("entry", ["trainer", "fabric"])
+def test_both_entry_points_resolve_the_same_way(entry):
+    """With model= given, disttrain_auto chooses as soon as the devices are known, at both entry points, and the
+    object Lightning holds becomes the chosen strategy (its class, its state, the plan)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, vocab_size=96, num_hidden_layers=2,
+                         num_attention_heads=4).to_dict()
+    package = disttrain.strategies if entry == "trainer" else disttrain.fabric
+    auto = package.AutoStrategy(model=config, micro_batch=2, seq_len=16)
+    held = (L.Trainer(strategy=auto, accelerator="cpu", devices=2, logger=False).strategy if entry == "trainer"
+            else L.Fabric(strategy=auto, accelerator="cpu", devices=2).strategy)
+    assert held is auto and type(auto) is package.DDPStrategy  # a small model on two CPU ranks: DDP
+    assert auto.plan.strategy == "disttrain_ddp" and auto.engine.name == "disttrain_ddp"
+
+
 def test_fabric_without_a_model_is_one_clear_error():
     with pytest.raises(ValueError, match="needs the model to plan for"):
         L.Fabric(accelerator="cpu", devices=1, strategy="disttrain_auto")

@@ -45,6 +45,6 @@ def test_missing_script(tmp_path):
 def test_strategies_lists_the_name_table():
     proc = run_python("-m", "disttrain.cli", "strategies")
     assert proc.returncode == 0
-    from disttrain.names import STRATEGIES
+    from disttrain.parallel.registry import STRATEGIES
 
-    assert [line.split()[0] for line in proc.stdout.splitlines()] == [name for name, *_ in STRATEGIES]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == [row.name for row in STRATEGIES]

@@ -7,18 +7,19 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 import disttrain
-from disttrain.names import STRATEGIES
+from disttrain.names import adapters
+from disttrain.parallel.registry import STRATEGIES
 
-NAMES = [name for name, *_ in STRATEGIES]
+NAMES = [row.name for row in STRATEGIES]
 
 
 @pytest.mark.parametrize("registry,package", [(StrategyRegistry, disttrain.strategies),
                                               (STRATEGY_REGISTRY, disttrain.fabric)])
 def test_every_name_is_registered_in_both_registries(registry, package):
-    for name, adapters, defaults, _ in STRATEGIES:
-        cls = adapters.trainer if registry is StrategyRegistry else adapters.fabric
-        assert registry[name]["strategy"] is cls is getattr(package, cls.__name__)
-        assert registry[name]["init_params"] == defaults
+    for row in STRATEGIES:
+        cls = adapters(row).trainer if registry is StrategyRegistry else adapters(row).fabric
+        assert registry[row.name]["strategy"] is cls is getattr(package, cls.__name__)
+        assert registry[row.name]["init_params"] == row.defaults
 
 
 def test_importing_twice_is_harmless():
@@ -56,7 +57,7 @@ def test_ddp_options(cls):
         cls(compression="fp16")
     with pytest.raises(ValueError, match=r"gradient_compression='int8' is not known; choose None or one of fp16"):
         cls(gradient_compression="int8")
-    assert cls(gradient_compression="powersgd").ddp_options.gradient_compression == "powersgd"
+    assert cls(gradient_compression="powersgd").engine.options.gradient_compression == "powersgd"
 
 
 def test_trainer_accepts_the_names_on_cpu():

@@ -23,7 +23,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from disttrain.parallel.engine import Engine
-from disttrain.parallel.options import build_options
+from disttrain.parallel import registry
 from disttrain.parallel.zero import skip_inference_comm_op
 
 DEFAULT_TIMEOUT: timedelta = default_pg_timeout
@@ -67,15 +67,21 @@ def register_clean_exit() -> None:
 
 
 class EngineAdapter:
-    """What every adapter (Trainer and Fabric) holds: the strategy's engine, built from the options."""
+    """What every adapter (Trainer and Fabric) holds: the strategy's engine, built from the options. A subclass
+    names its registered strategy (``strategy_name``) and engine (``engine_cls``); the options dataclass is the
+    engine's."""
 
     strategy_name: str
-    engine_cls: type[Engine]  # the strategy's engine and its options dataclass: what a subclass names
-    options_cls: type
+    engine_cls: Optional[type[Engine]]
+
+    @property
+    def options_cls(self) -> type:
+        return registry.lookup(self.strategy_name).options_cls
 
     def _init_engine(self, options: dict[str, Any]) -> None:
         """Called first in every adapter's ``__init__``: the engine exists before Lightning sets the precision."""
-        self.engine = self.engine_cls(build_options(self.options_cls, self.strategy_name, options), self.strategy_name)
+        assert self.engine_cls is not None
+        self.engine = self.engine_cls(registry.lookup(self.strategy_name).options(**options), self.strategy_name)
 
 
 class DeepSpeedPlumbing(EngineAdapter):
@@ -90,10 +96,6 @@ class DeepSpeedPlumbing(EngineAdapter):
         (its own config is built later by the engine, from the Trainer/Fabric settings)."""
         self._init_engine(options)
         return {"stage": 3, "config": {}, "remote_device": self.engine.options.offload_parameters}
-
-    @property
-    def zero_options(self) -> Any:
-        return self.engine.options
 
     @property
     def root_device(self) -> torch.device:
@@ -199,10 +201,41 @@ def validate_gpu_indices(devices: Optional[list[torch.device]]) -> None:
         _validate_device_index_selection(devices)
 
 
-def choose_strategy(stand_in: Any, options: Any, source: Any, registry: Any, precision_attr: str) -> Any:
+class AutoResolution:
+    """``disttrain_auto`` at both entry points: it stands in as our DDP strategy until the planner has chosen, then
+    becomes the chosen strategy. Lightning keeps the strategy object it was given (the Trainer reads it from its
+    connector at every use, Fabric holds it from the start) and offers no later hook to swap it, so this object
+    takes the chosen strategy's class and state: every reference Lightning holds is the chosen strategy from then
+    on. It resolves at the first moment the model is known: in ``_configure_launcher`` (the devices are known
+    there) when ``model=`` is given, else in the Trainer's ``connect(model)``. Subclasses name the entry point's
+    registry and precision attribute."""
+
+    strategy_name = "disttrain_auto"
+    _lightning_registry: Any  # the Trainer's or Fabric's strategy registry
+    _precision_attr: str  # "precision_plugin" (Trainer) or "precision" (Fabric)
+    auto_options: Any
+    engine_cls: type[Engine]
+    plan: Any = None
+
+    def _init_engine(self, options: dict[str, Any]) -> None:
+        self.auto_options = registry.AUTO.options(**options)
+        self.engine = self.engine_cls(self.engine_cls.options_cls(), self.strategy_name)  # the stand-in's own
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        if self.auto_options.model is not None:
+            self._resolve(self.auto_options.model)
+
+    def _resolve(self, source: Any) -> None:
+        chosen = choose_strategy(self, self.auto_options, source, self._lightning_registry, self._precision_attr)
+        self.__class__ = type(chosen)
+        self.__dict__ = chosen.__dict__
+
+
+def choose_strategy(stand_in: Any, options: Any, source: Any, lightning_registry: Any, precision_attr: str) -> Any:
     """What ``disttrain_auto`` runs as: the planner's choice for ``source`` (a module, a recipe YAML, its ``model:``
-    dict) on the devices of ``stand_in`` (the auto strategy as Lightning set it up), built from ``registry`` (the
-    Trainer's or Fabric's) with the plan's options and everything Lightning had set on the stand-in: accelerator,
+    dict) on the devices of ``stand_in`` (the auto strategy as Lightning set it up), built from
+    ``lightning_registry`` (the Trainer's or Fabric's) with the plan's options and everything Lightning had set on the stand-in: accelerator,
     devices, cluster environment, precision (``precision_attr``: "precision_plugin" or "precision"), layer sync
     and launcher. The planner's report is its ``plan``."""
     from disttrain.planner.runtime import plan_for
@@ -210,11 +243,11 @@ def choose_strategy(stand_in: Any, options: Any, source: Any, registry: Any, pre
     devices = stand_in.parallel_devices
     plugin = getattr(stand_in, precision_attr)
     plan = plan_for(source, options, stand_in.num_nodes * len(devices), stand_in.root_device, plugin.precision,
-                    gpus_per_node=len(devices), available=list(registry))
+                    gpus_per_node=len(devices), available=list(lightning_registry))
     if stand_in.global_rank == 0:
         print(f"disttrain_auto:\n{plan.report()}", flush=True)
-    row = registry[plan.strategy]
-    chosen = row["strategy"](**{**row["init_params"], **plan.choice.strategy_options()})
+    entry = lightning_registry[plan.strategy]
+    chosen = entry["strategy"](**{**entry["init_params"], **plan.choice.strategy_options()})
     chosen.accelerator = stand_in.accelerator
     chosen.parallel_devices = devices
     chosen.cluster_environment = stand_in.cluster_environment

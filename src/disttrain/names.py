@@ -1,15 +1,13 @@
-"""The one name table: every registered ``disttrain_*`` strategy, for the Trainer and for Fabric alike.
-
-A row is (name, its Trainer and Fabric classes, default options, description); the classes are the class objects,
-so a renamed class is an import error here, never a silently missing name. Names whose strategy is not
-implemented are not listed, so they are not registered.
-"""
+"""The Lightning side of the registry (:mod:`disttrain.parallel.registry`): each registered strategy's Trainer and
+Fabric adapter, found by its engine class, and the registration of every name in both Lightning registries (with
+the row's default options, so ``disttrain_fsdp_offload`` is ``FSDPStrategy(cpu_offload=True)``)."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 from disttrain import fabric, strategies
+from disttrain.parallel.registry import STRATEGIES, Registered, lookup
 
 
 class Adapters(NamedTuple):
@@ -17,44 +15,23 @@ class Adapters(NamedTuple):
     fabric: type  # a lightning.fabric Strategy
 
 
-class StrategyName(NamedTuple):
-    name: str
-    adapters: Adapters
-    defaults: dict[str, Any]
-    description: str
-
-
-DDP = Adapters(strategies.DDPStrategy, fabric.DDPStrategy)
-FSDP = Adapters(strategies.FSDPStrategy, fabric.FSDPStrategy)
-ZERO3 = Adapters(strategies.ZeroStrategy, fabric.ZeroStrategy)
-
-STRATEGIES: list[StrategyName] = [
-    StrategyName("disttrain_ddp", DDP, {},
-                 "DDP with optional gradient compression (fp16, bf16, PowerSGD); CPU (gloo) and GPU (nccl)"),
-    StrategyName("disttrain_fsdp", FSDP, {},
-                 "FSDP2 fully_shard, one unit per block found automatically, full shard; CPU (gloo) and GPU (nccl)"),
-    StrategyName("disttrain_fsdp_offload", FSDP, {"cpu_offload": True},
-                 "FSDP2 with parameters, gradients and optimizer state offloaded to CPU"),
-    StrategyName("disttrain_zero3", ZERO3, {},
-                 "DeepSpeed ZeRO stage 3; batch settings from the Trainer/Fabric; CPU (gloo) and GPU (nccl)"),
-    StrategyName("disttrain_zero3_offload", ZERO3, {"offload_optimizer": "cpu", "offload_parameters": "cpu"},
-                 "DeepSpeed ZeRO-3 with optimizer state and parameters offloaded to CPU (nvme_path= for NVMe)"),
-    StrategyName("disttrain_megatron", Adapters(strategies.MegatronStrategy, fabric.MegatronStrategy), {},
-                 "Megatron-style 3D: tensor parallel (heads/MLP) x pipeline parallel (torch pipelining) x FSDP2 data"
-                 " parallel"),
-    StrategyName("disttrain_recsys", Adapters(strategies.RecsysStrategy, fabric.RecsysStrategy), {},
-                 "torchrec DistributedModelParallel: tables sharded by the planner, dense part data-parallel; CPU and"
-                 " GPU"),
-    StrategyName("disttrain_auto", Adapters(strategies.AutoStrategy, fabric.AutoStrategy), {},
-                 "the planner's choice among the registered strategies, from model size, device memory and world"
-                 " size"),
-]
+def adapters(row: Registered) -> Adapters:
+    """The Trainer and Fabric classes of a registered strategy: the adapters whose own strategy has its engine
+    (``disttrain_fsdp_offload`` is ``FSDPStrategy`` with other defaults; ``disttrain_auto`` has none)."""
+    found = []
+    for package in (strategies, fabric):
+        matches = [cls for cls in package.ADAPTERS if lookup(cls.strategy_name).engine is row.engine]
+        if len(matches) != 1:
+            raise LookupError(f"{package.__name__} has {len(matches)} adapters for {row.name} (engine"
+                              f" {getattr(row.engine, '__name__', None)}); it needs exactly one")
+        found.append(matches[0])
+    return Adapters(*found)
 
 
 def register(trainer_registry: Any, fabric_registry: Any) -> list[str]:
     """Register every row in the Trainer's and Fabric's strategy registries (idempotent); returns the names."""
     for row in STRATEGIES:
-        for registry, cls in ((trainer_registry, row.adapters.trainer), (fabric_registry, row.adapters.fabric)):
+        for registry, cls in zip((trainer_registry, fabric_registry), adapters(row)):
             if row.name not in registry:
                 registry.register(row.name, cls, description=row.description, **row.defaults)
     return [row.name for row in STRATEGIES]

@@ -28,11 +28,23 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, data_paral
 
 
 def _data_parallel_size(strategy: Any, world_size: int) -> int:
-    """Ranks that see different data (tensor/pipeline ranks of one replica share a batch)."""
+    """Ranks that see different data (context/tensor/pipeline ranks of one replica share a batch): a disttrain
+    strategy's degrees once its processes exist, else its (or Lightning's) sampler arguments, else the world."""
+    dims = getattr(getattr(strategy, "engine", None), "dims", None)
+    if dims is not None:
+        return dims.dp
     try:
         return int(strategy.distributed_sampler_kwargs["num_replicas"])
     except (AttributeError, KeyError, TypeError, RuntimeError, AssertionError):
         return world_size
+
+
+def zero_options(strategy: Any) -> Any:
+    """The options of a ``disttrain_zero3`` strategy (DeepSpeed accumulates inside its engine), else None."""
+    from disttrain.parallel.zero_engine import ZeroEngine
+
+    engine = getattr(strategy, "engine", None)
+    return engine.options if isinstance(engine, ZeroEngine) else None
 
 
 def count_loss_tokens(batch: Any) -> int:
@@ -89,7 +101,7 @@ class GradientAccumulation(L.Callback):
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) contradicts"
                              f" GradientAccumulation(global_batch_size={self.global_batch_size}) which needs"
                              f" {self.steps}; drop accumulate_grad_batches from the Trainer")
-        if self.normalize_by_tokens and hasattr(trainer.strategy, "zero_options"):
+        if self.normalize_by_tokens and zero_options(trainer.strategy) is not None:
             raise ValueError("normalize_by_tokens needs the gradients, which DeepSpeed's engine owns under"
                              " disttrain_zero3; use disttrain_fsdp or disttrain_ddp, or normalize_by_tokens=False")
         trainer.accumulate_grad_batches = self.steps
@@ -124,7 +136,7 @@ class GradientAccumulation(L.Callback):
             raise ValueError("GradientAccumulation.attach needs micro_batch_size= (Fabric has no DataLoader yet)")
         self.steps = accumulation_steps(self.global_batch_size, micro,
                                         _data_parallel_size(fabric.strategy, fabric.world_size))
-        options = getattr(fabric.strategy, "zero_options", None)
+        options = zero_options(fabric.strategy)
         if options is not None:  # disttrain_zero3: DeepSpeed accumulates inside its engine, from its config
             options.micro_batch_size, options.gradient_accumulation_steps = micro, self.steps
             if getattr(fabric.strategy, "_config_initialized", False) and \
@@ -144,12 +156,12 @@ class GradientAccumulation(L.Callback):
         """The micro-step's share of the loss: ``loss / steps``, except under ``disttrain_zero3`` whose engine
         divides by its gradient_accumulation_steps itself."""
         assert self.steps is not None, "attach() first"
-        return loss if getattr(fabric.strategy, "zero_options", None) is not None else loss / self.steps
+        return loss if zero_options(fabric.strategy) is not None else loss / self.steps
 
     @contextmanager
     def micro_step(self, fabric: "L.Fabric", model: torch.nn.Module, micro_step: int) -> Iterator[None]:
         """Skips gradient synchronisation unless this is the last micro-step of the optimizer step."""
-        if getattr(fabric.strategy, "zero_options", None) is not None:
+        if zero_options(fabric.strategy) is not None:
             yield  # DeepSpeed decides the boundary itself
             return
         with fabric.no_backward_sync(model, enabled=not self.is_last(micro_step)):

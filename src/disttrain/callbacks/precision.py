@@ -9,6 +9,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from disttrain.callbacks.accumulation import zero_options
+
 _PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 
 
@@ -44,15 +46,15 @@ class MixedPrecision(L.Callback):
         from lightning.pytorch.plugins.precision import DeepSpeedPrecision
         from lightning.pytorch.plugins.precision import MixedPrecision as AMP
 
-        if hasattr(strategy, "zero_options"):
+        if zero_options(strategy) is not None:
             return DeepSpeedPrecision(self.precision)
         device = strategy.root_device.type if strategy.parallel_devices else "cpu"
         return AMP(self.precision, device, scaler=self._scaler(device))
 
     def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        engine = getattr(trainer.strategy, "deepspeed_engine", None) if hasattr(trainer.strategy,
-                                                                                  "zero_options") else None
+        engine = getattr(trainer.strategy, "deepspeed_engine", None) if zero_options(trainer.strategy) is not None \
+            else None
         if engine is not None:
             self.skipped_steps = int(engine.skipped_steps)
             self.loss_scale = float(getattr(engine.optimizer, "loss_scale", 1.0)) if self.dtype == "fp16" else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disttrain.fabric.base import EngineStrategy
-from disttrain.parallel.ddp import DDPEngine, DDPOptions
+from disttrain.parallel.ddp import DDPEngine
 
 
 # Fabric has no check for its own DDPStrategy class (the Trainer has: see disttrain.strategies.ddp), so this one
@@ -14,8 +14,4 @@ class DDPStrategy(EngineStrategy):
     layout; a single-file checkpoint (Lightning's own DDP format) is loaded as Lightning does."""
 
     strategy_name = "disttrain_ddp"
-    engine_cls, options_cls = DDPEngine, DDPOptions
-
-    @property
-    def ddp_options(self) -> DDPOptions:
-        return self.engine.options
+    engine_cls = DDPEngine

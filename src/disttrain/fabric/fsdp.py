@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from disttrain.fabric.base import EngineStrategy, FSDP2MixedPrecision
+from disttrain.fabric.base import EngineStrategy
 from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.fsdp import FSDPOptions
-
-__all__ = ["FSDP2MixedPrecision", "FSDPStrategy"]
 
 
 class FSDPStrategy(EngineStrategy):
@@ -17,4 +14,4 @@ class FSDPStrategy(EngineStrategy):
     """
 
     strategy_name = "disttrain_fsdp"
-    engine_cls, options_cls = FSDPEngine, FSDPOptions
+    engine_cls = FSDPEngine

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disttrain.fabric.base import EngineStrategy
-from disttrain.parallel.megatron import MegatronEngine, MegatronOptions
+from disttrain.parallel.megatron import MegatronEngine
 
 
 class MegatronStrategy(EngineStrategy):
@@ -18,4 +18,4 @@ class MegatronStrategy(EngineStrategy):
     """
 
     strategy_name = "disttrain_megatron"
-    engine_cls, options_cls = MegatronEngine, MegatronOptions
+    engine_cls = MegatronEngine

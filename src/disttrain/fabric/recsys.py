@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disttrain.fabric.base import EngineStrategy
-from disttrain.parallel.recsys import RecsysEngine, RecsysOptions
+from disttrain.parallel.recsys import RecsysEngine
 
 
 class RecsysStrategy(EngineStrategy):
@@ -14,4 +14,4 @@ class RecsysStrategy(EngineStrategy):
     shards and the fused optimizer state."""
 
     strategy_name = "disttrain_recsys"
-    engine_cls, options_cls = RecsysEngine, RecsysOptions
+    engine_cls = RecsysEngine

@@ -12,7 +12,6 @@ from typing_extensions import override
 
 from disttrain._lightning import DeepSpeedPlumbing
 from disttrain.fabric.base import FabricAdapter
-from disttrain.parallel.zero import ZeroOptions
 from disttrain.parallel.zero_engine import ZeroEngine
 
 
@@ -31,7 +30,7 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     """
 
     strategy_name = "disttrain_zero3"
-    engine_cls, options_cls = ZeroEngine, ZeroOptions
+    engine_cls = ZeroEngine
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  precision: Any = None, process_group_backend: Any = None, **options: Any) -> None:

@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch import nn
 
 from disttrain._lightning import register_clean_exit
-from disttrain.parallel.ddp import DDPEngine, DDPOptions
+from disttrain.parallel.ddp import DDPEngine
 from disttrain.strategies.base import TrainerAdapter
 
 
@@ -22,7 +22,7 @@ class DDPStrategy(TrainerAdapter, LightningDDPStrategy):
     ``static_graph``. Lightning's own hooks only register on CUDA; ours also on CPU."""
 
     strategy_name = "disttrain_ddp"
-    engine_cls, options_cls = DDPEngine, DDPOptions
+    engine_cls = DDPEngine
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  precision_plugin: Any = None, process_group_backend: Any = None, **options: Any) -> None:
@@ -30,10 +30,6 @@ class DDPStrategy(TrainerAdapter, LightningDDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, **self.engine.options.ddp_kwargs())
-
-    @property
-    def ddp_options(self) -> DDPOptions:
-        return self.engine.options
 
     def setup_distributed(self) -> None:
         super().setup_distributed()

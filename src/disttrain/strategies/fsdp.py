@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.fsdp import FSDPOptions
-from disttrain.strategies.base import EngineStrategy, FSDP2MixedPrecision
-
-__all__ = ["FSDP2MixedPrecision", "FSDPStrategy"]
+from disttrain.strategies.base import EngineStrategy
 
 
 class FSDPStrategy(EngineStrategy):
@@ -19,4 +16,4 @@ class FSDPStrategy(EngineStrategy):
     """
 
     strategy_name = "disttrain_fsdp"
-    engine_cls, options_cls = FSDPEngine, FSDPOptions
+    engine_cls = FSDPEngine

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disttrain.parallel.megatron import MegatronEngine, MegatronOptions
+from disttrain.parallel.megatron import MegatronEngine
 from disttrain.strategies.base import EngineStrategy
 
 
@@ -21,4 +21,4 @@ class MegatronStrategy(EngineStrategy):
     """
 
     strategy_name = "disttrain_megatron"
-    engine_cls, options_cls = MegatronEngine, MegatronOptions
+    engine_cls = MegatronEngine

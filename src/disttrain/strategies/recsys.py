@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disttrain.parallel.recsys import RecsysEngine, RecsysOptions
+from disttrain.parallel.recsys import RecsysEngine
 from disttrain.strategies.base import EngineStrategy
 
 
@@ -19,4 +19,4 @@ class RecsysStrategy(EngineStrategy):
     """
 
     strategy_name = "disttrain_recsys"
-    engine_cls, options_cls = RecsysEngine, RecsysOptions
+    engine_cls = RecsysEngine

@@ -12,7 +12,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from disttrain._lightning import DeepSpeedPlumbing, layer_sync_request
-from disttrain.parallel.zero import ZeroOptions
 from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.strategies.base import TrainerAdapter, refuse_callbacks
 
@@ -35,10 +34,15 @@ class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     """
 
     strategy_name = "disttrain_zero3"
-    engine_cls, options_cls = ZeroEngine, ZeroOptions
+    engine_cls = ZeroEngine
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  precision_plugin: Any = None, process_group_backend: Any = None, **options: Any) -> None:
+        for name, source in (("micro_batch_size", "the training DataLoader's batch_size"),
+                             ("gradient_accumulation_steps", "Trainer(accumulate_grad_batches=...)")):
+            if name in options:
+                raise TypeError(f"{name}={options[name]!r} is a Fabric option of {self.strategy_name}: under the"
+                                f" Trainer it comes from {source}; remove {name}")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, **self._deepspeed_init_kwargs(options))
