@@ -77,7 +77,7 @@ def test_recipe_model_sections_are_read_by_their_family():
 
 def test_deepfm_family_keys_and_counts_are_deepfmnet_s():
     from disttrain.planner import model_spec
-    from disttrain.recsys.model import MODEL_SCHEMA, DeepFMNet
+    from disttrain.parallel.families.deepfm import MODEL_SCHEMA, DeepFMNet
 
     deepfm = family_named("deepfm")
     assert deepfm.config_schema({}) == MODEL_SCHEMA  # the planner checks a recsys recipe's model: as its trainer does

@@ -59,7 +59,7 @@ def test_state_arithmetic():
     assert ddp.states == 16 * P  # fp32 params, grads, two Adam moments
     fsdp = estimate(DIALOGUE_10B, "disttrain_fsdp", 8)
     assert fsdp.states == pytest.approx(16 * P / 8, rel=1e-6)
-    off = estimate(DIALOGUE_10B, "disttrain_zero3", 8, offload=True)
+    off = estimate(DIALOGUE_10B, "disttrain_zero3_offload", 8)
     assert off.strategy == "disttrain_zero3_offload" and off.states == 0 and off.host == pytest.approx(2 * P, rel=1e-6)
     tp = estimate(DIALOGUE_10B, "disttrain_megatron", 8, tensor_parallel_size=8)
     assert tp.activations < fsdp.activations / 3  # heads and MLP split 8 ways; norms stay replicated
@@ -106,7 +106,7 @@ def test_vit_2b_on_16_a100_chooses_head_split_tensor_parallel():
     plan = choose(VIT_2B, 16, "A100-40GB", micro_batch=64)
     assert plan.strategy == "disttrain_megatron", plan.report()
     e = plan.choice.estimate
-    assert e.tensor_parallel_size > 1 and e.pipeline_parallel_size == 1 and not e.activation_checkpointing
+    assert e.dims.tp > 1 and e.dims.pp == 1 and not e.activation_checkpointing
 
 
 def test_deepfm_5b_on_8_t4_chooses_recsys():

@@ -19,7 +19,7 @@ from conftest import ROOT, run_dist, run_python, run_torchrun
 
 from disttrain.recsys.data import BadDataError, DayBatches, day_stats, list_days, load_day, parse_day_file
 from disttrain.recsys.metrics import ClickMetrics
-from disttrain.recsys.model import DeepFMNet, fm_interaction
+from disttrain.parallel.families.deepfm import DeepFMNet, fm_interaction
 from disttrain.recsys.publish import ModelStore
 from disttrain.recsys.synthetic import make_days
 from disttrain.recsys.validate import ValidationBounds, check_day

@@ -14,10 +14,15 @@ ARTICLE = [(DIALOGUE, "disttrain_fsdp", 32, 1), (DIALOGUE, "disttrain_zero3", 32
 _SIMULATIONS: dict = {}
 
 
+def tp_option(tp: int) -> dict:
+    """disttrain_megatron's option for a tensor-parallel size above 1 (the other strategies have no such option)."""
+    return {"tensor_parallel_size": tp} if tp > 1 else {}
+
+
 def simulated(config: str, strategy: str, world_size: int, tp: int = 1):
     key = (config, strategy, world_size, tp)
     if key not in _SIMULATIONS:
-        _SIMULATIONS[key] = simulate(config, strategy, world_size, tensor_parallel_size=tp)
+        _SIMULATIONS[key] = simulate(config, strategy, world_size, **tp_option(tp))
     return _SIMULATIONS[key]
 
 
@@ -49,7 +54,7 @@ def test_planner_model_states_within_2_percent_of_simulation(config, strategy, t
         pytest.skip("torchrec's planner takes 40 s (256 ranks) to over 3 min (1024) per placement on this CPU;"
                     " docs/simulate.md has the measured figures")
     sim = simulated(config, strategy, world_size, tp)
-    est = estimate(config, strategy, world_size, tensor_parallel_size=tp)
+    est = estimate(config, strategy, world_size, **tp_option(tp))
     assert est.states == pytest.approx(sim.busiest.states, rel=0.02)
     assert "planner error" in versus(sim, est)
 
@@ -77,7 +82,7 @@ def test_fsdp_shards_are_torch_chunks_so_the_last_ranks_hold_less():
 @pytest.mark.parametrize("kwargs,world_size,message", [
     ({"tensor_parallel_size": 3}, 6, "tensor_parallel_size=3 does not divide num_heads=4; choose 1, 2 or 4"),
     ({"pipeline_parallel_size": 5}, 5, "4 blocks cannot fill pipeline_parallel_size*virtual_stages=5 stages"),
-    ({"tensor_parallel_size": 4}, 6, "world_size=6 is not divisible by tp*pp=4"),
+    ({"tensor_parallel_size": 4}, 6, "world_size=6 is not divisible by tp=4"),
 ])
 def test_indivisible_sizes_fail_with_the_real_runs_error(kwargs, world_size, message):
     with pytest.raises(ValueError, match=message.replace("*", r"\*")) as info:
@@ -110,7 +115,7 @@ def test_simulation_equals_a_real_two_process_run(tmp_path):
     config = "configs/nlp/dialogue_tiny.yaml"
     real = run_dist("simulate_agree.py", tmp_path, config)
     for strategy, tp in (("disttrain_ddp", 1), ("disttrain_fsdp", 1), ("disttrain_megatron", 2)):
-        sim = simulate(config, strategy, 2, tensor_parallel_size=tp)
+        sim = simulate(config, strategy, 2, **tp_option(tp))
         for rank in (0, 1):
             # a role covers its own rank, or every rank when all hold the same
             role = next((r for r in sim.roles if r.rank == rank), None) or next(r for r in sim.roles if r.ranks == 2)

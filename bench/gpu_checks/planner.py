@@ -25,12 +25,10 @@ def _strategy(name: str, ac: bool) -> Any:
 
     if name == "disttrain_fsdp":
         return disttrain.fabric.FSDPStrategy(activation_checkpointing=ac)
-    return disttrain.fabric.DDPStrategy()
+    return disttrain.fabric.DDPStrategy(activation_checkpointing=ac)
 
 
 def measure(ctx: Context, name: str, ac: bool, args: dict[str, Any], micro: int, seq: int) -> dict[str, Any]:
-    from disttrain.parallel.ac import apply_ac
-    from disttrain.parallel.blocks import find_blocks
     from disttrain.planner.measure import SavedActivations, state_bytes
 
     sync(ctx.device)
@@ -38,8 +36,6 @@ def measure(ctx: Context, name: str, ac: bool, args: dict[str, Any], micro: int,
     f = fabric(ctx, _strategy(name, ac), "bf16-mixed")
     with f.init_module(empty_init=name == "disttrain_fsdp"):
         model = build_llama(args)
-    if ac and name == "disttrain_ddp":
-        apply_ac(model, find_blocks(model))  # the same per-block checkpointing disttrain_fsdp applies
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = f.setup(model, optimizer)
     batches = learnable_batches(args["vocab_size"], micro, seq, 2, ctx.device)
@@ -77,7 +73,7 @@ def compare(ctx: Context, name: str, ac: bool, args: dict[str, Any], micro: int,
     from disttrain.planner import estimate
 
     e = estimate(dict(args, attn_implementation="sdpa"), name, world_size=1, micro_batch=micro, seq_len=seq,
-                 precision="bf16-mixed", activation_checkpointing=ac)
+                 precision="bf16-mixed", **({"activation_checkpointing": True} if ac else {}))
     predicted = e.device if not ctx.dry else e.states + e.activations
     measured = measure(ctx, name, ac, args, micro, seq)["measured"]
     free_memory()

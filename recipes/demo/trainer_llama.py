@@ -20,7 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import disttrain
 from disttrain.callbacks import Throughput
-from disttrain.report import start_run, trainer_loggers, trainer_progress_callbacks, write_report, write_run_info
+from disttrain.report import (start_run, strategy_description, trainer_loggers, trainer_progress_callbacks, write_report,
+                              write_run_info)
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
 
@@ -81,8 +82,9 @@ def main() -> None:
 
 
 def report(trainer: L.Trainer, args: argparse.Namespace, wall_s: float) -> None:
-    """Rank 0: record the wall time and draw --out/report.png from the CSV logs."""
-    write_run_info(args.out, finished=True, wall_s=round(wall_s, 2))
+    """Rank 0: record the wall time (and the strategy again: the Trainer knows its degrees once fit started) and
+    draw --out/report.png from the CSV logs."""
+    write_run_info(args.out, finished=True, wall_s=round(wall_s, 2), strategy=strategy_description(trainer.strategy))
     if "csv" in args.logger:
         png, md = write_report(args.out)
         print(f"report: {png} and {md}")

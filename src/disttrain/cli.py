@@ -148,11 +148,11 @@ def _verify(argv: list[str]) -> int:
 
 
 def _strategies(argv: list[str]) -> int:
-    from disttrain.names import STRATEGIES
+    from disttrain.parallel.registry import STRATEGIES
 
-    width = max(len(name) for name, *_ in STRATEGIES)
-    for name, _, _, description in STRATEGIES:
-        print(f"{name:<{width}}  {description}")
+    width = max(len(row.name) for row in STRATEGIES)
+    for row in STRATEGIES:
+        print(f"{row.name:<{width}}  {row.description}")
     return 0
 
 
@@ -197,33 +197,42 @@ def _plan(argv: list[str]) -> int:
 
 def _plan_simulation(model: str, plan, precision: str) -> None:
     """``plan --simulate``: the recommendation (else the candidate needing the least memory) simulated."""
-    from disttrain.simulate import simulate, simulated_name, versus
+    from disttrain.simulate import simulate, versus
 
     candidate = plan.choice or min(plan.candidates, key=lambda c: c.estimate.device)
     e = candidate.estimate
-    sim = simulate(model, simulated_name(e.strategy), e.world_size, tensor_parallel_size=e.tensor_parallel_size,
-                   pipeline_parallel_size=e.pipeline_parallel_size, precision=precision)
+    sim = simulate(model, e.strategy, e.world_size, precision=precision, **e.options)
     print(f"\nsimulated: {candidate.label} (the real sharding code on a fake process group)\n")
     print(versus(sim, e))
 
 
+# Degree flags of `disttrain simulate`, as the strategy options they set (the strategy turns them into degrees).
+DEGREE_FLAGS = (("--tensor-parallel-size", "--tp", "tensor_parallel_size", "disttrain_megatron: ranks per block split"),
+                ("--pipeline-parallel-size", "--pp", "pipeline_parallel_size", "disttrain_megatron: pipeline stages"))
+
+
 def _simulate(argv: list[str]) -> int:
-    from disttrain.simulate import SIMULATED, simulate
+    from disttrain.simulate import simulate, simulated
 
     parser = argparse.ArgumentParser(prog="disttrain simulate", description="Shard a recipe's model with a strategy"
                                      " on a fake process group of --world-size ranks (one process, meta tensors: no"
                                      " memory is allocated) and print what each rank role holds.")
     parser.add_argument("--model", required=True, help="recipe YAML with a top-level `model:` mapping")
-    parser.add_argument("--strategy", required=True, choices=SIMULATED)
+    parser.add_argument("--strategy", required=True, choices=simulated())
     parser.add_argument("--world-size", type=int, required=True, help="ranks to simulate, e.g. 32 or 1024")
-    parser.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "--pp", dest="pp", type=int, default=1)
+    for flag, short, option, what in DEGREE_FLAGS:
+        parser.add_argument(flag, short, dest=option, type=int, default=None, help=what)
     parser.add_argument("--hybrid-shard-size", type=int, default=None,
                         help="disttrain_fsdp with hybrid_shard=True: ranks per shard group")
     parser.add_argument("--precision", default="bf16-mixed")
     args = parser.parse_args(argv)
-    sim = simulate(args.model, args.strategy, args.world_size, tensor_parallel_size=args.tp,
-                   pipeline_parallel_size=args.pp, precision=args.precision, hybrid_shard_size=args.hybrid_shard_size)
+    options = {option: getattr(args, option) for _, _, option, _ in DEGREE_FLAGS if getattr(args, option)}
+    if args.hybrid_shard_size is not None:
+        options.update(hybrid_shard=True, shard_size=args.hybrid_shard_size)
+    try:
+        sim = simulate(args.model, args.strategy, args.world_size, precision=args.precision, **options)
+    except TypeError as e:  # a degree flag the strategy has no option for
+        raise ValueError(str(e)) from None
     print(sim.table())
     return 0
 

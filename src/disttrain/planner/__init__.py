@@ -6,19 +6,12 @@
 """
 
 from disttrain.planner.choose import Candidate, Plan, choose, step_time
-from disttrain.planner.estimate import (
-           STRATEGIES,
-           Estimate,
-           activation_bytes,
-           estimate,
-           table_placement,
-)
+from disttrain.planner.estimate import Estimate, activation_bytes, estimate, planned, table_placement
 from disttrain.planner.hardware import PRESETS, Hardware, detect, hardware
 from disttrain.planner.spec import ModelSpec, model_spec, parse_bytes
 
 __all__ = [
            "PRESETS",
-           "STRATEGIES",
            "Candidate",
            "Estimate",
            "Hardware",
@@ -31,6 +24,7 @@ __all__ = [
            "hardware",
            "model_spec",
            "parse_bytes",
+           "planned",
            "step_time",
            "table_placement",
 ]

@@ -17,14 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+from disttrain.parallel import registry
+from disttrain.parallel.ddp import DDPEngine
+from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.megatron import MegatronEngine
+from disttrain.parallel.mesh import divisors
+from disttrain.parallel.recsys import RecsysEngine
+from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.planner.estimate import (
-    STRATEGIES,
     Estimate,
     analytic,
     estimate,
     flops_per_sample,
     pipelines,
+    planned,
     tensor_parallel,
 )
 from disttrain.planner.hardware import GiB, Hardware
@@ -37,8 +45,6 @@ SMALL_MODEL = 1e9
 THREE_D_MODEL = 11e9
 THREE_D_DEVICES = 16
 TIE = 0.03  # step times within 3% are a tie: the article's preference order decides
-# Strategies with an activation_checkpointing option (recomputation is tried only where the plain set-up does not fit).
-RECOMPUTE = ("disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_megatron")
 
 
 @dataclass
@@ -55,15 +61,13 @@ class Candidate:
     def label(self) -> str:
         return self.estimate.label + (" +AC" if self.estimate.activation_checkpointing else "")
 
+    @property
+    def row(self) -> registry.Registered:
+        return registry.lookup(self.estimate.strategy)
+
     def strategy_options(self) -> dict:
-        """Keyword options of the registered strategy that realise this candidate."""
-        e = self.estimate
-        if e.strategy == "disttrain_megatron":
-            return {"tensor_parallel_size": e.tensor_parallel_size, "pipeline_parallel_size": e.pipeline_parallel_size,
-                    "activation_checkpointing": e.activation_checkpointing}
-        if e.strategy.startswith("disttrain_fsdp") and e.activation_checkpointing:
-            return {"activation_checkpointing": True}
-        return {}
+        """Keyword options of the registered strategy that realise this candidate (beyond its defaults)."""
+        return dict(self.estimate.options)
 
 
 @dataclass
@@ -132,32 +136,43 @@ def step_time(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
     compute *= 1 + c.get("bubble", 0.0)
     spans_nodes = e.world_size > hw.gpus_per_node
     dp_bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
-    tp_bw = hw.intra_node_bw if e.tensor_parallel_size <= hw.gpus_per_node else hw.inter_node_bw
+    tp_bw = hw.intra_node_bw if e.dims.tp <= hw.gpus_per_node else hw.inter_node_bw
     exposed = (c.get("tp", 0) / tp_bw + c.get("pp", 0) / dp_bw + c.get("a2a", 0) / dp_bw
                + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
     return max(compute, c.get("dp", 0) / dp_bw) + exposed
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def candidates(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]:
-    """Every set-up worth estimating: the data-parallel strategies, Megatron tp x pp splits (tp inside a node),
-    table-wise recsys for DeepFM."""
-    out = [{"strategy": s} for s in ("disttrain_ddp", "disttrain_fsdp", "disttrain_zero3", "disttrain_fsdp_offload",
-                                     "disttrain_zero3_offload")]
-    if spec.table_rows:
-        out.insert(0, {"strategy": "disttrain_recsys"})
-    if tensor_parallel(spec):
-        for t in _divisors(min(world_size, hw.gpus_per_node)):
-            if spec.heads % t or spec.kv_heads % t:
-                continue
-            for p in _divisors(world_size // t):
-                if (t, p) != (1, 1) and p <= 16 and spec.layers % p == 0 and (p == 1 or pipelines(spec)):
-                    out.append({"strategy": "disttrain_megatron", "tensor_parallel_size": t,
-                                "pipeline_parallel_size": p})
+def _megatron_grid(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]:
+    """tp x pp splits (tp inside a node) of the heads and layers the model has."""
+    if not tensor_parallel(spec):
+        return []
+    out = []
+    for t in divisors(min(world_size, hw.gpus_per_node)):
+        if spec.heads % t or spec.kv_heads % t:
+            continue
+        for p in divisors(world_size // t):
+            if (t, p) != (1, 1) and p <= 16 and spec.layers % p == 0 and (p == 1 or pipelines(spec)):
+                out.append({"tensor_parallel_size": t, "pipeline_parallel_size": p})
     return out
+
+
+# The set-ups of a strategy worth estimating, by engine (default: the strategy with its own options).
+VARIANTS = {MegatronEngine: _megatron_grid,
+            RecsysEngine: lambda spec, world_size, hw: [{}] if spec.table_rows else []}
+
+
+def offloaded(options: Any) -> bool:
+    return bool(getattr(options, "cpu_offload", False) or getattr(options, "offload_optimizer", None))
+
+
+def candidates(spec: ModelSpec, world_size: int, hw: Hardware) -> list[tuple[registry.Registered, dict]]:
+    """Every set-up worth estimating, as (strategy row, options): each planned strategy, Megatron's tp x pp splits,
+    recsys for models with tables; tables first, 3D last, offload after the strategies that keep states on the
+    device."""
+    rows = [row for row in registry.STRATEGIES if row.name in planned()]
+    rows.sort(key=lambda row: (row.engine is not RecsysEngine, row.engine is MegatronEngine, offloaded(row.options())))
+    return [(row, options) for row in rows
+            for options in VARIANTS.get(row.engine, lambda *_: [{}])(spec, world_size, hw)]
 
 
 def recomputable(spec: ModelSpec) -> bool:
@@ -179,18 +194,17 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom} must be a fraction in [0, 1), e.g. 0.1 for 10%")
     usable = int(hw.memory * (1 - headroom)) - hw.reserved
-    allowed = set(STRATEGIES if available is None else available)
+    allowed = set(planned() if available is None else available)
     ranks_per_node = min(world_size, hw.gpus_per_node)
 
     plan = Plan(spec, world_size, hw, [], None)
-    for setup in candidates(spec, world_size, hw):
-        if setup["strategy"] not in allowed:
+    for row, options in candidates(spec, world_size, hw):
+        if row.name not in allowed:
             continue
-        for ac in (False, True):
-            if ac and (not recomputable(spec) or setup["strategy"] not in RECOMPUTE):
-                continue
-            e = estimate(spec, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                         activation_checkpointing=ac, optimizer=optimizer, **setup)
+        recompute = recomputable(spec) and "activation_checkpointing" in row.options_cls.__dataclass_fields__
+        for ac in (False, True) if recompute else (False,):
+            e = estimate(spec, row.name, world_size, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                         optimizer=optimizer, **options, **({"activation_checkpointing": True} if ac else {}))
             host_ok = e.host * ranks_per_node <= hw.host_memory * (1 - headroom)
             fits = e.device <= usable and host_ok
             why = "" if fits else (f"needs {_gib(e.device)} GiB > {_gib(usable)} GiB usable" if host_ok else
@@ -219,40 +233,40 @@ def measurement_note(spec: ModelSpec) -> str:
 
 def _preference(spec: ModelSpec, c: Candidate) -> int:
     """The article's framework order, used to break ties in step time."""
-    name = c.estimate.strategy
     if spec.params >= THREE_D_MODEL:  # "medium-large -> DeepSpeed, very large -> Megatron"
-        order = ("disttrain_recsys", "disttrain_zero3", "disttrain_megatron", "disttrain_fsdp", "disttrain_ddp")
+        order = (RecsysEngine, ZeroEngine, MegatronEngine, FSDPEngine, DDPEngine)
     else:  # "small and medium teams -> PyTorch FSDP"
-        order = ("disttrain_recsys", "disttrain_ddp", "disttrain_fsdp", "disttrain_zero3", "disttrain_megatron")
-    base = name.removesuffix("_offload")
-    return order.index(base) + (10 if name.endswith("_offload") else 0) + (5 if c.estimate.activation_checkpointing
-                                                                            else 0)
+        order = (RecsysEngine, DDPEngine, FSDPEngine, ZeroEngine, MegatronEngine)
+    engine = c.row.engine
+    rank = order.index(engine) if engine in order else len(order)
+    return rank + (10 if offloaded(c.row.options(**c.estimate.options)) else 0) + \
+        (5 if c.estimate.activation_checkpointing else 0)
 
 
 def _decide(plan: Plan, allowed: set[str]) -> None:
     spec, n, reasons = plan.spec, plan.world_size, plan.reasons
     fitting = [c for c in plan.candidates if c.fits]
-    ddp = next((c for c in fitting if c.estimate.strategy == "disttrain_ddp"), None)
+    ddp = next((c for c in fitting if c.row is registry.DDP), None)
     if ddp is not None and spec.params < SMALL_MODEL and not spec.table_rows:
         plan.choice = ddp
         reasons.append(f"under 1B parameters ({spec.params / 1e9:.2f}B) and DDP fits ({_gib(ddp.estimate.device)} of"
                        f" {_gib(ddp.usable)} GiB): the article's rule, and the least communication (one all-reduce)")
         return
     if ddp is None:
-        worst = next((c for c in plan.candidates if c.estimate.strategy == "disttrain_ddp"), None)
+        worst = next((c for c in plan.candidates if c.row is registry.DDP), None)
         if worst is not None:
             reasons.append(f"DDP does not fit: a full replica {worst.why} (model states alone "
                            f"{_gib(worst.estimate.states)} GiB)")
-    plain_dp = [c for c in fitting if c.estimate.strategy in ("disttrain_ddp", "disttrain_fsdp", "disttrain_zero3")
+    plain_dp = [c for c in fitting if c.row in (registry.DDP, registry.FSDP, registry.ZERO3)
                 and not c.estimate.activation_checkpointing]
     big = spec.params >= THREE_D_MODEL and n >= THREE_D_DEVICES
     admitted = []
     for c in fitting:
-        if c.estimate.strategy == "disttrain_megatron" and not (big or not plain_dp):
+        if c.row.engine is MegatronEngine and not (big or not plain_dp):
             c.why = "(not considered: 3D rule)"
             continue
         admitted.append(c)
-    if any(c.estimate.strategy == "disttrain_megatron" for c in plan.candidates):
+    if any(c.row.engine is MegatronEngine for c in plan.candidates):
         if big:
             reasons.append(f"3D parallelism considered: {spec.params / 1e9:.1f}B parameters on {n} devices")
         elif not plain_dp:
@@ -261,7 +275,7 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
         else:
             reasons.append(f"3D parallelism not considered: under {THREE_D_MODEL / 1e9:.0f}B parameters and a "
                            f"data-parallel strategy fits")
-    if spec.table_rows and "disttrain_recsys" not in allowed:
+    if spec.table_rows and registry.RECSYS.name not in allowed:
         reasons.append("disttrain_recsys (table-wise embedding sharding) is not available here")
     if not admitted:
         reasons.append("nothing fits: " + "; ".join(f"{c.label}: {c.why}" for c in plan.candidates[:6]) +

@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from disttrain.parallel import registry
+from disttrain.parallel.ddp import DDPEngine
+from disttrain.parallel.engine import FSDPEngine
 from disttrain.parallel.families import family_named
-from disttrain.planner.shards import first_rank_elements, zero3_partition_elements
+from disttrain.parallel.megatron import MegatronEngine
+from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.recsys import RecsysEngine
+from disttrain.parallel.zero_engine import ZeroEngine
+from disttrain.planner.shards import fsdp_rank_elements, zero3_partition
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
-STRATEGIES = ("disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3",
-              "disttrain_zero3_offload", "disttrain_megatron", "disttrain_recsys")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "adagrad": 1, "sgd": 0, "rowwise_adagrad": 0}
 ZERO3_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
@@ -33,7 +39,8 @@ ZERO3_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (ele
 
 @dataclass
 class Estimate:
-    """Bytes per rank (the busiest rank where ranks differ) and bytes moved per optimizer step.
+    """Bytes per rank (the busiest rank where ranks differ) and bytes moved per optimizer step, for one strategy
+    with ``options`` (those it was given beyond its defaults) at the degrees ``dims``.
 
     ``comm`` holds per-rank bytes per step: ``dp`` (data-parallel collectives, overlapped with compute), ``tp``
     (tensor-parallel all-reduces, on the critical path), ``pp`` (pipeline sends), ``a2a`` (embedding all-to-all),
@@ -41,21 +48,27 @@ class Estimate:
     """
 
     strategy: str
-    world_size: int
+    dims: ParallelDims
     micro_batch: int
     seq_len: int
     precision: str
-    activation_checkpointing: bool
     params: int
     grads: int
     optimizer: int
     activations: int
     buffers: int
     host: int = 0
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    options: dict = field(default_factory=dict)
     comm: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return bool(self.options.get("activation_checkpointing"))
 
     @property
     def states(self) -> int:
@@ -68,43 +81,86 @@ class Estimate:
 
     @property
     def label(self) -> str:
-        if self.strategy != "disttrain_megatron":
+        d = self.dims
+        if (d.cp, d.tp, d.pp) == (1, 1, 1):
             return self.strategy
-        dp = self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
-        return f"{self.strategy} tp={self.tensor_parallel_size} pp={self.pipeline_parallel_size} dp={dp}"
+        return f"{self.strategy} tp={d.tp} pp={d.pp} dp={d.dp}" + (f" cp={d.cp}" if d.cp > 1 else "")
 
 
-def _precision_bytes(precision: str, strategy: str, optimizer: str) -> tuple[int, int, int, int, int]:
-    """(param, grad, optimizer-state, compute, reduce) bytes per parameter element."""
+@dataclass(frozen=True)
+class Sizes:
+    """Bytes per parameter element: parameter, gradient, optimizer state, compute (activations and gathers) and
+    reduction (gradient collectives)."""
+
+    param: int
+    grad: int
+    optimizer: int
+    compute: int
+    reduce: int
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every formula starts from: the model, the strategy row, its options and degrees, the batch."""
+
+    spec: ModelSpec
+    row: registry.Registered
+    options: Any
+    dims: ParallelDims
+    micro_batch: int
+    seq_len: int
+    precision: str
+    optimizer: str
+    sizes: Sizes
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return bool(getattr(self.options, "activation_checkpointing", False))
+
+    def estimate(self, **bytes_: Any) -> Estimate:
+        return Estimate(strategy=self.row.name, dims=self.dims, micro_batch=self.micro_batch, seq_len=self.seq_len,
+                        precision=self.precision, options=self.row.given(self.options), **bytes_)
+
+    def activations(self) -> int:
+        """What one micro-batch's forward saves for backward on one rank (16-bit compute saves 16-bit tensors)."""
+        return activation_bytes(self.spec, self.micro_batch, self.seq_len, self.sizes.compute,
+                                self.activation_checkpointing, self.dims)
+
+    def logits_grad(self) -> int:
+        """The fp32 gradient of an LM's logits, held while the loss backpropagates."""
+        lm = self.spec.extra.get("lm_logits", False)
+        return self.micro_batch * self.seq_len * self.spec.vocab * 4 if lm else 0
+
+
+def _sizes(precision: str, zero: bool, optimizer: str) -> Sizes:
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not planned for; choose one of {', '.join(PRECISIONS)}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}")
     states = OPTIMIZER_STATES[optimizer]
-    zero = strategy.startswith("disttrain_zero3")
     if precision == "32-true":
         # DeepSpeed ZeRO-3 keeps an fp32 master copy of its partition even when the parameters are fp32.
-        return 4, 4, 4 * states + (4 if zero else 0), 4, 4
+        return Sizes(4, 4, 4 * states + (4 if zero else 0), 4, 4)
     if precision.endswith("-true"):
-        return 2, 2, 2 * states, 2, 2
+        return Sizes(2, 2, 2 * states, 2, 2)
     if zero:  # 16-bit partitions + fp32 master + fp32 optimizer state (the ZeRO paper's 2 + 2 + 12)
-        return 2, 2, 4 + 4 * states, 2, 2
+        return Sizes(2, 2, 4 + 4 * states, 2, 2)
     # FSDP2 MixedPrecisionPolicy / autocast: fp32 parameters, gradients and state; 16-bit compute, fp32 reduction.
-    return 4, 4, 4 * states, 2, 4
+    return Sizes(4, 4, 4 * states, 2, 4)
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int,
-                     activation_checkpointing: bool = False, tensor_parallel_size: int = 1) -> int:
-    """Bytes saved for backward by one micro-batch's forward (see the module docstring for the coefficients)."""
+                     activation_checkpointing: bool = False, dims: ParallelDims | None = None) -> int:
+    """Bytes saved for backward by one micro-batch's forward on one rank of ``dims`` (see the module docstring for
+    the coefficients; ``dims`` None: one rank alone)."""
+    dims = dims or ParallelDims(1)
     family = family_named(spec.family)
     if family is not None and family.analytic:
-        return family.activation_bytes(spec, micro_batch, seq_len, compute_bytes, activation_checkpointing,
-                                       tensor_parallel_size)
+        return family.activation_bytes(spec, micro_batch, seq_len, compute_bytes, activation_checkpointing, dims)
     measured = spec.extra.get("activations")
     if measured is None:  # a module without an input to run it on: see Plan.reasons
         return 0
-    return measured.profile(micro_batch, seq_len).activation_bytes(compute_bytes, tensor_parallel_size,
-                                                                   activation_checkpointing)
+    return measured.profile(micro_batch, seq_len).activation_bytes(compute_bytes, dims, activation_checkpointing)
 
 
 def analytic(spec: ModelSpec) -> bool:
@@ -124,78 +180,38 @@ def flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
     return 6.0 * spec.params * max(1, seq_len)
 
 
-def estimate(model_or_config: ModelLike, strategy: str, world_size: int, micro_batch: int = 1,
-             seq_len: int | None = None, precision: str = "bf16-mixed", activation_checkpointing: bool = False,
-             offload: bool | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-             optimizer: str | None = None, microbatches: int | None = None) -> Estimate:
-    """Per-rank bytes of ``model_or_config`` trained with ``strategy`` on ``world_size`` ranks.
+def estimate(model_or_config: ModelLike, strategy: str, world_size: int, *, micro_batch: int = 1,
+             seq_len: int | None = None, precision: str = "bf16-mixed", optimizer: str | None = None,
+             **options: Any) -> Estimate:
+    """Per-rank bytes of ``model_or_config`` trained with ``strategy`` (a registered name) on ``world_size`` ranks.
 
-    ``seq_len`` defaults to the model's (ViT: its patch count + 1; Llama: ``max_position_embeddings``).
-    ``offload=True`` turns ``disttrain_fsdp``/``disttrain_zero3`` into their ``_offload`` variants.
-    ``optimizer`` is "adamw" (default) or "adagrad"/"sgd"/"rowwise_adagrad" (DeepFM's tables default to Adagrad).
-    ``microbatches``: pipeline microbatches the ``micro_batch`` samples are split into (``disttrain_megatron``'s
-    default, ``2 * pipeline_parallel_size``, when None).
+    ``options`` are the strategy's own options (``tensor_parallel_size=2`` for ``disttrain_megatron``,
+    ``activation_checkpointing=True`` for ``disttrain_fsdp``, ...): they set the degrees (``Estimate.dims``) by the
+    strategy's own rule, as they would in a run. ``seq_len`` defaults to the model's (ViT: its patch count + 1;
+    Llama: ``max_position_embeddings``). ``optimizer`` is "adamw" (default) or "adagrad"/"sgd"/"rowwise_adagrad"
+    (DeepFM's tables default to Adagrad).
     """
     spec = model_spec(model_or_config)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not planned for; choose one of {', '.join(STRATEGIES)}")
-    if offload and strategy in ("disttrain_fsdp", "disttrain_zero3"):
-        strategy += "_offload"
-    for name, value in (("world_size", world_size), ("micro_batch", micro_batch),
-                        ("tensor_parallel_size", tensor_parallel_size),
-                        ("pipeline_parallel_size", pipeline_parallel_size)):
+    row = registry.lookup(strategy)
+    formula = FORMULAS.get(row.engine)  # type: ignore[arg-type]
+    if formula is None:
+        raise ValueError(f"strategy={strategy!r} is not planned for (it runs as the planner's choice); choose one of"
+                         f" {', '.join(planned())}")
+    for name, value in (("world_size", world_size), ("micro_batch", micro_batch)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
-    t, p = tensor_parallel_size, pipeline_parallel_size
-    if strategy != "disttrain_megatron" and (t, p) != (1, 1):
-        raise ValueError(f"tensor_parallel_size={t}, pipeline_parallel_size={p} need strategy='disttrain_megatron'")
-    seq = int(seq_len or spec.tokens or 1)
+    opts = row.options(**options)
+    dims = row.dims(world_size, opts)
     recsys_opt = spec.extra.get("recsys", {}).get("sparse_optimizer") or "adagrad"
-    opt = optimizer or (recsys_opt if spec.table_rows and strategy == "disttrain_recsys" else "adamw")
-    pb, gb, ob, cb, rb = _precision_bytes(precision, strategy, opt)
-    n, P = world_size, spec.params
-    est = dict(strategy=strategy, world_size=n, micro_batch=micro_batch, seq_len=seq, precision=precision,
-               activation_checkpointing=activation_checkpointing, tensor_parallel_size=t, pipeline_parallel_size=p)
-    acts = activation_bytes(spec, micro_batch, seq, cb if precision != "32-true" else 4, activation_checkpointing)
-    lm = spec.extra.get("lm_logits", False)
-    logits_grad = micro_batch * seq * spec.vocab * 4 if lm else 0
-    samples = micro_batch * n  # the global batch every strategy is compared on (one micro-batch per rank)
+    opt = optimizer or (recsys_opt if spec.table_rows and row.engine is RecsysEngine else "adamw")
+    setup = Setup(spec, row, opts, dims, micro_batch, int(seq_len or spec.tokens or 1), precision, opt,
+                  _sizes(precision, row.engine is ZeroEngine, opt))
+    return formula(setup)
 
-    if strategy == "disttrain_ddp":
-        comm = {"dp": 2 * (n - 1) / n * P * gb}
-        return Estimate(params=P * pb, grads=P * gb, optimizer=P * ob, activations=acts,
-                        buffers=P * gb + logits_grad, comm=comm, **est)  # buckets: a second copy of the gradients
 
-    if strategy.startswith(("disttrain_fsdp", "disttrain_zero3")):
-        zero = strategy.startswith("disttrain_zero3")
-        unit = spec.largest_unit
-        if zero:
-            # The module being used and the one prefetched, and the reduce bucket DeepSpeed allocates whole
-            # (reduce_bucket_size elements) when contiguous_gradients is on, as our config sets it.
-            buffers = 2 * unit * cb + ZERO3_REDUCE_BUCKET * gb
-        else:
-            # FSDP2 keeps the root (embeddings, head) gathered through forward and backward, gathers one block
-            # and prefetches the next, and reduce-scatters one block's unsharded gradients.
-            root = spec.root_params if spec.layers else 0
-            block = spec.layer_params or unit
-            buffers = root * cb + 2 * block * cb + block * rb
-        comm = {"dp": (n - 1) / n * P * (2 * cb + rb)}  # all-gather forward and backward, reduce-scatter
-        # ZeRO-3 pads each parameter to a multiple of n (DeepSpeed's partition rule); FSDP2 chunks dim 0.
-        exact = zero3_partition_elements(spec, n) if zero else first_rank_elements(spec, n)
-        shard = exact if exact is not None else math.ceil(P / n)
-        states = (shard * pb, shard * gb, shard * ob)
-        if strategy.endswith("_offload"):
-            comm["pcie"] = shard * (cb + gb)  # shards up before use, gradients down
-            comm["host_optimizer"] = shard * (pb + ob)
-            return Estimate(params=0, grads=0, optimizer=0, activations=acts, buffers=buffers + logits_grad,
-                            host=sum(states), comm=comm, **est)
-        return Estimate(params=states[0], grads=states[1], optimizer=states[2], activations=acts,
-                        buffers=buffers + logits_grad, comm=comm, **est)
-
-    if strategy == "disttrain_megatron":
-        return _megatron(spec, est, n, t, p, micro_batch, seq, activation_checkpointing, (pb, gb, ob, cb, rb),
-                         samples, microbatches or 2 * p)
-    return _recsys(spec, est, n, micro_batch, (pb, gb, ob, cb, rb), acts, opt)
+def planned() -> list[str]:
+    """The registered names the planner has formulas for."""
+    return [row.name for row in registry.STRATEGIES if row.engine in FORMULAS]
 
 
 def tensor_parallel(spec: ModelSpec) -> bool:
@@ -208,47 +224,89 @@ def pipelines(spec: ModelSpec) -> bool:
     return bool(spec.extra.get("pipeline"))
 
 
-def _megatron(spec: ModelSpec, est: dict, n: int, t: int, p: int, b: int, s: int, ac: bool,
-              sizes: tuple[int, int, int, int, int], samples: int, m: int) -> Estimate:
-    pb, gb, ob, cb, rb = sizes
+# -- one formula per engine -----------------------------------------------------------------------------------------
+def _replicated(s: Setup) -> Estimate:
+    """DDP: every rank holds the whole model and all-reduces the gradients (a ring sends 2(n-1)/n of them)."""
+    n, P, z = s.dims.dp_replicate, s.spec.params, s.sizes
+    comm = {"dp": 2 * (n - 1) / n * P * z.grad}
+    return s.estimate(params=P * z.param, grads=P * z.grad, optimizer=P * z.optimizer, activations=s.activations(),
+                      buffers=P * z.grad + s.logits_grad(), comm=comm)  # buckets: a second copy of the gradients
+
+
+def _sharded(s: Setup) -> Estimate:
+    """FSDP2 and ZeRO-3: parameters, gradients and optimizer state sharded over ``dims.shard`` ranks, gathered one
+    unit at a time; with CPU offload the shards live in host memory."""
+    spec, z, n = s.spec, s.sizes, s.dims.shard
+    zero = s.row.engine is ZeroEngine
+    unit, P = spec.largest_unit, spec.params
+    if zero:
+        # The module being used and the one prefetched, and the reduce bucket DeepSpeed allocates whole
+        # (reduce_bucket_size elements) when contiguous_gradients is on, as our config sets it.
+        buffers = 2 * unit * z.compute + ZERO3_REDUCE_BUCKET * z.grad
+    else:
+        # FSDP2 keeps the root (embeddings, head) gathered through forward and backward, gathers one block
+        # and prefetches the next, and reduce-scatters one block's unsharded gradients.
+        root = spec.root_params if spec.layers else 0
+        block = spec.layer_params or unit
+        buffers = root * z.compute + 2 * block * z.compute + block * z.reduce
+    comm = {"dp": (n - 1) / n * P * (2 * z.compute + z.reduce)}  # all-gather forward and backward, reduce-scatter
+    # ZeRO-3 pads each parameter to a multiple of n (DeepSpeed's partition rule); FSDP2 chunks dim 0.
+    exact = zero3_partition(spec, n) if zero else fsdp_rank_elements(spec, n)
+    shard = exact if exact is not None else math.ceil(P / n)
+    if s.dims.dp_replicate > 1:  # HSDP: the shards' gradients are all-reduced across the replicas too
+        r = s.dims.dp_replicate
+        comm["dp_replicate"] = 2 * (r - 1) / r * shard * z.reduce
+    states = (shard * z.param, shard * z.grad, shard * z.optimizer)
+    offloaded = getattr(s.options, "cpu_offload", False) or getattr(s.options, "offload_optimizer", None)
+    if offloaded:
+        comm["pcie"] = shard * (z.compute + z.grad)  # shards up before use, gradients down
+        comm["host_optimizer"] = shard * (z.param + z.optimizer)
+        return s.estimate(params=0, grads=0, optimizer=0, activations=s.activations(),
+                          buffers=buffers + s.logits_grad(), host=sum(states), comm=comm)
+    return s.estimate(params=states[0], grads=states[1], optimizer=states[2], activations=s.activations(),
+                      buffers=buffers + s.logits_grad(), comm=comm)
+
+
+def _megatron(s: Setup) -> Estimate:
+    spec, z, dims = s.spec, s.sizes, s.dims
+    t, p, dp = dims.tp, dims.pp, dims.dp
+    b, m = s.micro_batch, getattr(s.options, "microbatches", None) or 2 * p
     if not tensor_parallel(spec):
         raise ValueError(f"disttrain_megatron splits attention heads and MLPs of Llama, GPT-2, BERT-style and ViT "
                          f"blocks; a {spec.family} model has none it knows")
     if p > 1 and not pipelines(spec):
         raise ValueError(f"pipeline_parallel_size={p}: disttrain_megatron has no pipeline stages for this"
                          f" {spec.family} model (see disttrain.parallel.pipeline)")
-    if n % (t * p):
-        raise ValueError(f"tensor_parallel_size={t} x pipeline_parallel_size={p} does not divide world_size={n}")
     if spec.heads % t or spec.kv_heads % t:
         choices = [k for k in range(1, spec.kv_heads + 1) if spec.kv_heads % k == 0 and spec.heads % k == 0]
         raise ValueError(f"tensor_parallel_size={t} does not divide num_heads={spec.heads} (kv heads "
                          f"{spec.kv_heads}); choose one of {', '.join(map(str, choices))}")
     if spec.layers % p:
         raise ValueError(f"pipeline_parallel_size={p} does not divide the {spec.layers} layers")
-    dp = n // (t * p)
     # The busiest stage: its share of the blocks, split across the tensor-parallel ranks (column/row-split
     # layers), plus (pipeline) the bigger end or (no pipeline) both ends, which stay whole on every tensor-parallel
     # rank (the plans split blocks only; embeddings, final norm and head are replicated, then FSDP-sharded).
     root = spec.root_params
     local = math.ceil(spec.layers // p * spec.layer_params / t) + (root if p == 1 else math.ceil(root / 2))
-    exact = first_rank_elements(spec, dp, t) if p == 1 else None
-    shard = exact if exact is not None else math.ceil(local / dp)  # FSDP on the data dimension
-    cb_act = cb if est["precision"] != "32-true" else 4
-    per_mb = activation_bytes(spec, b, s, cb_act, ac, tensor_parallel_size=t)
+    exact = fsdp_rank_elements(spec, dims.shard, t) if p == 1 else None
+    shard = exact if exact is not None else math.ceil(local / dims.shard)  # FSDP on the data dimension
+    per_mb = s.activations()
     # 1F1B: the first stage holds min(p, m) pipeline microbatches (b/m samples each) of its layers/p blocks.
     acts = per_mb * min(p, m) / (p * m) if p > 1 else per_mb
     micro_steps = t * p  # micro-batches per data-parallel group for the same global batch as the other strategies
-    width = s * b * spec.hidden * cb
+    width = s.seq_len * b * spec.hidden * z.compute
     buffers = 2 * width * (t > 1) + 2 * width * (p > 1)
-    if dp > 1:
-        buffers += 2 * math.ceil(spec.layer_params / t) * cb + math.ceil(spec.layer_params / t) * rb
-    comm = {"dp": (dp - 1) / dp * local * (2 * cb + rb) if dp > 1 else 0.0,
+    if dims.shard > 1:
+        buffers += 2 * math.ceil(spec.layer_params / t) * z.compute + math.ceil(spec.layer_params / t) * z.reduce
+    n = dims.shard
+    comm = {"dp": (n - 1) / n * local * (2 * z.compute + z.reduce) if n > 1 else 0.0,
             # two all-reduces forward and two backward per block (attention and MLP), ring: 2(t-1)/t of the tensor
             "tp": 4 * (spec.layers // p) * 2 * (t - 1) / t * width * micro_steps if t > 1 else 0.0,
             "pp": 2 * width * micro_steps if p > 1 else 0.0,
             "bubble": (p - 1) / (micro_steps + p - 1)}
-    return Estimate(params=shard * pb, grads=shard * gb, optimizer=shard * ob, activations=acts, buffers=buffers,
-                    comm=comm, **est)
+    assert dp == dims.dp
+    return s.estimate(params=shard * z.param, grads=shard * z.grad, optimizer=shard * z.optimizer, activations=acts,
+                      buffers=buffers, comm=comm)
 
 
 def table_placement(rows: tuple[int, ...], world_size: int) -> list[list[int]]:
@@ -262,24 +320,30 @@ def table_placement(rows: tuple[int, ...], world_size: int) -> list[list[int]]:
     return ranks
 
 
-def torchrec_placement(spec: ModelSpec, world_size: int) -> list[tuple[int, int]] | None:
+def torchrec_placement(spec: ModelSpec, world_size: int, options: Any = None) -> list[tuple[int, int]] | None:
     """(table elements, table rows) per rank as torchrec's planner places the tables (the engine's ``plan``, with
-    the recipe's sharding types and constraints), or None without torchrec."""
+    the recipe's sharding types and constraints, or ``options``: RecsysOptions), or None without torchrec."""
     try:
         import torchrec  # noqa: F401
     except ImportError:
         return None
+    from disttrain.parallel import recsys as rs
+
     settings = spec.extra.get("recsys", {})
-    key = (spec.table_rows, spec.embedding_dim, world_size, repr(settings))
+    if options is None or options == rs.RecsysOptions():
+        options = rs.RecsysOptions(sharding_types=settings.get("sharding_types"),
+                                   constraints=dict(settings.get("constraints") or {}))
+    key = (spec.table_rows, spec.embedding_dim, world_size, repr(options), settings.get("sparse_optimizer"))
     if key not in _PLACEMENTS:
-        _PLACEMENTS[key] = _plan_tables(spec, world_size, settings)
+        _PLACEMENTS[key] = _plan_tables(spec, world_size, options, settings.get("sparse_optimizer"))
     return _PLACEMENTS[key]
 
 
 _PLACEMENTS: dict[tuple, list[tuple[int, int]]] = {}
 
 
-def _plan_tables(spec: ModelSpec, world_size: int, settings: dict) -> list[tuple[int, int]]:
+def _plan_tables(spec: ModelSpec, world_size: int, options: Any, sparse_optimizer: str | None
+                 ) -> list[tuple[int, int]]:
     import torch
     from torch import nn
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
@@ -295,28 +359,18 @@ def _plan_tables(spec: ModelSpec, world_size: int, settings: dict) -> list[tuple
                                    feature_names=[f"cat_{i}"]) for i, rows in enumerate(spec.table_rows)],
                 device=torch.device("meta"))
 
-    options = rs.RecsysOptions(sharding_types=settings.get("sharding_types"),
-                               constraints=dict(settings.get("constraints") or {}))
-    fused = rs.fused_params(options, {"name": settings["sparse_optimizer"]} if settings.get("sparse_optimizer")
-                            else None)
+    fused = rs.fused_params(options, {"name": sparse_optimizer} if sparse_optimizer else None)
     rs.quiet_planner_logs()
     plan = rs.plan(Tables(), options, world_size, torch.device("cuda"), rs.sharders(fused))
-    per_rank = [[0, 0] for _ in range(world_size)]
-    for shardings in plan.plan.values():
-        for sharding in shardings.values():
-            for shard in sharding.sharding_spec.shards:
-                rows, cols = shard.shard_sizes
-                per_rank[shard.placement.rank()][0] += rows * cols
-                per_rank[shard.placement.rank()][1] += rows
-    return [(elements, rows) for elements, rows in per_rank]
+    return rs.shards_per_rank(plan, world_size)
 
 
-def _recsys(spec: ModelSpec, est: dict, n: int, b: int, sizes: tuple[int, int, int, int, int],
-            acts: int, optimizer: str) -> Estimate:
-    pb, gb, ob, cb, rb = sizes
+def _recsys(s: Setup) -> Estimate:
+    """torchrec: tables placed by its planner (fp32, fused optimizer in backward), the dense part replicated."""
+    spec, z, n, b = s.spec, s.sizes, s.dims.world_size, s.micro_batch
     if not spec.table_rows:
         raise ValueError(f"disttrain_recsys shards embedding tables; a {spec.family} model has none")
-    placed = torchrec_placement(spec, n)
+    placed = torchrec_placement(spec, n, s.options)
     if placed is not None:  # torchrec's own planner: row/column/table-wise as the run will shard
         table, rows = max(placed)
         busiest_tables = len(spec.table_rows) / n  # pooled lookups per rank, on average
@@ -329,10 +383,17 @@ def _recsys(spec: ModelSpec, est: dict, n: int, b: int, sizes: tuple[int, int, i
     dense = spec.dense_params
     # Tables stay fp32; the fused optimizer updates them in backward, so no table gradient is kept. Row-wise
     # Adagrad keeps one value per row, Adagrad one per element. The dense part trains with Adam.
-    opt_tables = 4 * (rows if optimizer == "rowwise_adagrad" else table * OPTIMIZER_STATES[optimizer])
+    opt_tables = 4 * (rows if s.optimizer == "rowwise_adagrad" else table * OPTIMIZER_STATES[s.optimizer])
     dense_opt = dense * 4 * OPTIMIZER_STATES["adam"]
-    pooled = int(b * n * busiest_tables * spec.embedding_dim * cb)  # this rank's tables looked up for the batch
-    comm = {"dp": 2 * (n - 1) / n * dense * gb,
-            "a2a": 2 * (n - 1) / n * b * len(spec.table_rows) * spec.embedding_dim * cb}
-    return Estimate(params=table * 4 + dense * pb, grads=dense * gb, optimizer=opt_tables + dense_opt,
-                    activations=acts, buffers=2 * pooled + dense * gb, comm=comm, **est)
+    pooled = int(b * n * busiest_tables * spec.embedding_dim * z.compute)  # this rank's tables looked up
+    comm = {"dp": 2 * (n - 1) / n * dense * z.grad,
+            "a2a": 2 * (n - 1) / n * b * len(spec.table_rows) * spec.embedding_dim * z.compute}
+    return s.estimate(params=table * 4 + dense * z.param, grads=dense * z.grad, optimizer=opt_tables + dense_opt,
+                      activations=s.activations(), buffers=2 * pooled + dense * z.grad, comm=comm)
+
+
+# The planner's formula of each engine (its strategies' rows find theirs here by engine class).
+FORMULAS: dict[type, Callable[[Setup], Estimate]] = {
+    DDPEngine: _replicated, FSDPEngine: _sharded, ZeroEngine: _sharded, MegatronEngine: _megatron,
+    RecsysEngine: _recsys,
+}

@@ -21,7 +21,7 @@ from torch import nn
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.families import family_for_model_type, unsupported_reason
 from disttrain.planner.measured import Inputs, MeasuredModel
-from disttrain.planner.spec import ModelSpec, count_params
+from disttrain.parallel.families.spec import ModelSpec, count_params
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from disttrain.parallel.mesh import ParallelDims
+
 Inputs = Callable[[int, int], tuple[tuple, dict]]  # (micro_batch, seq_len) -> (args, kwargs) on the meta device
 
 
@@ -59,9 +61,10 @@ class Profile:
     block_inputs: tuple[Saved, ...] = ()
     flops: float = 0.0
 
-    def activation_bytes(self, compute_bytes: int, tensor_parallel_size: int = 1,
+    def activation_bytes(self, compute_bytes: int, dims: ParallelDims | None = None,
                          activation_checkpointing: bool = False) -> int:
-        t = tensor_parallel_size
+        """Bytes one rank of ``dims`` saves (tensor parallelism splits what the plan splits)."""
+        t = dims.tp if dims is not None else 1
         per_block = [r.bytes(compute_bytes) + s.bytes(compute_bytes, t)
                      for r, s in zip(self.blocks_replicated, self.blocks_split)]
         base = self.base.bytes(compute_bytes)

@@ -6,38 +6,18 @@ devices actually present and choose among the registered strategies. The adapter
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from disttrain.parallel.registry import AutoOptions
 from disttrain.planner.choose import Plan, choose
 from disttrain.planner.hardware import detect
 from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelSpec, model_spec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AutoOptions:
-    """Options of ``disttrain_auto`` (the same on the Trainer and Fabric).
-
-    model: the model to plan for: a recipe YAML path, its ``model:`` dict, a ModelSpec or a module. Trainer: by
-        default the LightningModule (its ``configure_model`` is run on the meta device if it builds the model
-        there). Fabric: required.
-    micro_batch, seq_len: samples per device per step and tokens per sample (default: the model's length).
-    headroom: fraction of device memory kept free. hardware: a preset name for bandwidths ("A100-40GB");
-    device_memory: overrides the detected memory per device ("40GiB").
-    """
-
-    model: Any = None
-    micro_batch: int = 1
-    seq_len: int | None = None
-    headroom: float = 0.1
-    hardware: str | None = None
-    device_memory: str | None = None
 
 
 def spec_of(module: nn.Module) -> ModelSpec:

@@ -1,7 +1,8 @@
-"""Exact per-rank shard sizes from the model's parameter shapes: FSDP2 shards every parameter by ``torch.chunk``
-on dim 0 (``ceil(rows / n)`` rows on the first ranks), tensor parallelism splits the plan's column-wise layers on
-dim 0 and row-wise layers on dim 1. Dividing the parameter count by the world size misses that padding, which
-grows with the world size (a ViT-2B qkv weight of 2688 rows holds 6, not 5.25, rows per rank at dp=512)."""
+"""Exact per-rank shard sizes from the model's parameter shapes, by the engines' own rules: FSDP2's dim-0 chunks
+(:func:`disttrain.parallel.fsdp.shard_elements`), DeepSpeed's padded ZeRO-3 partition
+(:func:`disttrain.parallel.zero.partition_elements`), and tensor parallelism splitting the plan's column-wise layers
+on dim 0 and row-wise layers on dim 1. Dividing the parameter count by the world size misses the padding, which grows
+with the world size (a ViT-2B qkv weight of 2688 rows holds 6, not 5.25, rows per rank at dp=512)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Optional
 import torch
 
 from disttrain.parallel.families import family_named
+from disttrain.parallel.fsdp import shard_elements
+from disttrain.parallel.zero import partition_elements
 from disttrain.planner.spec import ModelSpec
 
 
@@ -44,25 +47,20 @@ def tp_local_shape(name: str, shape: torch.Size, plan: dict, tp: int) -> torch.S
     return shape
 
 
-def first_rank_elements(spec: ModelSpec, dp: int, tp: int = 1) -> Optional[int]:
-    """Elements of parameters on the first data-parallel rank (the busiest) of a tensor-parallel rank, or None
-    when the shapes are unknown."""
+def fsdp_rank_elements(spec: ModelSpec, n: int, tp: int = 1, rank: int = 0) -> Optional[int]:
+    """Elements FSDP2 leaves on ``rank`` of ``n`` shard ranks (rank 0: the busiest) of a tensor-parallel rank, or
+    None when the shapes are unknown."""
     shapes = parameter_shapes(spec)
     if shapes is None:
         return None
     plan = family_named(spec.family).tp_plan() if tp > 1 else {}
-    total = 0
-    for name, shape in shapes:
-        shape = tp_local_shape(name, shape, plan, tp) if tp > 1 else shape
-        rows = shape[0] if len(shape) else 1
-        total += math.ceil(rows / dp) * math.prod(shape[1:])
-    return total
+    local = [tp_local_shape(name, shape, plan, tp) if tp > 1 else shape for name, shape in shapes]
+    return shard_elements(local, rank, n)
 
 
-def zero3_partition_elements(spec: ModelSpec, world_size: int) -> Optional[int]:
-    """Elements of DeepSpeed ZeRO-3's partition on every rank: each parameter padded to a multiple of the world
-    size (``partition_parameters``' ``_padding_size``), ``ceil(numel / n)`` elements per rank."""
+def zero3_partition(spec: ModelSpec, world_size: int) -> Optional[int]:
+    """Elements of DeepSpeed ZeRO-3's partition on every rank, or None when the shapes are unknown."""
     shapes = parameter_shapes(spec)
     if shapes is None:
         return None
-    return sum(math.ceil(math.prod(shape) / world_size) for _, shape in shapes)
+    return partition_elements((math.prod(shape) for _, shape in shapes), world_size)

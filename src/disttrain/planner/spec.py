@@ -20,12 +20,6 @@ from torch import nn
 from disttrain.config import read_recipe
 from disttrain.parallel.families import closest_family, family_for_config, family_for_model_type, family_of
 from disttrain.parallel.families.spec import ModelSpec, count_params
-# The families' formulas, importable from here as before they moved into the family modules.
-from disttrain.parallel.families.deepfm import deepfm_spec  # noqa: F401
-from disttrain.parallel.families.llama import LLAMA, llama_spec  # noqa: F401
-from disttrain.parallel.families.vit import vit_spec  # noqa: F401
-
-LLAMA_FAMILY = LLAMA.model_types  # HF model types counted with the Llama formulas
 
 ModelLike = Union[ModelSpec, dict, str, os.PathLike, nn.Module, Any]
 

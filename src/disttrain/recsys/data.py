@@ -16,7 +16,7 @@ import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -316,7 +316,3 @@ class DayBatches(torch.utils.data.Dataset):
                 torch.from_numpy(np.array(self.day.labels[lo:hi])))
 
 
-def iterate_batches(dataset: DayBatches, rank: int = 0, world_size: int = 1) -> Iterator[tuple[torch.Tensor, ...]]:
-    """This rank's share of the batches, in order (for evaluation)."""
-    for index in range(rank, len(dataset), world_size):
-        yield dataset[index]

@@ -117,11 +117,3 @@ def make_days(root: str | os.PathLike, days: int, rows_per_day: int, start: dt.d
     return paths
 
 
-def planted_auc(root_seed: int, day_index: int, rows: int = 20000, drift: float = 0.05) -> float:
-    """The AUC of the planted model itself on fresh rows of a day: the ceiling a learned model can approach."""
-    import torch
-    from torchmetrics.functional.classification import binary_auroc
-
-    model = planted_model(root_seed, day_index, drift)
-    labels, dense, choice = sample_day(model, rows, seed=12345)
-    return float(binary_auroc(torch.from_numpy(model.logits(dense, choice)), torch.from_numpy(labels)))

@@ -14,9 +14,6 @@ from typing import Any
 from disttrain.report.run import ReportError
 
 HISTORY_METRICS = ("auc", "logloss", "calibration")
-TRAINED = ("published", "rejected")
-
-
 @dataclass
 class DayEntry:
     """One day's record: its status (published, rejected, skipped, late, invalid), the version it went into, the

@@ -64,11 +64,15 @@ def trainer_loggers(run_dir: str | os.PathLike, spec: str | None = None, subdir:
 
 
 def strategy_description(strategy: Any) -> dict[str, Any]:
-    """Name, class and the options that differ from their defaults of a Lightning/Fabric strategy object."""
+    """Name, class, the options that differ from their defaults and the parallel degrees (once its processes exist)
+    of a Lightning/Fabric strategy object."""
     engine = getattr(strategy, "engine", None)
     options = getattr(engine, "options", None)
+    dims = getattr(engine, "dims", None)
     out: dict[str, Any] = {"name": getattr(strategy, "strategy_name", None) or type(strategy).__name__,
                            "class": type(strategy).__name__, "options": {}}
+    if dims is not None:
+        out["degrees"] = dims.degrees()
     if dataclasses.is_dataclass(options):
         defaults = {f.name: f.default for f in dataclasses.fields(options)
                     if f.default is not dataclasses.MISSING}

@@ -97,10 +97,6 @@ def summarize(run_dir: str | os.PathLike) -> RunSummary:
     return s
 
 
-def _last(series: Series | None) -> float | None:
-    return series[-1][1] if series else None
-
-
 def _fmt(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -112,6 +108,8 @@ def _strategy_lines(info: dict[str, Any]) -> list[str]:
     options = strategy.get("options") or {}
     lines = [f"strategy: {strategy.get('name', '?')} ({strategy.get('class', '?')})"]
     lines += [f"  {k} = {v}" for k, v in options.items()] or ["  (default options)"]
+    if strategy.get("degrees"):
+        lines.append("  degrees: " + " ".join(f"{k}={v}" for k, v in strategy["degrees"].items()))
     return lines
 
 

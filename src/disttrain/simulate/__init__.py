@@ -4,7 +4,7 @@
     print(simulate("configs/nlp/dialogue_10b.yaml", "disttrain_fsdp", world_size=32).table())
 """
 
-from disttrain.simulate.core import SIMULATED, Role, Simulation, simulated_name, versus
-from disttrain.simulate.strategies import simulate
+from disttrain.simulate.core import Role, Simulation, versus
+from disttrain.simulate.strategies import simulate, simulated
 
-__all__ = ["SIMULATED", "Role", "Simulation", "simulate", "simulated_name", "versus"]
+__all__ = ["Role", "Simulation", "simulate", "simulated", "versus"]

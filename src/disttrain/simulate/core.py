@@ -29,9 +29,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from disttrain.parallel import registry
+from disttrain.parallel.mesh import ParallelDims
 from disttrain.simulate.fake import fake_world
 
-SIMULATED = ("disttrain_ddp", "disttrain_fsdp", "disttrain_zero3", "disttrain_megatron", "disttrain_recsys")
 _DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
@@ -59,13 +60,20 @@ class Simulation:
     and the wall time of the simulation in seconds."""
 
     strategy: str
-    world_size: int
+    dims: ParallelDims
     precision: str
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
     roles: list[Role] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def row(self) -> registry.Registered:
+        return registry.lookup(self.strategy)
 
     @property
     def busiest(self) -> Role:
@@ -75,9 +83,7 @@ class Simulation:
     def table(self) -> str:
         """A Markdown table of the roles, sizes in GiB."""
         gib = 2**30
-        lines = [f"{self.strategy} on {self.world_size} ranks"
-                 + (f" (tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size})"
-                    if self.strategy == "disttrain_megatron" else "") + f", {self.precision}",
+        lines = [f"{self.strategy} on {self.world_size} ranks ({self.dims.label()}), {self.precision}",
                  "", "| role | ranks | params GiB | grads GiB | optimizer GiB | states GiB | checkpoint GiB |"
                  " traffic/step GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in self.roles:
@@ -198,12 +204,7 @@ def prepared(config: Union[str, dict], precision: str) -> nn.Module:
     return module
 
 
-__all__ = ["SIMULATED", "Role", "Simulation", "fake_world"]
-
-
-def simulated_name(strategy: str) -> str:
-    """The simulated strategy of a planner candidate: the _offload variants hold the same states, on the host."""
-    return strategy.removesuffix("_offload")
+__all__ = ["Role", "Simulation", "fake_world"]
 
 
 def versus(sim: Simulation, estimate: Any) -> str:

@@ -1,24 +1,30 @@
-"""One function per simulated strategy (fill a :class:`~disttrain.simulate.core.Simulation` with its roles), and
-:func:`simulate`, which picks one."""
+"""One runner per engine (fill a :class:`~disttrain.simulate.core.Simulation` with its roles), and :func:`simulate`,
+which finds a registered strategy's runner by its engine class."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
-from collections import Counter
-from typing import Any, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 
+from disttrain.parallel import registry
+from disttrain.parallel.ddp import DDPEngine
+from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.fsdp import shard_elements
+from disttrain.parallel.megatron import MegatronEngine
+from disttrain.parallel.recsys import RecsysEngine
+from disttrain.parallel.zero import partition_elements
+from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.simulate.core import (
-    SIMULATED,
     Role,
     Simulation,
-    precision_sizes,
     count,
     fake_world,
     fsdp_traffic,
     meta_model,
+    precision_sizes,
     prepared,
 )
 
@@ -26,27 +32,13 @@ CPU, META = torch.device("cpu"), torch.device("meta")
 Config = Union[str, dict]
 
 
-def chunk_numel(shapes: list[torch.Size], rank: int, n: int) -> int:
-    """Elements FSDP2 leaves on ``rank`` of ``n``: each parameter's dim-0 ``torch.chunk`` (ceil(rows/n) rows per
-    rank, the last ranks fewer or none)."""
-    total = 0
-    for shape in shapes:
-        rows = shape[0] if len(shape) else 1
-        per = math.ceil(rows / n)
-        mine = max(0, min(per, rows - rank * per))
-        total += mine * (math.prod(shape[1:]) if len(shape) > 1 else 1)
-    return total
-
-
-def ddp(sim: Simulation, config: Config, **_: Any) -> None:
-    from disttrain.parallel.ddp import DDPEngine, DDPOptions
-
-    n = sim.world_size
-    with fake_world(0, n):
+def ddp(sim: Simulation, config: Config, options: Any) -> None:
+    n = sim.dims.dp_replicate
+    with fake_world(0, sim.world_size):
         # DistributedDataParallel's constructor checks shapes across ranks with .item(), which meta tensors lack;
         # it keeps the module's parameters as they are, so the model it would wrap is what every rank holds.
         module = prepared(config, sim.precision)
-        p, g, o, c = count(module, DDPEngine(DDPOptions()), replicas=n)
+        p, g, o, c = count(module, DDPEngine(options), replicas=n)
     # DDP all-reduces the gradients in their own dtype, bucket by bucket: a ring sends 2(n-1)/n of them.
     sim.roles.append(Role("every rank", 0, n, p, g, o, c, {"dp": 2 * (n - 1) / n * g}))
     sim.notes.append("DDP: every rank holds the whole model (DistributedDataParallel cannot be built on meta tensors;"
@@ -54,34 +46,51 @@ def ddp(sim: Simulation, config: Config, **_: Any) -> None:
                      " once (DCP de-duplication), shown as a 1/world share")
 
 
-def fsdp(sim: Simulation, config: Config, hybrid_shard_size: Optional[int] = None, **_: Any) -> None:
-    from disttrain.parallel.engine import FSDPEngine
-    from disttrain.parallel.fsdp import FSDPOptions
-
-    n = sim.world_size
-    options = FSDPOptions(hybrid_shard=hybrid_shard_size is not None, shard_size=hybrid_shard_size)
-    shard = hybrid_shard_size or n
-    shapes = [p.shape for p in meta_model(config).parameters()]
-    by_rank = [chunk_numel(shapes, r, shard) for r in range(shard)]
+def sharded(sim: Simulation, config: Config, options: Any) -> None:
+    """FSDP2 and Megatron: the engine's own ``parallelize`` on the fake group, once per rank role: each pipeline
+    stage x tensor-parallel rank at the first shard of its FSDP group, and for plain data sharding the last shard
+    too (dim-0 chunks leave the last ranks fewer rows)."""
+    dims, n = sim.dims, sim.world_size
+    engine_cls = sim.row.engine
+    # Offloaded states are the same bytes, in host memory: shard them as on the device (meta tensors cannot move).
+    options = dataclasses.replace(options, cpu_offload=False)
     compute, reduce = precision_sizes(sim.precision)
-    for rank in sorted({0, shard - 1}):
-        with fake_world(rank, n):
-            module = prepared(config, sim.precision)
-            engine = FSDPEngine(options)
-            engine.allocates = False
-            engine.setup_mesh(n, CPU, local_size=hybrid_shard_size)
-            engine.parallelize(module, META, sim.precision)
-            p, g, o, c = count(module, engine)
-            comm = {"dp": fsdp_traffic(module, shard, compute, reduce)}
-            if shard < n:  # HSDP: the shards' gradients are all-reduced across the replicas
-                replicas = n // shard
-                comm["dp_replicate"] = 2 * (replicas - 1) / replicas * g
-        same = sum(1 for x in by_rank if x == by_rank[rank]) * (n // shard)
-        if sim.roles and by_rank[rank] == by_rank[0]:
-            sim.roles[0].name, sim.roles[0].ranks = "every rank", n  # equal shards everywhere: one role
-            continue
-        name = "rank 0 (first shards)" if rank == 0 else f"rank {rank} (last shards)"
-        sim.roles.append(Role(name, rank, same, p, g, o, c, comm))
+    model_parallel = dims.tp * dims.pp > 1
+    shapes = [p.shape for p in meta_model(config).parameters()]
+    by_shard = [shard_elements(shapes, i, dims.shard) for i in range(dims.shard)] if not model_parallel else []
+    for stage in range(dims.pp):
+        for tp_rank in range(dims.tp):
+            for index in [0] if model_parallel else sorted({0, dims.shard - 1}):
+                dp_shard, cp = divmod(index, dims.cp)  # the FSDP group is (dp_shard, cp) flattened
+                rank = dims.rank_of(pp=stage, tp=tp_rank, dp_shard=dp_shard, cp=cp)
+                with fake_world(rank, n):
+                    module = prepared(config, sim.precision)
+                    engine = engine_cls(options)
+                    engine.allocates = False
+                    engine.setup_mesh(n, CPU)
+                    engine.parallelize(module, META, sim.precision)
+                    p, g, o, c = count(module, engine)
+                    comm = {"dp": fsdp_traffic(module, dims.shard, compute, reduce)}
+                    if dims.dp_replicate > 1:  # HSDP: the shards' gradients are all-reduced across the replicas
+                        r = dims.dp_replicate
+                        comm["dp_replicate"] = 2 * (r - 1) / r * g
+                if model_parallel:
+                    name = (f"pp stage {stage} x " if dims.pp > 1 else "") + f"tp rank {tp_rank}"
+                    sim.roles.append(Role(name, rank, dims.dp * dims.cp, p, g, o, c, comm))
+                    continue
+                same = sum(1 for x in by_shard if x == by_shard[index]) * dims.dp_replicate
+                if sim.roles and by_shard[index] == by_shard[0]:
+                    sim.roles[0].name, sim.roles[0].ranks = "every rank", n  # equal shards everywhere: one role
+                    continue
+                name = "rank 0 (first shards)" if index == 0 else f"rank {rank} (last shards)"
+                sim.roles.append(Role(name, rank, same, p, g, o, c, comm))
+    if model_parallel:
+        sim.notes.append("pipeline split, tensor-parallel plan and FSDP over the data dimension by the engine's own"
+                         " code on the fake group; each role is the first data-parallel rank of its stage x tp rank"
+                         f" ({dims.dp * dims.cp} such ranks each, later ones hold the same or slightly fewer rows)")
+        sim.notes.append("traffic: data-parallel traffic derived from the FSDP units' shapes; tensor-parallel and"
+                         " pipeline traffic scale with activations (batch x sequence): see the planner's estimate")
+        return
     sim.notes.append("FSDP2: fully_shard per block and root (the engine's own code) on the fake group; shards are"
                      " dim-0 chunks, so the first ranks hold ceil(rows/n) rows of each parameter and the last ranks"
                      " fewer; ranks between hold between these two")
@@ -89,52 +98,24 @@ def fsdp(sim: Simulation, config: Config, hybrid_shard_size: Optional[int] = Non
                      " reduce-scatter of gradients); no step runs on meta shards")
 
 
-def zero3(sim: Simulation, config: Config, **_: Any) -> None:
+def zero3(sim: Simulation, config: Config, options: Any) -> None:
     """DeepSpeed cannot start on a fake group (its engine allocates and communicates on a real device), so the
-    partition is computed with DeepSpeed's own rule (``partition_parameters``: each parameter padded to a multiple
-    of the world size, ``ceil(numel / n)`` elements per rank) over the meta model's parameters."""
-    n = sim.world_size
-    part = sum(math.ceil(p.numel() / n) for p in meta_model(config).parameters())
-    half = sim.precision != "32-true"
-    pb = 2 if half else 4
+    partition is computed with DeepSpeed's own rule (:func:`disttrain.parallel.zero.partition_elements`) over the
+    meta model's parameters."""
+    n = sim.dims.shard
+    numels = [p.numel() for p in meta_model(config).parameters()]
+    part = partition_elements(numels, n)
+    pb = 2 if sim.precision != "32-true" else 4
     # 16-bit partitions of parameters and gradients, fp32 master partition + AdamW's two fp32 states.
     p, g, o = part * pb, part * pb, part * 12
-    numel = sum(p.numel() for p in meta_model(config).parameters())
-    comm = {"dp": (n - 1) / n * numel * pb * 3}  # all-gather forward and backward, reduce-scatter gradients
+    comm = {"dp": (n - 1) / n * sum(numels) * pb * 3}  # all-gather forward and backward, reduce-scatter gradients
     sim.roles.append(Role("every rank", 0, n, p, g, o, part * 12, comm))
     sim.notes.append("ZeRO-3: DeepSpeed cannot run on a fake process group; its partition is computed from"
                      " DeepSpeed's own rule (each parameter padded to a multiple of the world size, ceil(numel/n)"
                      " elements per rank); the checkpoint holds the fp32 master and AdamW partitions")
 
 
-def megatron(sim: Simulation, config: Config, **_: Any) -> None:
-    from disttrain.parallel.megatron import MegatronEngine, MegatronOptions
-    from disttrain.parallel.mesh import ParallelDims
-
-    n, t, pp = sim.world_size, sim.tensor_parallel_size, sim.pipeline_parallel_size
-    dims = ParallelDims(world_size=n, tp=t, pp=pp)  # the real run's size check and error
-    compute, reduce = precision_sizes(sim.precision)
-    for stage in range(pp):
-        for tp_rank in range(t):
-            rank = stage * dims.dp * t + tp_rank  # mesh order (pp, dp, tp): dp rank 0 of this stage and tp rank
-            with fake_world(rank, n):
-                module = prepared(config, sim.precision)
-                engine = MegatronEngine(MegatronOptions(tensor_parallel_size=t, pipeline_parallel_size=pp))
-                engine.allocates = False
-                engine.setup_mesh(n, CPU)
-                engine.parallelize(module, META, sim.precision)
-                p, g, o, c = count(module, engine)
-                comm = {"dp": fsdp_traffic(module, dims.dp, compute, reduce)}
-            name = (f"pp stage {stage} x " if pp > 1 else "") + f"tp rank {tp_rank}"
-            sim.roles.append(Role(name, rank, dims.dp, p, g, o, c, comm))
-    sim.notes.append("megatron: pipeline split, tensor-parallel plan and FSDP over dp by the engine's own code on"
-                     f" the fake group; each role is dp rank 0 of its stage x tp rank ({dims.dp} dp ranks each,"
-                     " later dp ranks hold the same or slightly fewer rows)")
-    sim.notes.append("traffic: data-parallel traffic derived from the FSDP units' shapes; tensor-parallel and"
-                     " pipeline traffic scale with activations (batch x sequence): see the planner's estimate")
-
-
-def recsys(sim: Simulation, config: Config, **_: Any) -> None:
+def recsys(sim: Simulation, config: Config, options: Any) -> None:
     """torchrec's planner (the engine's ``plan``, same constraints and sharders) on a topology of ``world_size``
     GPUs; each rank's table shards are read from the sharding plan it returns."""
     from disttrain.parallel import recsys as rs
@@ -143,31 +124,23 @@ def recsys(sim: Simulation, config: Config, **_: Any) -> None:
     n = sim.world_size
     recipe = config if isinstance(config, dict) else _recipe(config)
     model_cfg = recipe.get("model", recipe) if not isinstance(config, str) else recipe_model(config)
-    constraints = (recipe.get("strategy") or {}).get("constraints") or {}
-    types = (recipe.get("strategy") or {}).get("sharding_types")
-    options = rs.RecsysOptions(sharding_types=types, constraints=constraints)
+    if options == rs.RecsysOptions():  # the recipe's strategy: section, as the daily job reads it
+        section = recipe.get("strategy") or {}
+        options = rs.RecsysOptions(sharding_types=section.get("sharding_types"),
+                                   constraints=section.get("constraints") or {})
     fused = rs.fused_params(options, model_cfg.get("sparse_optimizer"))
-    from disttrain.recsys.model import DeepFMNet
-
-    module = DeepFMNet(**{k: v for k, v in model_cfg.items()}, device="meta")
+    module = meta_model({"model": model_cfg})
     rs.quiet_planner_logs()
     plan = rs.plan(module, options, n, torch.device("cuda"), rs.sharders(fused))
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     rowwise = fused["optimizer"] == EmbOptimType.EXACT_ROWWISE_ADAGRAD
-    table_params, table_opt = Counter(), Counter()
-    for _, shardings in plan.plan.items():
-        for _, sharding in shardings.items():
-            for shard in sharding.sharding_spec.shards:
-                rank = shard.placement.rank()
-                rows, cols = shard.shard_sizes
-                table_params[rank] += rows * cols * 4
-                table_opt[rank] += rows * 4 if rowwise else rows * cols * 4
     dense = [p for name, p in module.named_parameters() if not name.startswith("ebc.")]
     d = sum(p.numel() for p in dense) * 4
     groups: dict[tuple[int, int], list[int]] = {}
-    for rank in range(n):
-        groups.setdefault((table_params[rank], table_opt[rank]), []).append(rank)
+    for rank, (elements, rows) in enumerate(rs.shards_per_rank(plan, n)):
+        table_opt = rows * 4 if rowwise else elements * 4
+        groups.setdefault((elements * 4, table_opt), []).append(rank)
     for (tp_bytes, to_bytes), ranks in sorted(groups.items(), key=lambda kv: -kv[0][0]):
         name = "rank " + ", ".join(map(str, ranks[:4])) + (" ..." if len(ranks) > 4 else "")
         ckpt = tp_bytes + to_bytes + 3 * d / n  # dense params and Adam states written once (DCP de-duplication)
@@ -187,31 +160,35 @@ def _recipe(path: str) -> dict:
         return yaml.safe_load(f) or {}
 
 
-RUNNERS = {"disttrain_ddp": ddp, "disttrain_fsdp": fsdp, "disttrain_zero3": zero3, "disttrain_megatron": megatron,
-           "disttrain_recsys": recsys}
+# The runner of each engine (a registered strategy finds its runner by its engine class).
+RUNNERS: dict[type, Callable[[Simulation, Config, Any], None]] = {
+    DDPEngine: ddp, FSDPEngine: sharded, MegatronEngine: sharded, ZeroEngine: zero3, RecsysEngine: recsys,
+}
 
 
-def simulate(config: Union[str, dict], strategy: str, world_size: int, *, tensor_parallel_size: int = 1,
-             pipeline_parallel_size: int = 1, precision: str = "bf16-mixed", hybrid_shard_size: Optional[int] = None,
-             ) -> Simulation:
-    """Shard the model of ``config`` (a recipe YAML path or its ``model:`` mapping) with ``strategy`` on a fake
-    world of ``world_size`` ranks and count what each rank role holds (see the module docstring).
+def simulated() -> list[str]:
+    """The registered names the simulator runs."""
+    return [row.name for row in registry.STRATEGIES if row.engine in RUNNERS]
 
-    ``tensor_parallel_size``/``pipeline_parallel_size``: ``disttrain_megatron``'s sizes (data parallel is what is
-    left). ``hybrid_shard_size``: ``disttrain_fsdp`` with ``hybrid_shard=True`` and that many ranks per shard group.
-    Sizes the real run refuses raise the real run's error.
+
+def simulate(config: Config, strategy: str, world_size: int, *, precision: str = "bf16-mixed",
+             **options: Any) -> Simulation:
+    """Shard the model of ``config`` (a recipe YAML path or its ``model:`` mapping) with ``strategy`` (a registered
+    name) on a fake world of ``world_size`` ranks and count what each rank role holds (see
+    :mod:`disttrain.simulate.core`).
+
+    ``options`` are the strategy's own (``tensor_parallel_size=2`` for ``disttrain_megatron``, ``hybrid_shard=True,
+    shard_size=8`` for ``disttrain_fsdp``): they set the degrees (``Simulation.dims``) as in a run, and sizes the
+    real run refuses raise the real run's error. The ``_offload`` strategies hold the same states, on the host.
     """
-    if strategy not in SIMULATED:
-        raise ValueError(f"strategy={strategy!r} is not simulated; choose one of {', '.join(SIMULATED)}"
-                         " (the _offload variants hold the same states, on the host)")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
-    if strategy != "disttrain_megatron" and (tensor_parallel_size, pipeline_parallel_size) != (1, 1):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
-                         f"{pipeline_parallel_size} need strategy='disttrain_megatron'")
+    row = registry.lookup(strategy)
+    runner = RUNNERS.get(row.engine)  # type: ignore[arg-type]
+    if runner is None:
+        raise ValueError(f"strategy={strategy!r} is not simulated; choose one of {', '.join(simulated())}")
+    opts = row.options(**options)
+    dims = row.dims(world_size, opts)
     start = time.perf_counter()
-    sim = Simulation(strategy, world_size, precision, tensor_parallel_size, pipeline_parallel_size)
-    runner = RUNNERS[strategy]
-    runner(sim, config, hybrid_shard_size=hybrid_shard_size)
+    sim = Simulation(row.name, dims, precision, row.given(opts))
+    runner(sim, config, opts)
     sim.seconds = time.perf_counter() - start
     return sim

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
+from disttrain.parallel.mesh import ParallelDims, divisors
 from disttrain.parallel.families.layout import Reorder
 from disttrain.parallel.families.spec import ModelSpec
 
@@ -138,7 +139,7 @@ class Family:
         return {}
 
     def activation_bytes(self, spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int,
-                         activation_checkpointing: bool, tensor_parallel_size: int) -> int:
+                         activation_checkpointing: bool, dims: ParallelDims) -> int:
         """Bytes one micro-batch's forward saves for backward, by the family's formula (``analytic`` families)."""
         raise NotImplementedError(f"the {self.name} family's models are measured, not counted by formulas")
 
@@ -148,10 +149,6 @@ class Family:
 
 
 # -- helpers the families share ---------------------------------------------------------------------------------
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _sizes(values: list[int]) -> str:
     return ", ".join(str(v) for v in values[:-1]) + (" or " if len(values) > 1 else "") + str(values[-1])
 

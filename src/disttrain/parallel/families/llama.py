@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.families.base import (
     Plan,
     Schema,
@@ -189,8 +190,8 @@ class LlamaFamily(HFFamily):
         return _meta_lm(AutoConfig.for_model(mapping.get("model_type") or "llama", **settings))
 
     def activation_bytes(self, spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int,
-                         activation_checkpointing: bool, tensor_parallel_size: int) -> int:
-        b, s, t = micro_batch, seq_len, tensor_parallel_size
+                         activation_checkpointing: bool, dims: ParallelDims) -> int:
+        b, s, t = micro_batch, seq_len, dims.tp
         h, f, a, kv = spec.hidden, spec.ffn, spec.heads, spec.kv_heads
         d = spec.extra.get("head_dim", spec.head_dim)
         # Replicated under TP: the two RMSNorms' input, output and 1/rms. Split across TP ranks: q/k/v and their

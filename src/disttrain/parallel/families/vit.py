@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.families.base import (
     TORCH_EXPORT,
     ExportFormat,
@@ -209,8 +210,8 @@ class ViTFamily(Family):
             return VisionTransformer(**mapping)
 
     def activation_bytes(self, spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int,
-                         activation_checkpointing: bool, tensor_parallel_size: int) -> int:
-        b, s, t = micro_batch, seq_len, tensor_parallel_size
+                         activation_checkpointing: bool, dims: ParallelDims) -> int:
+        b, s, t = micro_batch, seq_len, dims.tp
         h, f, a = spec.hidden, spec.ffn, spec.heads
         # Per block: LayerNorms (input, output, mean, rstd), qkv, attention output, projection input (8 h), fc1
         # output and GELU output (2 f), SDPA's log-sum-exp (a); eager attention keeps the a x n x n softmax.
