@@ -35,7 +35,7 @@ from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from disttrain.parallel.families.spec import transformer_flops_per_token  # noqa: F401  (public here too)
+from disttrain.parallel.families.spec import transformer_flops_per_token
 
 # Dense (no 2:4 sparsity) peak tensor-core FLOP/s per device, from NVIDIA's datasheets. The datasheets' starred
 # figures are "with sparsity" and are twice these; dense training never reaches them.

@@ -75,11 +75,3 @@ class DialogueData(L.LightningDataModule):
             else:
                 self.train_sampler.load_state_dict(state["train_sampler"])
 
-def dialogue_data_from_config(config: dict[str, Any], **overrides: Any) -> DialogueData:
-    """``DialogueData`` from a recipe YAML's ``data:`` and ``train:`` sections."""
-    data, train = config.get("data", {}), config.get("train", {})
-    kwargs = dict(train=data.get("train"), tokenizer=data.get("tokenizer"), seq_len=data.get("seq_len", 256),
-                  micro_batch_size=train.get("micro_batch_size", 8), val_fraction=data.get("val_fraction", 0.05),
-                  seed=data.get("seed", 0))
-    kwargs.update(overrides)
-    return DialogueData(**kwargs)

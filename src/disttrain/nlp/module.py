@@ -30,11 +30,6 @@ TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "lr", "weight_decay", "wa
               "precision", "prompt", "prompts", "sampling")
 
 
-def llama_keys() -> set[str]:
-    """The keys a ``model:`` mapping may hold: ``LlamaConfig`` arguments and attributes."""
-    return set(LLAMA.config_schema({}))
-
-
 def recipe_schema() -> Schema:
     """What a dialogue recipe YAML may hold (see :mod:`disttrain.config`)."""
     from disttrain.nlp.replies import SAMPLING_KEYS

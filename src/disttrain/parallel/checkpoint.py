@@ -32,14 +32,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from disttrain.parallel.integrity import (  # noqa: F401  (CheckpointReader, verify_checkpoint: public here too)
+from disttrain.parallel.integrity import (
     MANIFEST_FILE,
     CheckpointError,
     CheckpointReader,
     ChecksumWriter,
     check_bytes,
     unwrap_dcp_error,
-    verify_checkpoint,
     write_manifest,
 )
 
@@ -116,21 +115,6 @@ def unflatten_optimizer(flat: Mapping[str, Any]) -> dict[str, Any]:
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False) -> dict[str, Any]:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True) if full else _FLAT
     return get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def split_state(state: Mapping[str, Any], model: nn.Module,
-                full: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fabric-style ``{"model": module, "optimizer": opt, "step": 3}`` -> (tensor state dicts, metadata)."""
-    tensors, metadata = {}, {}
-    for key, value in state.items():
-        if isinstance(value, nn.Module):
-            tensors[key] = model_state(value, full)
-        elif isinstance(value, torch.optim.Optimizer):
-            tensors[key] = optimizer_state(model, value, full)
-        else:
-            metadata[key] = value.state_dict() if hasattr(value, "state_dict") and callable(value.state_dict) \
-                else value
-    return tensors, metadata
 
 
 def the_model(state: Mapping[str, Any]) -> nn.Module:

@@ -15,7 +15,6 @@ from typing import Any, Mapping, Optional
 
 from disttrain.parallel.checkpoint import full_model_state, select_prefix
 from disttrain.parallel.families import export_formats
-from disttrain.parallel.families.hf import HF_CONFIG_KEY  # noqa: F401  (public here too)
 
 FORMATS = tuple(export_formats())
 

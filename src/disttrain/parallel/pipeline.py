@@ -33,8 +33,6 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from disttrain.parallel.families import Family, family_of, unsupported_reason
-from disttrain.parallel.families.llama import LlamaStage  # noqa: F401  (importable from here as before)
-from disttrain.parallel.families.vit import ViTStage  # noqa: F401
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 

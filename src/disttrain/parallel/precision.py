@@ -28,15 +28,6 @@ def mixed_precision_policy(precision: str, root: bool = False) -> MixedPrecision
                                 output_dtype=torch.float32 if root else None)
 
 
-def true_dtype(precision: str) -> torch.dtype | None:
-    """The dtype the module itself is converted to for ``*-true`` precisions (None: keep fp32 weights)."""
-    return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(normalize_precision(precision))
-
-
-def needs_grad_scaler(precision: str) -> bool:
-    return normalize_precision(precision) == "16-mixed"
-
-
 def sharded_grad_scaler(device_type: str) -> torch.amp.GradScaler:
     """Dynamic loss scaling whose inf/nan check is all-reduced across ranks, so every rank skips the same step."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

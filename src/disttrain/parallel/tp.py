@@ -19,14 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from disttrain.parallel.blocks import BlockSpec, find_blocks
-from disttrain.parallel.families import Family, Plan, Reorder, family_of, find_model, unsupported_reason
-# Public names of this module before the families moved out of it: kept importable from here.
-from disttrain.parallel.families.base import check_heads, divisors, per_head_norm  # noqa: F401
-from disttrain.parallel.families.layout import QKVRowsLayout, qkv_rank_major, restore_rows  # noqa: F401
-from disttrain.parallel.families.llama import LLAMA, llama_plan  # noqa: F401
-from disttrain.parallel.families.vit import vit_plan  # noqa: F401
-
-LLAMA_FAMILY = LLAMA.model_types  # the HF model types tensor parallel splits with llama_plan
+from disttrain.parallel.families import Family, Plan, Reorder, find_model, unsupported_reason
+from disttrain.parallel.families.layout import QKVRowsLayout, restore_rows
 
 
 @dataclass
@@ -53,12 +47,6 @@ class TPResult:
         """The checkpoint layout that saves the reordered weights in the model's own order (keys under any of
         ``prefixes``)."""
         return QKVRowsLayout(self.reordered, prefixes=tuple(prefixes), weight_dims=self.weight_dims)
-
-
-def model_family(model: nn.Module) -> str | None:
-    """The name of the :mod:`disttrain.parallel.families` family of ``model`` itself ("llama", "vit", ...), or None."""
-    family = family_of(model)
-    return family.name if family is not None else None
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
