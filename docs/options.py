@@ -27,21 +27,15 @@ MISSING = "(no docstring entry)"
 
 
 def option_classes() -> dict[str, type]:
-    """Every option dataclass a table may name, imported where users import them."""
-    from disttrain.parallel import FSDPOptions
-    from disttrain.parallel.ddp import DDPOptions
-    from disttrain.parallel.megatron import MegatronOptions
-    from disttrain.parallel.recsys import RecsysOptions
-    from disttrain.parallel.zero import ZeroOptions
+    """Every option dataclass a table may name: the options of each registered strategy, and their bases."""
+    from disttrain.parallel.registry import STRATEGIES
 
-    return {"FSDPOptions": FSDPOptions, "DDPOptions": DDPOptions, "ZeroOptions": ZeroOptions,
-            "MegatronOptions": MegatronOptions, "RecsysOptions": RecsysOptions, "AutoOptions": auto_options()}
-
-
-def auto_options() -> type:
-    from disttrain.planner.runtime import AutoOptions  # the one line to change if AutoOptions moves
-
-    return AutoOptions
+    classes = {}
+    for row in STRATEGIES:
+        for cls in row.options_cls.__mro__:
+            if dataclasses.is_dataclass(cls):
+                classes[cls.__name__] = cls
+    return classes
 
 
 def own_fields(cls: type) -> list[dataclasses.Field]:
