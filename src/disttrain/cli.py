@@ -206,9 +206,12 @@ def _plan_simulation(model: str, plan, precision: str) -> None:
     print(versus(sim, e))
 
 
-# Degree flags of `disttrain simulate`, as the strategy options they set (the strategy turns them into degrees).
-DEGREE_FLAGS = (("--tensor-parallel-size", "--tp", "tensor_parallel_size", "disttrain_megatron: ranks per block split"),
-                ("--pipeline-parallel-size", "--pp", "pipeline_parallel_size", "disttrain_megatron: pipeline stages"))
+def degree_flags() -> dict[str, str]:
+    """``disttrain simulate``'s degree flags (``--tp``...): the options that set a degree, by dimension, of every
+    registered strategy's options (``MegatronOptions.degrees``); the strategy turns them into degrees."""
+    from disttrain.parallel.registry import STRATEGIES
+
+    return {dim: option for row in STRATEGIES for dim, option in getattr(row.options_cls, "degrees", {}).items()}
 
 
 def _simulate(argv: list[str]) -> int:
@@ -220,13 +223,14 @@ def _simulate(argv: list[str]) -> int:
     parser.add_argument("--model", required=True, help="recipe YAML with a top-level `model:` mapping")
     parser.add_argument("--strategy", required=True, choices=simulated())
     parser.add_argument("--world-size", type=int, required=True, help="ranks to simulate, e.g. 32 or 1024")
-    for flag, short, option, what in DEGREE_FLAGS:
-        parser.add_argument(flag, short, dest=option, type=int, default=None, help=what)
+    for dim, option in degree_flags().items():
+        parser.add_argument(f"--{option.replace('_', '-')}", f"--{dim}", dest=option, type=int, default=None,
+                            help=f"the {option} option ({dim} in the degrees)")
     parser.add_argument("--hybrid-shard-size", type=int, default=None,
                         help="disttrain_fsdp with hybrid_shard=True: ranks per shard group")
     parser.add_argument("--precision", default="bf16-mixed")
     args = parser.parse_args(argv)
-    options = {option: getattr(args, option) for _, _, option, _ in DEGREE_FLAGS if getattr(args, option)}
+    options = {option: getattr(args, option) for option in degree_flags().values() if getattr(args, option)}
     if args.hybrid_shard_size is not None:
         options.update(hybrid_shard=True, shard_size=args.hybrid_shard_size)
     try:

@@ -10,7 +10,7 @@ import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,10 @@ class MegatronOptions(FSDPOptions):
         found automatically when the attribute does not exist).
     Data parallel is what is left: ``world_size / (tensor_parallel_size * pipeline_parallel_size)``.
     """
+
+    # The options that set a degree of ParallelDims, by dimension: what parallel_dims reads, what the CLI's degree
+    # flags (--tp, --pp) set.
+    degrees: ClassVar[dict[str, str]] = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -84,7 +88,7 @@ class MegatronEngine(FSDPEngine):
         if options.hybrid_shard or options.shard_size is not None:
             raise ValueError("hybrid_shard/shard_size are disttrain_fsdp options; under disttrain_megatron the"
                              " data-parallel dimension is fully sharded: remove them or use strategy='disttrain_fsdp'")
-        return ParallelDims(world_size, tp=options.tensor_parallel_size, pp=options.pipeline_parallel_size)
+        return ParallelDims(world_size, **{dim: getattr(options, name) for dim, name in options.degrees.items()})
 
     def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
         return self.meshes.pp.get_group() if self.pipeline is not None and self.meshes is not None else None
