@@ -138,6 +138,7 @@ class ContextParallel:
                 **kwargs: Any) -> CausalLMOutputWithPast:
         """The CP forward of the causal LM (installed as ``model.forward``): the full batch in, this rank's tokens
         computed; the loss as one process computes it; full logits when gradients are disabled."""
+        inputs = {"input_ids": input_ids, **kwargs}
         full = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if full is None:
             raise ValueError("context parallelism needs input_ids or inputs_embeds of the full (B, T) batch")
@@ -147,49 +148,44 @@ class ContextParallel:
             raise ValueError("context parallelism takes no padding attention_mask (it has zeros): pack the rows instead"
                              " (several dialogues per row, position_ids restarting at 0) and mark unused tokens with"
                              " labels -100, or pass no attention_mask")
-        kwargs["use_cache"] = False  # a KV cache would hold this rank's tokens only
-        full_targets, targets, count = None, None, None
+        inputs["use_cache"] = False  # a KV cache would hold this rank's tokens only
+        targets, count = None, None
         if labels is not None:
-            full_targets = shift_labels(labels)
-            count = (full_targets != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+            targets = shift_labels(labels)  # (B, T), shifted over the full rows
+            count = (targets != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
         if self.attention == "ring":
-            input_ids, targets, kwargs = self._shard_for_ring(input_ids, full_targets, kwargs)
-        elif full_targets is not None:
-            targets = self.local(full_targets)
-        out = model_forward(input_ids=input_ids, **kwargs)
+            inputs, targets = self._shard_for_ring(inputs, targets)
+        elif targets is not None:
+            targets = self.local(targets)
+        out = model_forward(**inputs)  # labels withheld: HF would compute its loss against the full labels
         logits = out.logits  # (B, T/cp, V)
-        loss = None if labels is None else self._loss(logits, targets, count)
+        loss = None if targets is None else self._loss(logits, targets, count)
         if not torch.is_grad_enabled():
             logits = self.gather(logits)  # (B, T, V)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def _shard_for_ring(self, input_ids: Optional[torch.Tensor], full_targets: Optional[torch.Tensor],
-                        kwargs: dict[str, Any]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], dict[str, Any]]:
-        """Shard the inputs, positions and shifted labels with torch's head-tail load balancer: the ring kernel
-        assumes that token order. HF then sees local tokens only (its mask is dropped: the ring is causal-only)."""
+    def _shard_for_ring(self, inputs: dict[str, Any],
+                        targets: Optional[torch.Tensor]) -> tuple[dict[str, Any], Optional[torch.Tensor]]:
+        """Shard the inputs, positions and shifted labels with torch's head-tail load balancer, the token order its
+        ring kernels assume. HF then sees local tokens only (and no mask: the ring is causal-only)."""
         from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _HeadTailLoadBalancer
 
-        full = input_ids if input_ids is not None else kwargs["inputs_embeds"]
-        batch, length = full.shape[:2]
-        positions = kwargs.get("position_ids")
+        name = "input_ids" if inputs["input_ids"] is not None else "inputs_embeds"
+        batch, length = inputs[name].shape[:2]
+        positions = inputs.get("position_ids")
         if positions is None:
-            positions = torch.arange(length, device=full.device).expand(batch, length)
+            positions = torch.arange(length, device=inputs[name].device)
         if bool((positions.diff(dim=-1) != 1).any()):
             raise ValueError("attention='ring' (torch's ring attention) is causal-only and cannot mask packed rows"
                              " (position_ids restart inside a row): use attention='all_to_all'")
-        kwargs.pop("attention_mask", None)
-        names = [n for n in ("inputs_embeds",) if kwargs.get(n) is not None]
-        buffers = ([input_ids] if input_ids is not None else []) + [kwargs[n] for n in names] \
-            + [positions.expand(batch, length)] + ([full_targets] if full_targets is not None else [])
-        shards = _context_parallel_shard(self.mesh, buffers, [1] * len(buffers),
-                                         load_balancer=_HeadTailLoadBalancer(length, self.cp, full.device))
-        if input_ids is not None:
-            input_ids = shards.pop(0)
-        for name in names:
-            kwargs[name] = shards.pop(0)
-        kwargs["position_ids"] = shards.pop(0)
-        targets = shards.pop(0) if full_targets is not None else None
-        return input_ids, targets, kwargs
+        inputs.pop("attention_mask", None)
+        buffers = {name: inputs[name], "position_ids": positions.expand(batch, length)}
+        if targets is not None:
+            buffers["labels"] = targets
+        shards = _context_parallel_shard(self.mesh, buffers, {key: 1 for key in buffers},
+                                         load_balancer=_HeadTailLoadBalancer(length, self.cp, inputs[name].device))
+        targets = shards.pop("labels", None)
+        return {**inputs, **shards}, targets
 
     # -- hooks and kernels -------------------------------------------------------------------------------------
     def split_layer_inputs(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -386,7 +382,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, attention: 
     if attention not in ATTENTIONS:
         close = difflib.get_close_matches(str(attention), ATTENTIONS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"attention={attention!r} is not a context-parallel attention; {hint}choose one of {ATTENTIONS}")
+        raise ValueError(f"attention={attention!r} is not a context-parallel attention; {hint}choose one of"
+                         f" {ATTENTIONS}")
     if cp_mesh.ndim != 1:
         raise ValueError(f"cp_mesh has {cp_mesh.ndim} dimensions {cp_mesh.mesh_dim_names}; pass its 1-D cp dimension,"
                          " e.g. mesh['cp']")
