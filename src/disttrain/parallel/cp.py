@@ -33,6 +33,7 @@ import copy
 import difflib
 import functools
 import sys
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -72,6 +73,7 @@ class ContextParallel:
         # The model's config as the wrapped kernel must see it: flash kernels look themselves up by
         # config._attn_implementation, which on the model now names the CP wrapper.
         self._kernel_config = kernel_config
+        self._shared_mask: tuple[Callable[[], Any], Callable[[], Any]] = (lambda: None, lambda: None)
 
     # -- tokens of this rank -----------------------------------------------------------------------------------
     def check_length(self, length: int) -> None:
@@ -198,12 +200,30 @@ class ContextParallel:
                              "(cos, sin) from the model; call the whole model, not a layer")
         full = rotary[0].shape[1]
         kwargs["position_embeddings"] = tuple(self.local(t) for t in rotary)
+        # The embedding output is cloned: a saved view of it would keep the full (B, T, H) tensor alive until
+        # backward. (The cos/sin views are shared by all layers: one full copy, smaller than a local one per layer.)
         if args:
             if args[0].shape[1] == full:
-                args = (self.local(args[0]), *args[1:])
+                args = (self.local(args[0]).clone(), *args[1:])
         elif kwargs["hidden_states"].shape[1] == full:
-            kwargs["hidden_states"] = self.local(kwargs["hidden_states"])
+            kwargs["hidden_states"] = self.local(kwargs["hidden_states"]).clone()
         return args, kwargs
+
+    def shared_mask(self, mask: Any, dtype: torch.dtype) -> Any:
+        """HF's boolean mask as the additive float mask (0 / -inf) SDPA makes of it, made once per forward.
+
+        SDPA converts a boolean mask on every call and saves its copy for backward: one (B, 1, T, T) float copy per
+        layer, the largest activation of packed rows, and one that context parallelism does not divide (every rank
+        attends over the whole sequence). HF passes the same mask object to every layer: convert it once and let
+        the layers share it. Weak references only, so the copy lives as long as the autograd graph saving it."""
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            return mask
+        source, converted = self._shared_mask
+        additive = converted() if source() is mask else None
+        if additive is None or additive.dtype != dtype:
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._shared_mask = (weakref.ref(mask), weakref.ref(additive))
+        return additive
 
     def kernel_view(self, module: nn.Module, groups: int) -> "_KernelView":
         return _KernelView(module, self._kernel_config, groups)
@@ -283,6 +303,8 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     ctx = _context_of(module)
     cp = ctx.cp
     kernel = _model_kernel(module, ctx.kernel)
+    if ctx.kernel == "sdpa":
+        attention_mask = ctx.shared_mask(attention_mask, query.dtype)
     if cp == 1:
         return kernel(ctx.kernel_view(module, module.num_key_value_groups), query, key, value, attention_mask, **kwargs)
     check_heads(query.shape[1], key.shape[1], cp, where="this rank (after any tensor parallelism)")
