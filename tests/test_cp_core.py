@@ -76,6 +76,7 @@ def test_refusals_are_one_line_and_name_the_fix(two):
         assert "GPT2LMHeadModel" in errors["family"]
         assert "did you mean 'all_to_all'" in errors["typo"]
         assert "already applied" in errors["twice"]
+        assert "changed to 'eager'" in errors["attention_changed"]
 
 
 def test_local_tokens_and_gather(two):

@@ -247,6 +247,7 @@ def refusals() -> dict[str, str]:
         "twice": error_of(lambda: apply_context_parallel(model, mesh["cp"])),
         "all_ones_mask_ok": error_of(lambda: model(**{**packed_batch(3, 64),
                                                        "attention_mask": torch.ones(BATCH, 64, dtype=torch.long)})),
+        "attention_changed": error_of(lambda: (model.set_attn_implementation("eager"), model(**packed_batch(4, 64)))),
     }
 
 

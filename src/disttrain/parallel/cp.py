@@ -21,10 +21,15 @@ Attention:
 - ``"ring"``: torch's own ring attention (``torch.distributed.tensor.experimental``, CUDA SDPA flash/efficient kernels,
   causal only, its head-tail load balancer). Not for CPU, packed rows, sliding windows or non-SDPA attention.
 
-The loss is the one one process computes: the mean cross-entropy over every token of the (B, T) batch whose shifted
-label is not -100. ``output.loss`` carries that value on every cp rank; its gradient is scaled so that the AVERAGE of
-the cp ranks' parameter gradients is the one-process gradient (what FSDP's reduce-scatter over a mesh that includes
-the cp ranks computes). Without FSDP, average the gradients over ``ctx.group`` yourself.
+The loss is the one a single process computes: the mean cross-entropy over every token of the (B, T) batch whose
+shifted label is not -100. ``output.loss`` carries that value on every cp rank; its gradient is scaled so that the
+AVERAGE of the cp ranks' parameter gradients is the one-process gradient (what FSDP's reduce-scatter over a mesh that
+includes the cp ranks computes). Without FSDP, average the gradients over ``ctx.group`` yourself.
+
+Memory: activations are divided by cp, except the attention mask. With eager or sdpa, HF materialises a (B, 1, T, T)
+mask for packed rows (and sliding windows), and every rank needs all of it since it attends over the whole sequence;
+flash_attention_2 reads packed rows from ``position_ids`` and has no such mask. The model is for training and
+evaluation forwards: it keeps no KV cache (``generate`` is not split).
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ class ContextParallel:
     who compute their own loss from the (B, T/cp, V) training logits (or call ``loss(logits, labels)``).
     """
 
-    def __init__(self, mesh: DeviceMesh, attention: str, kernel: str, kernel_config: Any) -> None:
+    def __init__(self, mesh: DeviceMesh, attention: str, kernel: str, kernel_config: Any,
+                 model_config: Any = None, name: Optional[str] = None) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.cp = mesh.size()
@@ -74,6 +80,7 @@ class ContextParallel:
         # config._attn_implementation, which on the model now names the CP wrapper.
         self._kernel_config = kernel_config
         self._shared_mask: tuple[Callable[[], Any], Callable[[], Any]] = (lambda: None, lambda: None)
+        self._model_config, self._name = model_config, name  # the model's config and the CP attention it names
 
     # -- tokens of this rank -----------------------------------------------------------------------------------
     def check_length(self, length: int) -> None:
@@ -128,9 +135,9 @@ class ContextParallel:
         dist.all_reduce(total, group=self.group)
         if not local.requires_grad:
             return total
-        # Backward from every rank's local term reaches all ranks' parameters through the all-to-alls, so the ranks'
-        # gradients SUM to d(sum of local terms) = d(loss). Data-parallel reductions (FSDP) AVERAGE over the cp ranks:
-        # scale by cp so the average is the one-process gradient; the value returned is the global loss.
+        # Backward from every rank's local term reaches all ranks' parameters through the attention's exchanges, so
+        # the ranks' gradients SUM to d(sum of local terms) = d(loss). Data-parallel reductions (FSDP) AVERAGE over
+        # the cp ranks: scale by cp so the average is the one-process gradient; the value returned is the global loss.
         scaled = local * self.cp
         return scaled + (total - scaled).detach()
 
@@ -140,6 +147,11 @@ class ContextParallel:
                 **kwargs: Any) -> CausalLMOutputWithPast:
         """The CP forward of the causal LM (installed as ``model.forward``): the full batch in, this rank's tokens
         computed; the loss as one process computes it; full logits when gradients are disabled."""
+        if self._model_config is not None and self._model_config._attn_implementation != self._name:
+            # Without the CP attention each rank would attend over its own tokens only: wrong, silently.
+            raise ValueError(f"the model's attn_implementation was changed to"
+                             f" {self._model_config._attn_implementation!r} after apply_context_parallel (which set"
+                             f" {self._name!r}); choose the attention before applying context parallelism")
         inputs = {"input_ids": input_ids, **kwargs}
         full = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if full is None:
@@ -336,17 +348,13 @@ def ring_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     return out.to_local().transpose(1, 2).contiguous(), None  # (B, T/cp, H, D)
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The ring's mask: none, SDPA's is_causal expresses the causal structure (packed rows are refused)."""
-    return None
-
-
 def _register(attention: str, kernel: str) -> str:
     """Register the CP attention (and the mask format it takes) in transformers' interfaces; return its name."""
     if attention == "ring":
+        # No mask function: HF then builds no mask (its rule for kernels without one), and the ring's is_causal
+        # expresses the causal structure (packed rows and sliding windows are refused).
         name = "disttrain_cp_ring"
         AttentionInterface.register(name, ring_attention)
-        AttentionMaskInterface.register(name, _no_mask)
         return name
     name = f"disttrain_cp_all_to_all_{kernel}"
     AttentionInterface.register(name, ulysses_attention)
@@ -396,9 +404,10 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, attention: 
     mesh, e.g. ``mesh["cp"]``), in place; returns the :class:`ContextParallel` (also ``model.context_parallel``).
 
     Every cp rank then calls the model with the same full batch (``input_ids``/``labels``/``position_ids`` of shape
-    (B, T), T a multiple of cp; no padding mask): see the module docstring for what it returns. Apply it before
-    tensor parallelism, activation checkpointing and FSDP; the hooks it installs stay on the layer objects of
-    ``model.model.layers`` (inside any checkpoint wrapper), so the later wrappers keep them.
+    (B, T), T a multiple of cp; no padding mask): see the module docstring for what it returns. Apply it first, then
+    tensor parallelism, activation checkpointing and FSDP: its hooks sit on the decoder layers of
+    ``model.model.layers`` and its state on their ``self_attn`` modules, which those wrappers keep (so do layers
+    already inside a checkpoint wrapper). Choose the model's attention implementation before: the all-to-all wraps it.
     """
     _check_model(model)
     if attention not in ATTENTIONS:
@@ -424,8 +433,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, attention: 
         _enable_context_parallel_dispatcher()
     kernel_config = copy.copy(config)
     kernel_config._attn_implementation_internal = kernel
-    ctx = ContextParallel(cp_mesh, attention, kernel, kernel_config)
     name = _register(attention, kernel)
+    ctx = ContextParallel(cp_mesh, attention, kernel, kernel_config, config, name)
     for layer in model.model.layers:
         setattr(_unwrap(layer).self_attn, _CONTEXT_ATTR, ctx)
         if attention == "all_to_all":
