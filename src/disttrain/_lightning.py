@@ -149,7 +149,8 @@ class DistributedPlumbing:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.engine.sampler_kwargs()
+        # Also before the processes start (a recipe sizing its global batch): the degrees the options will give.
+        return self.engine.sampler_kwargs(self.num_nodes * self.num_processes or None, self.global_rank)
 
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]  (the Lightning strategy after this mixin)

@@ -27,7 +27,7 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, data_paral
     return global_batch_size // per_step
 
 
-def _data_parallel_size(strategy: Any, world_size: int) -> int:
+def data_parallel_ranks(strategy: Any, world_size: int) -> int:
     """Ranks that see different data (context/tensor/pipeline ranks of one replica share a batch): a disttrain
     strategy's degrees once its processes exist, else its (or Lightning's) sampler arguments, else the world."""
     dims = getattr(getattr(strategy, "engine", None), "dims", None)
@@ -96,7 +96,7 @@ class GradientAccumulation(L.Callback):
                              " keep one of them")
         micro = self.micro_batch_size or self._loader_batch_size(trainer)
         self.steps = accumulation_steps(self.global_batch_size, micro,
-                                        _data_parallel_size(trainer.strategy, trainer.world_size))
+                                        data_parallel_ranks(trainer.strategy, trainer.world_size))
         if trainer.accumulate_grad_batches not in (1, self.steps):
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) contradicts"
                              f" GradientAccumulation(global_batch_size={self.global_batch_size}) which needs"
@@ -135,7 +135,7 @@ class GradientAccumulation(L.Callback):
         if not micro:
             raise ValueError("GradientAccumulation.attach needs micro_batch_size= (Fabric has no DataLoader yet)")
         self.steps = accumulation_steps(self.global_batch_size, micro,
-                                        _data_parallel_size(fabric.strategy, fabric.world_size))
+                                        data_parallel_ranks(fabric.strategy, fabric.world_size))
         options = zero_options(fabric.strategy)
         if options is not None:  # disttrain_zero3: DeepSpeed accumulates inside its engine, from its config
             options.micro_batch_size, options.gradient_accumulation_steps = micro, self.steps

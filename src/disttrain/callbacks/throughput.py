@@ -35,6 +35,7 @@ from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from disttrain.callbacks.accumulation import data_parallel_ranks
 from disttrain.parallel.families.spec import transformer_flops_per_token
 
 # Dense (no 2:4 sparsity) peak tensor-core FLOP/s per device, from NVIDIA's datasheets. The datasheets' starred
@@ -252,7 +253,8 @@ class Throughput(Callback):
             computed on, so MFU counts it; pass e.g. ``lambda b: int(b["attention_mask"].sum())`` for useful
             tokens; samples are the first tensor's leading dimension.
         seq_len: sequence length for the attention term when it cannot be read from the batch.
-        data_parallel_size: ranks that see different data; default the world size (DDP, FSDP, ZeRO).
+        data_parallel_size: ranks that see different data; default: the strategy's data-parallel degree (the
+            world size under DDP, FSDP, ZeRO; fewer under tensor, pipeline or context parallelism).
 
     Trainer: ``L.Trainer(callbacks=[Throughput(peak_flops="a100")])``; values go to every ``trainer.loggers``.
     Fabric: call ``tp.step(fabric, batch)`` on every rank after each optimizer step (with gradient accumulation,
@@ -306,7 +308,8 @@ class Throughput(Callback):
 
     # ---- the shared core: start, count a micro-batch, close an optimizer step, report ----
 
-    def _start(self, device: torch.device, precision: str, world_size: int, module: nn.Module | None) -> None:
+    def _start(self, device: torch.device, precision: str, world_size: int, module: nn.Module | None,
+               strategy: Any = None) -> None:
         if self.dims is None and self.flops_per_batch is None and module is not None:
             hf = _find_hf_model(module)
             if hf is not None:
@@ -321,7 +324,8 @@ class Throughput(Callback):
         self._peak = self._resolve_peak(device, precision)
         self._device = device
         self._world_size = world_size
-        self._dp = self.data_parallel_size or world_size
+        # Ranks that see different data: the strategy's degrees (context/tensor/pipeline ranks share a batch).
+        self._dp = self.data_parallel_size or data_parallel_ranks(strategy, world_size)
         if world_size % self._dp:
             raise ValueError(f"data_parallel_size={self._dp} does not divide the world size {world_size}; pass a "
                              f"divisor of {world_size} (the number of ranks that see different data)")
@@ -425,7 +429,8 @@ class Throughput(Callback):
     # ---- Trainer hooks ----
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._start(trainer.strategy.root_device, trainer.precision, trainer.world_size, pl_module)
+        self._start(trainer.strategy.root_device, trainer.precision, trainer.world_size, pl_module,
+                    trainer.strategy)
         self._last_global_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -462,7 +467,8 @@ class Throughput(Callback):
         if not self._started:
             # The clock starts here: like the Trainer's first step, this one (warm-up) is in no window. Fabric has
             # no LightningModule to search, so FLOPs come from transformer= or flops_per_batch= only.
-            self._start(fabric.device, fabric.strategy.precision.precision, fabric.world_size, None)
+            self._start(fabric.device, fabric.strategy.precision.precision, fabric.world_size, None,
+                        fabric.strategy)
         self._count(batch, tokens=tokens, samples=samples)
         self._close_step()
         if self._steps % self.every_n_steps:

@@ -102,13 +102,18 @@ class Engine:
         """The ranks that hold the same part of the model and see different samples (None: all ranks)."""
         return self.meshes.dp.get_group() if self.meshes is not None else None
 
-    def sampler_kwargs(self) -> dict[str, int]:
+    def sampler_kwargs(self, world_size: int | None = None, rank: int | None = None) -> dict[str, int]:
         """``DistributedSampler`` arguments: one replica per data-parallel rank (context-, tensor- and
-        pipeline-parallel ranks of one replica read the same samples)."""
-        if self.dims is None:
-            return {"num_replicas": self.world_size, "rank": self.rank}
-        at = self.dims.coordinates(self.rank)
-        return {"num_replicas": self.dims.dp, "rank": at["dp_replicate"] * self.dims.dp_shard + at["dp_shard"]}
+        pipeline-parallel ranks of one replica read the same samples). Before ``setup_mesh`` the caller's
+        ``world_size`` and ``rank`` give the degrees the options will have."""
+        dims = self.dims
+        if dims is None and world_size is not None:
+            dims = self.parallel_dims(self.options, world_size)
+        rank = self.rank if rank is None else rank
+        if dims is None:
+            return {"num_replicas": self.world_size, "rank": rank}
+        at = dims.coordinates(rank)
+        return {"num_replicas": dims.dp, "rank": at["dp_replicate"] * dims.dp_shard + at["dp_shard"]}
 
     @staticmethod
     def reduce(tensor: Any, op: Any = "mean", group: dist.ProcessGroup | None = None) -> Any:
