@@ -20,16 +20,14 @@ LENGTHS = {"llama_sdpa_2048": 2048}
 BATCH, VOCAB = 2, 128
 
 
-# Under torchrun, as a user starts the script (the test zygotes would preload DeepSpeed, timm and torchrec for it).
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> list[dict]:
-    return run_dist("cp_core.py", tmp_path_factory.mktemp("cp_core_2"), *TWO, "refusals", "layout", nproc=2,
-                    launcher="torchrun")
+    return run_dist("cp_core.py", tmp_path_factory.mktemp("cp_core_2"), *TWO, "refusals", "layout", nproc=2)
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory) -> list[dict]:
-    return run_dist("cp_core.py", tmp_path_factory.mktemp("cp_core_4"), *FOUR, nproc=4, launcher="torchrun")
+    return run_dist("cp_core.py", tmp_path_factory.mktemp("cp_core_4"), *FOUR, nproc=4)
 
 
 def compared(ranks: list[dict], case: str) -> dict:
@@ -45,9 +43,9 @@ def test_parity_with_one_process(launch, case, request):
     assert result["grad_error"]["max"] <= TOLERANCE, result["grad_error"]
     assert result["eval_loss_error"] <= TOLERANCE and result["eval_logits_error"] <= TOLERANCE, result
     length = LENGTHS.get(case, 1024)
-    # Evaluation (no gradients): full logits; training: this rank's T/cp tokens only.
+    # Training and evaluation: this rank's T/cp tokens only; gathered, the whole sequence.
     assert result["logits_shape"] == [BATCH, length, VOCAB]
-    assert result["train_logits_shape"] == [BATCH, length // result["cp"], VOCAB]
+    assert result["train_logits_shape"] == result["eval_logits_shape"] == [BATCH, length // result["cp"], VOCAB]
     assert result["attached"]
     # Every cp rank of a batch returns the one-process loss of that batch (its dp group's).
     by_dp = {}

@@ -30,6 +30,7 @@ def test_every_row_builds_its_options_and_degrees():
     ("disttrain_megatron", {"tensor_parallel_size": 2}, {"dp_shard": 4, "tp": 2}),
     ("disttrain_megatron", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4},
      {"dp_shard": 2, "tp": 2, "pp": 2}),
+    ("disttrain_megatron", {"tensor_parallel_size": 2, "context_parallel_size": 2}, {"dp_shard": 2, "cp": 2, "tp": 2}),
     ("disttrain_recsys", {}, {"dp_replicate": 8}),
 ])
 def test_options_give_the_degrees(name, options, degrees):
@@ -50,6 +51,10 @@ def test_a_misplaced_option_names_the_strategies_that_take_it():
     ("disttrain_megatron", {"pipeline_schedule": "gpipe"}, "pipeline_schedule='gpipe' applies with pipeline_parallel"),
     ("disttrain_megatron", {"tp_plan": {}}, r"tp_plan=\{\} applies with tensor_parallel_size > 1"),
     ("disttrain_megatron", {"hybrid_shard": True}, "hybrid_shard/shard_size are disttrain_fsdp options"),
+    ("disttrain_megatron", {"context_parallel_attention": "ring"},
+     "context_parallel_attention='ring' applies with context_parallel_size > 1"),
+    ("disttrain_megatron", {"context_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4},
+     "context_parallel_size=2 with pipeline_parallel_size=2: context parallelism composes with tensor and data"),
     ("disttrain_fsdp", {"shard_size": 4}, "shard_size=4 applies to hybrid sharding only"),
     ("disttrain_fsdp", {"hybrid_shard": True, "shard_size": 3}, "shard_size=3 does not divide world_size=8"),
     ("disttrain_ddp", {"powersgd_rank": 4}, "powersgd_rank=4 applies with gradient_compression='powersgd'"),

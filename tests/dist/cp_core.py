@@ -140,13 +140,15 @@ def grad_errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tenso
 
 def run_case(name: str) -> dict[str, Any]:
     """The case's parallel run, on every rank: its losses, its step-1 gradients after the reduction over the cp
-    ranks, and an evaluation forward of the untrained model (full logits on every rank)."""
+    ranks, and an evaluation forward of the untrained model (its local logits gathered on every rank)."""
     factory, length, layout, ac = CASES[name]
     model = factory()
     ctx, dp_rank, dp = parallelize(model, layout, ac)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     with torch.no_grad():
         evaluated = model(**packed_batch(999, length))
+        local_shape = list(evaluated.logits.shape)  # this rank's tokens, in evaluation too
+        evaluated.logits = ctx.gather(evaluated.logits)
     # FSDP2 keeps the root's parameters gathered after its forward (backward needs them next); with no backward
     # coming, reshard them, or the next optimizer step would update the shards while forward used stale gathers.
     for module in model.modules():
@@ -170,6 +172,7 @@ def run_case(name: str) -> dict[str, Any]:
     dist.all_reduce(means, op=dist.ReduceOp.AVG)
     return {"losses": losses, "mean_losses": means.tolist(), "cp": ctx.cp, "dp": dp, "dp_rank": dp_rank,
             "grads": grads, "eval": evaluated, "train_logits_shape": list(out.logits.shape),
+            "eval_logits_shape": local_shape,
             "attached": model.context_parallel is ctx}
 
 
@@ -287,7 +290,8 @@ def main() -> None:
         if "losses" not in run:
             results[case].update(run)
             continue
-        results[case].update({k: run[k] for k in ("losses", "cp", "dp_rank", "train_logits_shape", "attached")})
+        results[case].update({k: run[k] for k in ("losses", "cp", "dp_rank", "train_logits_shape", "eval_logits_shape",
+                                                  "attached")})
         # Every rank holds the reduced gradients and the full logits: the references are spread over the ranks.
         if i % world == rank:
             start = time.perf_counter()

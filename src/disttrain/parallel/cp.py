@@ -7,8 +7,8 @@ dimension, and attention stays exact.
     out.loss.backward()                                           # then average the gradients over cp (FSDP does)
 
 Each rank computes T/cp tokens of every layer: the embedding output is sliced before the first decoder layer, the
-rotary cos/sin before every layer, and the final norm and LM head see local tokens only (training logits are
-(B, T/cp, V)). HF still builds its attention masks from the full ``position_ids`` (packed rows, sliding windows):
+rotary cos/sin before every layer, and the final norm and LM head see local tokens only (the logits are (B, T/cp, V),
+in training and in evaluation; ``model.context_parallel.gather(logits)`` assembles the whole sequence, a collective). HF still builds its attention masks from the full ``position_ids`` (packed rows, sliding windows):
 the slicing happens after that, in forward pre-hooks on the decoder layers.
 
 Attention:
@@ -65,7 +65,8 @@ class ContextParallel:
     ``cp``: ranks one sequence is split over; ``rank``: this rank's place among them; ``mesh`` / ``group``: the cp
     mesh and its process group; ``attention``: "all_to_all" or "ring"; ``kernel``: the attention implementation the
     model had, which the all-to-all wraps. ``local(tensor)`` is this rank's share of a full-length tensor, for users
-    who compute their own loss from the (B, T/cp, V) training logits (or call ``loss(logits, labels)``).
+    who compute their own loss from the (B, T/cp, V) logits (or call ``loss(logits, labels)``); ``gather(tensor)``
+    the whole sequence of a local one (a collective).
     """
 
     def __init__(self, mesh: DeviceMesh, attention: str, kernel: str, kernel_config: Any,
@@ -146,7 +147,7 @@ class ContextParallel:
                 labels: Optional[torch.Tensor] = None, num_items_in_batch: Any = None,
                 **kwargs: Any) -> CausalLMOutputWithPast:
         """The CP forward of the causal LM (installed as ``model.forward``): the full batch in, this rank's tokens
-        computed; the loss as one process computes it; full logits when gradients are disabled."""
+        computed; the loss as one process computes it; this rank's logits (B, T/cp, V)."""
         if self._model_config is not None and self._model_config._attn_implementation != self._name:
             # Without the CP attention each rank would attend over its own tokens only: wrong, silently.
             raise ValueError(f"the model's attn_implementation was changed to"
@@ -174,8 +175,8 @@ class ContextParallel:
         out = model_forward(**inputs)  # labels withheld: HF would compute its loss against the full labels
         logits = out.logits  # (B, T/cp, V)
         loss = None if targets is None else self._loss(logits, targets, count)
-        if not torch.is_grad_enabled():
-            logits = self.gather(logits)  # (B, T, V)
+        # Evaluation keeps the local logits too: the full (B, T, V) fp32 logits of a long sequence on every rank is
+        # the memory context parallelism exists to avoid (32k tokens x 32k vocabulary: 4 GiB a sample).
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _shard_for_ring(self, inputs: dict[str, Any],

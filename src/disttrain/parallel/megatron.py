@@ -1,7 +1,7 @@
-"""The shared core of ``disttrain_megatron``: tensor x pipeline x data parallelism on one 3D DeviceMesh.
+"""The shared core of ``disttrain_megatron``: tensor x pipeline x context x data parallelism on one DeviceMesh.
 
-Order of application (torchtitan's): pipeline split -> tensor parallel -> activation checkpointing -> FSDP2 over
-the data-parallel dimension. The Trainer and Fabric ``MegatronStrategy`` adapters only call this engine.
+Order of application (torchtitan's): pipeline split or context parallelism -> tensor parallel -> activation
+checkpointing -> FSDP2 over the data-parallel (and context-parallel) ranks. The Trainer and Fabric ``MegatronStrategy`` adapters only call this engine.
 """
 
 from __future__ import annotations
@@ -40,12 +40,19 @@ class MegatronOptions(FSDPOptions):
     split_points: block indices where stages 1, 2, ... start; default: balanced by parameter count.
     pipeline_module: attribute of the LightningModule holding the model to split/shard (default ``"model"``;
         found automatically when the attribute does not exist).
-    Data parallel is what is left: ``world_size / (tensor_parallel_size * pipeline_parallel_size)``.
+    context_parallel_size: ranks that split each sequence (context parallelism, long dialogues) of an HF Llama-family
+        causal LM (Llama, Qwen2/3, Mistral), attention exact; they read the same samples and share FSDP's shards.
+        The sequence length must divide by it. Not with pipeline parallelism.
+    context_parallel_attention: "all_to_all" (Ulysses: heads exchanged for sequence around the model's own kernel;
+        any device, packed rows, sliding windows) or "ring" (torch's ring attention: CUDA SDPA, causal, unpacked).
+    Data parallel is what is left: ``world_size / (tensor_parallel_size * pipeline_parallel_size *
+    context_parallel_size)``.
     """
 
     # The options that set a degree of ParallelDims, by dimension: what parallel_dims reads, what the CLI's degree
     # flags (--tp, --pp) set.
-    degrees: ClassVar[dict[str, str]] = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
+    degrees: ClassVar[dict[str, str]] = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size",
+                                         "cp": "context_parallel_size"}
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -55,6 +62,8 @@ class MegatronOptions(FSDPOptions):
     virtual_stages: int = 1
     split_points: Optional[Sequence[int]] = None
     pipeline_module: str = "model"
+    context_parallel_size: int = 1
+    context_parallel_attention: str = "all_to_all"
 
     def __post_init__(self) -> None:
         # Every option a user sets is read or refused: these are read only by the dimension they belong to.
@@ -65,6 +74,8 @@ class MegatronOptions(FSDPOptions):
                 if getattr(self, name) != default]
         if self.tensor_parallel_size == 1 and self.tp_plan is not None:
             unused.append(("tp_plan", "tensor_parallel_size > 1"))
+        if self.context_parallel_size == 1 and self.context_parallel_attention != "all_to_all":
+            unused.append(("context_parallel_attention", "context_parallel_size > 1"))
         for name, needs in unused:
             raise ValueError(f"{name}={getattr(self, name)!r} applies with {needs}; set it, or remove {name}")
 
@@ -88,7 +99,12 @@ class MegatronEngine(FSDPEngine):
         if options.hybrid_shard or options.shard_size is not None:
             raise ValueError("hybrid_shard/shard_size are disttrain_fsdp options; under disttrain_megatron the"
                              " data-parallel dimension is fully sharded: remove them or use strategy='disttrain_fsdp'")
-        return ParallelDims(world_size, **{dim: getattr(options, name) for dim, name in options.degrees.items()})
+        dims = ParallelDims(world_size, **{dim: getattr(options, name) for dim, name in options.degrees.items()})
+        if dims.cp > 1 and dims.pp > 1:
+            raise ValueError(f"context_parallel_size={dims.cp} with pipeline_parallel_size={dims.pp}: context parallelism"
+                             " composes with tensor and data parallelism, not with pipeline stages; use"
+                             " pipeline_parallel_size=1")
+        return dims
 
     def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
         return self.meshes.pp.get_group() if self.pipeline is not None and self.meshes is not None else None
@@ -143,6 +159,10 @@ class MegatronEngine(FSDPEngine):
             hook = getattr(module, "loss_fn", None)
             if module is not target and callable(hook) and not self.pipeline.owns_loss:
                 module.loss_fn = self.pipeline.defer_loss(hook)  # the documented PP hook of a LightningModule
+        if dims.cp > 1:  # first: its hooks sit on the decoder layers, which TP, AC and FSDP keep
+            from disttrain.parallel.cp import apply_context_parallel
+
+            apply_context_parallel(target, meshes.cp, attention=opts.context_parallel_attention)
         if dims.tp > 1:
             self.tp_result = apply_tp(target, meshes.tp, opts.tp_plan, opts.wrap_classes)
         if dims.pp > 1:
@@ -161,11 +181,11 @@ class MegatronEngine(FSDPEngine):
         collectively whatever their parameters hold, and other pipeline stages' layers are not on this rank, so
         there is no whole model to gather in place: export it instead."""
         assert self.dims is not None
-        if self.dims.tp > 1 or self.dims.pp > 1:
+        if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1:
             raise RuntimeError(
-                f"full_model() needs tensor_parallel_size=1 and pipeline_parallel_size=1 (got {self.dims.tp} and"
-                f" {self.dims.pp}): write the full model with strategy.export_full(path) and load that file into the"
-                " plain model")
+                f"full_model() needs tensor_parallel_size, pipeline_parallel_size and context_parallel_size of 1 (got"
+                f" {self.dims.tp}, {self.dims.pp} and {self.dims.cp}): write the full model with"
+                " strategy.export_full(path) and load that file into the plain model")
         return super().full_model(model)
 
     def _shard_stages(self, device: torch.device, precision: str) -> None:

@@ -99,8 +99,8 @@ ZERO3_OFFLOAD = Registered("disttrain_zero3_offload", ZeroEngine,
                            "DeepSpeed ZeRO-3 with optimizer state and parameters offloaded to CPU (or NVMe:"
                            " offload_*='nvme', nvme_path=)", {"offload_optimizer": "cpu", "offload_parameters": "cpu"})
 MEGATRON = Registered("disttrain_megatron", MegatronEngine,
-                      "Megatron-style 3D: tensor parallel (heads/MLP) x pipeline parallel (torch pipelining) x FSDP2"
-                      " data parallel")
+                      "Megatron-style 3D: tensor parallel (heads/MLP) x pipeline parallel (torch pipelining) x context"
+                      " parallel (long sequences) x FSDP2 data parallel")
 RECSYS = Registered("disttrain_recsys", RecsysEngine,
                     "torchrec DistributedModelParallel: tables sharded by the planner, dense part data-parallel; CPU"
                     " and GPU")

@@ -105,7 +105,7 @@ def llama_spec(cfg: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec("llama", params, layers=layers, layer_params=layer, hidden=h, ffn=f, heads=heads, kv_heads=kv,
                      vocab=vocab, tokens=tokens, attention=attention_kind(cfg.get("attn_implementation")),
                      extra={"tied": tied, "head_dim": d, "tensor_parallel": True, "pipeline": True,
-                            "lm_logits": True})
+                            "context_parallel": True, "lm_logits": True})
 
 
 class LlamaFamily(HFFamily):
@@ -192,20 +192,23 @@ class LlamaFamily(HFFamily):
     def activation_bytes(self, spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int,
                          activation_checkpointing: bool, dims: ParallelDims) -> int:
         b, s, t = micro_batch, seq_len, dims.tp
+        tokens = s / dims.cp  # context parallelism: each rank computes its share of every sequence
         h, f, a, kv = spec.hidden, spec.ffn, spec.heads, spec.kv_heads
         d = spec.extra.get("head_dim", spec.head_dim)
         # Replicated under TP: the two RMSNorms' input, output and 1/rms. Split across TP ranks: q/k/v and their
-        # rotary copies, attention output, o_proj input, and the MLP's gate, up, act(gate) and product (4 f).
+        # rotary copies, attention output, o_proj input, and the MLP's gate, up, act(gate) and product (4 f). Under
+        # context parallelism (all-to-all) a rank holds a/cp heads over all s tokens inside attention: the same bytes
+        # as a heads over s/cp tokens, so every term scales with the rank's tokens.
         replicated = 4 * h + 2
         if spec.attention == "sdpa":
             split = 4 * h + 4 * f + 2 * kv * d + a  # a: SDPA's log-sum-exp per head
         else:
             split = 6 * h + 4 * f + a * s  # repeat_kv copies of k and v; the softmax output (a x s per token)
-        per_layer = b * s * (replicated + split / t) * compute_bytes
+        per_layer = b * tokens * (replicated + split / t) * compute_bytes
         # Outside the blocks: final norm (3h + 1), log-softmax of the logits (V, split by a vocab-parallel head),
-        # rotary cos/sin (2 s d), token ids and labels (int64).
-        base = b * s * ((3 * h + 1) * compute_bytes + spec.vocab / t * 4 + 16) + 2 * s * d * 4
-        return block_activations(spec, b, s, compute_bytes, per_layer, base, activation_checkpointing)
+        # token ids and labels (int64), and the rotary cos/sin of the whole sequence (2 s d).
+        base = b * tokens * ((3 * h + 1) * compute_bytes + spec.vocab / t * 4 + 16) + 2 * s * d * 4
+        return block_activations(spec, b, tokens, compute_bytes, per_layer, base, activation_checkpointing)
 
     def flops_per_sample(self, spec: ModelSpec, seq_len: int) -> float:
         no_embedding = spec.params - spec.vocab * spec.hidden
