@@ -333,3 +333,36 @@ def test_a_lightning_module_is_measured_with_its_example_input():
     assert activation_bytes(spec, 8, 1, 4) == saved.bytes()  # the example's batch of 2 resized to 8
     with pytest.raises(ValueError, match="cannot run Module's forward on the meta device .* planner_model"):
         activation_bytes(model_spec(Module(fail=True)), 8, 1, 4)
+
+
+def test_long_dialogues_are_planned_with_context_parallelism():
+    """At 32k tokens a sequence's activations overflow a rank under every data-parallel strategy: the planner
+    estimates context-parallel plans next to recomputation, picks the fastest that fits and says why."""
+    plan = choose("configs/nlp/dialogue_10b_32k.yaml", 32, "A100-40GB")
+    e = plan.choice.estimate
+    assert e.dims.cp > 1 and e.options == {"context_parallel_size": e.dims.cp}, plan.report()
+    labels = [c.label for c in plan.candidates]
+    assert "disttrain_fsdp +AC" in labels and any("cp=2" in label for label in labels)
+    assert any(r.startswith("context parallelism considered: 32768 tokens") for r in plan.reasons)
+    assert any(r.startswith("splitting the sequence against recomputing it") for r in plan.reasons)
+    # per rank: 1/cp of every sequence's activations, for all-to-all traffic on the critical path
+    one = estimate("configs/nlp/dialogue_10b_32k.yaml", "disttrain_megatron", 32, tensor_parallel_size=2)
+    four = estimate("configs/nlp/dialogue_10b_32k.yaml", "disttrain_megatron", 32, tensor_parallel_size=2,
+                    context_parallel_size=4)
+    assert four.dims.degrees() == {"dp_shard": 4, "cp": 4, "tp": 2} and one.comm["cp"] == 0 < four.comm["cp"]
+    assert four.activations == pytest.approx(one.activations / 4, rel=0.01)
+    assert four.states == pytest.approx(one.states, rel=1e-3)  # FSDP shards over dp_shard x cp: 16 ranks either way
+    # no context-parallel plans for short sequences
+    assert not any(c.estimate.dims.cp > 1 for c in choose("configs/nlp/dialogue_10b.yaml", 32, "A100-40GB").candidates)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: estimate(TINY_LLAMA, "disttrain_megatron", 4, context_parallel_size=4, seq_len=30),
+     "context_parallel_size=4 does not divide seq_len=30"),
+    (lambda: estimate("resnet18", "disttrain_megatron", 2, context_parallel_size=2), "has none it knows"),
+    (lambda: estimate(TINY_LLAMA, "disttrain_megatron", 4, context_parallel_size=2, pipeline_parallel_size=2),
+     "context_parallel_size=2 with pipeline_parallel_size=2"),
+])
+def test_context_parallel_sizes_it_cannot_split_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -6,7 +6,8 @@ import pytest
 from conftest import run_dist
 
 MEASURED = ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
-            "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2,microbatches=2"]
+            "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2,microbatches=2",
+            "disttrain_megatron:context_parallel_size=2"]
 
 
 @pytest.mark.slow

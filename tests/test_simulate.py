@@ -120,3 +120,15 @@ def test_simulation_equals_a_real_two_process_run(tmp_path):
             # a role covers its own rank, or every rank when all hold the same
             role = next((r for r in sim.roles if r.rank == rank), None) or next(r for r in sim.roles if r.ranks == 2)
             assert {"params": role.params, "grads": role.grads, "optimizer": role.optimizer} == real[rank][strategy]
+
+
+def test_context_parallel_at_real_size_and_the_planner():
+    """The 10B dialogue model at 32k on 32 ranks with cp=8: the engine's own sharding on the fake group (FSDP over
+    dp_shard x cp), and the planner's model states within 2%."""
+    config = "configs/nlp/dialogue_10b_32k.yaml"
+    sim = simulate(config, "disttrain_megatron", 32, context_parallel_size=8)
+    assert sim.dims.degrees() == {"dp_shard": 4, "cp": 8}
+    assert [(r.name, r.ranks) for r in sim.roles] == [("every rank", 32)]
+    assert any(note.startswith("context parallelism: the 8 ranks") for note in sim.notes)
+    est = estimate(config, "disttrain_megatron", 32, context_parallel_size=8)
+    assert est.states == pytest.approx(sim.busiest.states, rel=0.02)

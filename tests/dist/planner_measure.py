@@ -14,6 +14,7 @@ import time
 
 import lightning as L
 import torch
+import yaml
 
 import disttrain  # noqa: F401  (registers the strategy names)
 from disttrain.planner import detect, estimate, model_spec, step_time
@@ -46,7 +47,7 @@ def build(config: dict):
                                         attn_implementation="sdpa"))
 
 
-def measure(fabric: L.Fabric, strategy: str, sizes: dict, size: str, timed_steps: int = 0) -> dict:
+def measure(fabric: L.Fabric, strategy: str, options: dict, size: str, timed_steps: int = 0) -> dict:
     config, batch, seq = SIZES[size]
     with fabric.init_module(empty_init="zero3" in strategy or "fsdp" in strategy):
         model = build(config)
@@ -74,7 +75,7 @@ def measure(fabric: L.Fabric, strategy: str, sizes: dict, size: str, timed_steps
         fabric.barrier()
         times.append(time.perf_counter() - t0)
     e = estimate(dict(config, attn_implementation="sdpa"), strategy, world_size=fabric.world_size,
-                 micro_batch=batch, seq_len=seq, precision="32-true", **sizes)
+                 micro_batch=batch, seq_len=seq, precision="32-true", **options)
     return {"measured": {"states": states["total"], "params": states["params"], "grads": states["grads"],
                          "optimizer": states["optimizer"], "activations": acts,
                          "step_s": statistics.median(times) if times else None},
@@ -88,16 +89,16 @@ def measure(fabric: L.Fabric, strategy: str, sizes: dict, size: str, timed_steps
 def main() -> None:
     spec = sys.argv[2]
     strategy = spec.split(":")[0]
-    # "disttrain_megatron:tensor_parallel_size=2": the same sizes go to the strategy and to the estimate.
-    options = dict(kv.split("=") for kv in spec.split(":")[1].split(",")) if ":" in spec else {}
-    sizes = {k: int(v) for k, v in options.items() if k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                                                  "microbatches")}
+    # "disttrain_megatron:tensor_parallel_size=2": the same options go to the strategy and to the estimate.
+    options = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in spec.split(":")[1].split(","))} \
+        if ":" in spec else {}
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"))
     fabric.launch()
     args = sys.argv[3:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 0
     chosen = [a for a in args if a in SIZES] or list(DEFAULT)
-    write_result({size: measure(fabric, strategy, sizes, size, steps) for size in chosen})
+    write_result({size: measure(fabric, strategy, options, size, steps) for size in chosen})
+
 
 if __name__ == "__main__":
     main()

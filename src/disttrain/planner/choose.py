@@ -45,6 +45,7 @@ SMALL_MODEL = 1e9
 THREE_D_MODEL = 11e9
 THREE_D_DEVICES = 16
 TIE = 0.03  # step times within 3% are a tie: the article's preference order decides
+LONG_SEQUENCE = 8192  # context parallelism is considered for sequences of at least this many tokens
 
 
 @dataclass
@@ -136,14 +137,16 @@ def step_time(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
     compute *= 1 + c.get("bubble", 0.0)
     spans_nodes = e.world_size > hw.gpus_per_node
     dp_bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
-    tp_bw = hw.intra_node_bw if e.dims.tp <= hw.gpus_per_node else hw.inter_node_bw
-    exposed = (c.get("tp", 0) / tp_bw + c.get("pp", 0) / dp_bw + c.get("a2a", 0) / dp_bw
+    # Tensor- and context-parallel ranks are neighbours in the mesh (one node while tp*cp fits it).
+    tp_bw = hw.intra_node_bw if e.dims.tp * e.dims.cp <= hw.gpus_per_node else hw.inter_node_bw
+    exposed = (c.get("tp", 0) / tp_bw + c.get("cp", 0) / tp_bw + c.get("pp", 0) / dp_bw + c.get("a2a", 0) / dp_bw
                + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
     return max(compute, c.get("dp", 0) / dp_bw) + exposed
 
 
-def _megatron_grid(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]:
-    """tp x pp splits (tp inside a node) of the heads and layers the model has."""
+def _megatron_grid(spec: ModelSpec, world_size: int, hw: Hardware, seq_len: int) -> list[dict]:
+    """tp x pp splits (tp inside a node) of the heads and layers the model has, and for long sequences tp x cp
+    (context parallelism inside a node: its all-to-alls are on every block's critical path)."""
     if not tensor_parallel(spec):
         return []
     out = []
@@ -153,26 +156,35 @@ def _megatron_grid(spec: ModelSpec, world_size: int, hw: Hardware) -> list[dict]
         for p in divisors(world_size // t):
             if (t, p) != (1, 1) and p <= 16 and spec.layers % p == 0 and (p == 1 or pipelines(spec)):
                 out.append({"tensor_parallel_size": t, "pipeline_parallel_size": p})
+        if seq_len < LONG_SEQUENCE or not spec.extra.get("context_parallel"):
+            continue
+        heads, kv = spec.heads // t, spec.kv_heads // t  # per tensor-parallel rank: what the all-to-all splits
+        for c in divisors(hw.gpus_per_node // t):
+            if c > 1 and world_size % (t * c) == 0 and seq_len % c == 0 and heads % c == 0 and \
+                    (kv % c == 0 or c % kv == 0):
+                out.append({"tensor_parallel_size": t, "context_parallel_size": c})
     return out
 
 
 # The set-ups of a strategy worth estimating, by engine (default: the strategy with its own options).
 VARIANTS = {MegatronEngine: _megatron_grid,
-            RecsysEngine: lambda spec, world_size, hw: [{}] if spec.table_rows else []}
+            RecsysEngine: lambda spec, world_size, hw, seq_len: [{}] if spec.table_rows else []}
 
 
 def offloaded(options: Any) -> bool:
     return bool(getattr(options, "cpu_offload", False) or getattr(options, "offload_optimizer", None))
 
 
-def candidates(spec: ModelSpec, world_size: int, hw: Hardware) -> list[tuple[registry.Registered, dict]]:
+def candidates(spec: ModelSpec, world_size: int, hw: Hardware,
+               seq_len: int | None = None) -> list[tuple[registry.Registered, dict]]:
     """Every set-up worth estimating, as (strategy row, options): each planned strategy, Megatron's tp x pp splits,
     recsys for models with tables; tables first, 3D last, offload after the strategies that keep states on the
     device."""
     rows = [row for row in registry.STRATEGIES if row.name in planned()]
     rows.sort(key=lambda row: (row.engine is not RecsysEngine, row.engine is MegatronEngine, offloaded(row.options())))
     return [(row, options) for row in rows
-            for options in VARIANTS.get(row.engine, lambda *_: [{}])(spec, world_size, hw)]
+            for options in VARIANTS.get(row.engine, lambda *_: [{}])(spec, world_size, hw,
+                                                                     int(seq_len or spec.tokens or 1))]
 
 
 def recomputable(spec: ModelSpec) -> bool:
@@ -198,7 +210,7 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
     ranks_per_node = min(world_size, hw.gpus_per_node)
 
     plan = Plan(spec, world_size, hw, [], None)
-    for row, options in candidates(spec, world_size, hw):
+    for row, options in candidates(spec, world_size, hw, seq_len):
         if row.name not in allowed:
             continue
         recompute = recomputable(spec) and "activation_checkpointing" in row.options_cls.__dataclass_fields__
@@ -275,6 +287,11 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
         else:
             reasons.append(f"3D parallelism not considered: under {THREE_D_MODEL / 1e9:.0f}B parameters and a "
                            f"data-parallel strategy fits")
+    context = [c for c in plan.candidates if c.estimate.dims.cp > 1]
+    if context:
+        reasons.append(f"context parallelism considered: {context[0].estimate.seq_len} tokens per sequence (from"
+                       f" {LONG_SEQUENCE}); cp ranks each compute 1/cp of every sequence's tokens (activations / cp)"
+                       " for two all-to-alls per block")
     if spec.table_rows and registry.RECSYS.name not in allowed:
         reasons.append("disttrain_recsys (table-wise embedding sharding) is not available here")
     if not admitted:
@@ -292,6 +309,14 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     runners = sorted((c for c in admitted if c is not choice), key=lambda c: c.step_time)[:2]
     for r in runners:
         reasons.append(f"next: {r.label} at {r.step_time:.2f} s")
+    split = min((c for c in admitted if c.estimate.dims.cp > 1), key=lambda c: c.step_time, default=None)
+    recompute = min((c for c in admitted if c.estimate.activation_checkpointing and c.estimate.dims.cp == 1),
+                    key=lambda c: c.step_time, default=None)
+    if split is not None and recompute is not None:
+        faster, slower = sorted((split, recompute), key=lambda c: c.step_time)
+        reasons.append(f"splitting the sequence against recomputing it: {faster.label} {faster.step_time:.2f} s"
+                       f" ({_gib(faster.estimate.device)} GiB) beats {slower.label} {slower.step_time:.2f} s"
+                       f" ({_gib(slower.estimate.device)} GiB)")
     if len(near) > 1:
         reasons.append("step times within 3% are ties, broken by the article's framework order ("
                        + ("DeepSpeed, then Megatron, for 10B+" if spec.params >= THREE_D_MODEL else

@@ -269,7 +269,7 @@ def _sharded(s: Setup) -> Estimate:
 
 def _megatron(s: Setup) -> Estimate:
     spec, z, dims = s.spec, s.sizes, s.dims
-    t, p, dp = dims.tp, dims.pp, dims.dp
+    t, p, c = dims.tp, dims.pp, dims.cp
     b, m = s.micro_batch, getattr(s.options, "microbatches", None) or 2 * p
     if not tensor_parallel(spec):
         raise ValueError(f"disttrain_megatron splits attention heads and MLPs of Llama, GPT-2, BERT-style and ViT "
@@ -283,6 +283,11 @@ def _megatron(s: Setup) -> Estimate:
                          f"{spec.kv_heads}); choose one of {', '.join(map(str, choices))}")
     if spec.layers % p:
         raise ValueError(f"pipeline_parallel_size={p} does not divide the {spec.layers} layers")
+    if c > 1 and not spec.extra.get("context_parallel"):
+        raise ValueError(f"context_parallel_size={c}: disttrain_megatron splits the sequences of HF Llama-family"
+                         f" decoders (Llama, Qwen2/3, Mistral), not of a {spec.family} model")
+    if c > 1 and s.seq_len % c:
+        raise ValueError(f"context_parallel_size={c} does not divide seq_len={s.seq_len}")
     # The busiest stage: its share of the blocks, split across the tensor-parallel ranks (column/row-split
     # layers), plus (pipeline) the bigger end or (no pipeline) both ends, which stay whole on every tensor-parallel
     # rank (the plans split blocks only; embeddings, final norm and head are replicated, then FSDP-sharded).
@@ -293,9 +298,11 @@ def _megatron(s: Setup) -> Estimate:
     per_mb = s.activations()
     # 1F1B: the first stage holds min(p, m) pipeline microbatches (b/m samples each) of its layers/p blocks.
     acts = per_mb * min(p, m) / (p * m) if p > 1 else per_mb
-    micro_steps = t * p  # micro-batches per data-parallel group for the same global batch as the other strategies
-    width = s.seq_len * b * spec.hidden * z.compute
-    buffers = 2 * width * (t > 1) + 2 * width * (p > 1)
+    # Micro-batches per data-parallel group for the same global batch as the other strategies (its t*p*c ranks share
+    # each one), and the hidden states of one micro-batch on one rank (its s/c tokens).
+    micro_steps = t * p * c
+    width = s.seq_len / c * b * spec.hidden * z.compute
+    buffers = 2 * width * (t > 1) + 2 * width * (p > 1) + 2 * width * (c > 1)
     if dims.shard > 1:
         buffers += 2 * math.ceil(spec.layer_params / t) * z.compute + math.ceil(spec.layer_params / t) * z.reduce
     n = dims.shard
@@ -303,8 +310,11 @@ def _megatron(s: Setup) -> Estimate:
             # two all-reduces forward and two backward per block (attention and MLP), ring: 2(t-1)/t of the tensor
             "tp": 4 * (spec.layers // p) * 2 * (t - 1) / t * width * micro_steps if t > 1 else 0.0,
             "pp": 2 * width * micro_steps if p > 1 else 0.0,
+            # Ulysses: per block, q, k, v (one exchange) and the attention output (one back), forward and backward
+            # again for their gradients; each rank sends (c-1)/c of its share of them
+            "cp": 2 * (spec.layers // p) * (c - 1) / c * width / t * (2 + 2 * spec.kv_heads / spec.heads)
+            * micro_steps if c > 1 else 0.0,
             "bubble": (p - 1) / (micro_steps + p - 1)}
-    assert dp == dims.dp
     return s.estimate(params=shard * z.param, grads=shard * z.grad, optimizer=shard * z.optimizer, activations=acts,
                       buffers=buffers, comm=comm)
 

@@ -84,6 +84,10 @@ def sharded(sim: Simulation, config: Config, options: Any) -> None:
                     continue
                 name = "rank 0 (first shards)" if index == 0 else f"rank {rank} (last shards)"
                 sim.roles.append(Role(name, rank, same, p, g, o, c, comm))
+    if dims.cp > 1:
+        sim.notes.append(f"context parallelism: the {dims.cp} ranks that split each sequence hold the same parameters,"
+                         f" so FSDP shards them over dp_shard x cp ({dims.shard} ranks); their all-to-all traffic scales"
+                         " with the sequence: see the planner's estimate")
     if model_parallel:
         sim.notes.append("pipeline split, tensor-parallel plan and FSDP over the data dimension by the engine's own"
                          " code on the fake group; each role is the first data-parallel rank of its stage x tp rank"
