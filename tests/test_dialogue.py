@@ -282,3 +282,20 @@ def test_trainer_fsdp_lowers_held_out_loss_and_resumes_mid_epoch(tmp_path, demo)
     for rank in results:  # 12 batches of 8 rows, then 3 more after the resume, all inside epoch 0
         assert (rank["sampler_position"], rank["resumed_position"]) == (96, 120)
         assert rank["resumed_batches"] == rank["expected_batches"] and rank["first_batches_differ"]
+
+
+@pytest.mark.slow
+def test_recipe_context_parallel(tmp_path, demo):
+    """--context-parallel-size 2: both processes train each packed row together (one data-parallel rank, so 16 rows
+    are 2 micro-steps of 8), held-out loss falls, the export is the plain HF model; another strategy refuses it."""
+    proc = recipe("disttrain_megatron", tmp_path, demo[0], "--context-parallel-size", "2", "--steps", "4",
+                  "--eval-every", "4", "--global-batch", "16")
+    assert "2 micro-step(s) per optimizer step" in proc.stdout
+    before, after = held_out(proc.stdout)
+    assert after < before
+    assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
+    refused = run_launched("recipes/nlp/dialogue_llm.py", "--demo-root", str(demo[0]), "--out", str(tmp_path / "x"),
+                           "--context-parallel-size", "2", strategy="disttrain_fsdp", timeout=300)
+    assert refused.returncode != 0
+    assert "dialogue_llm: error: --context-parallel-size 2 is an option of disttrain_megatron" in refused.stderr
+    assert "Traceback" not in refused.stderr

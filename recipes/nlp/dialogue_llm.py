@@ -4,6 +4,8 @@ disttrain strategy. Loss only on assistant turns; dialogues packed without atten
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_zero3
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_auto
+    lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_megatron \
+        --context-parallel-size 2     # each packed row split over the 2 processes (long dialogues)
     python recipes/nlp/dialogue_llm.py        # same defaults (tiny config, 2 CPU processes, disttrain_fsdp)
     python recipes/nlp/dialogue_llm.py --accelerator gpu --devices 1 --config configs/nlp/dialogue_1b.yaml \
         --data chats.jsonl --tokenizer /models/my-tokenizer
@@ -73,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--strategy", default="disttrain_fsdp")
+    p.add_argument("--context-parallel-size", type=int, default=1,
+                   help="disttrain_megatron: ranks that split each packed row (long dialogues); data.seq_len must"
+                        " divide by it")
     p.add_argument("--precision", default=None, help="default: train.precision")
     return p.parse_args(argv)
 
@@ -99,18 +104,25 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     precision = None if os.environ.get("LT_PRECISION") else train.get("precision", "32-true")
     micro = int(train.get("micro_batch_size", 8))
     strategy: Any = os.environ.get("LT_STRATEGY") if cli else args.strategy
+    cli_kwargs: dict[str, Any] = {}
+    if args.context_parallel_size > 1 and strategy != "disttrain_megatron":
+        raise ValueError(f"--context-parallel-size {args.context_parallel_size} is an option of disttrain_megatron"
+                         f" (the strategy that composes context, tensor and data parallelism), not of {strategy}; pass"
+                         " --strategy disttrain_megatron")
+    # Fabric refuses a strategy object next to the launcher's LT_STRATEGY: where the recipe builds the object (the
+    # planner needs the model before Fabric starts processes; context parallelism is an option), it takes the name
+    # over.
     if strategy == "disttrain_auto":
-        # The planner needs the model before Fabric starts processes: this recipe knows it from its config. Fabric
-        # refuses a strategy object next to the launcher's LT_STRATEGY, so the recipe takes the name over.
         os.environ.pop("LT_STRATEGY", None)
-        strategy = disttrain.fabric.AutoStrategy(model=cfg["model"], micro_batch=micro)
-        cli_kwargs: dict[str, Any] = {"strategy": strategy}
-    else:
-        cli_kwargs = {}
+        strategy = cli_kwargs["strategy"] = disttrain.fabric.AutoStrategy(model=cfg["model"], micro_batch=micro)
+    elif args.context_parallel_size > 1:
+        os.environ.pop("LT_STRATEGY", None)
+        strategy = cli_kwargs["strategy"] = disttrain.fabric.MegatronStrategy(
+            context_parallel_size=args.context_parallel_size)
     cli_kwargs["loggers"] = fabric_loggers(args.out, args.logger)
     fabric = L.Fabric(precision=precision, **cli_kwargs) if cli else L.Fabric(
-        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
-        precision=precision, **cli_kwargs)
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+        precision=precision, **{"strategy": strategy, **cli_kwargs})
     dp = _sampler_kwargs(fabric)["num_replicas"]
     accumulation = GradientAccumulation(global_batch_size=int(train.get("global_batch_size") or micro * dp))
     accumulation.attach(fabric, micro)  # before launch: feeds disttrain_zero3's DeepSpeed config
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         fabric, state, run = setup(args)
-    except (DataError, FileNotFoundError) as e:  # bad data or paths: the message says what to fix
+    except (DataError, FileNotFoundError, ValueError) as e:  # bad data, paths or sizes: the message says the fix
         raise SystemExit(f"dialogue_llm: error: {e}") from None
     module, stats = run["module"], run["stats"]
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
