@@ -198,7 +198,7 @@ def keep_blocks(plan: Any, pp_rank: int) -> tuple[list[int], set[int], bool, boo
     return stages, keep, 0 in stages, plan.num_stages - 1 in stages
 
 
-def block_activations(spec: ModelSpec, micro_batch: int, seq_len: float, compute_bytes: int, per_layer: float,
+def block_activations(spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int, per_layer: float,
                       base: float, activation_checkpointing: bool) -> int:
     """Activations of a stack of ``spec.layers`` equal blocks saving ``per_layer`` bytes each, plus ``base`` outside
     them. Under activation checkpointing each block keeps only its input; backward recomputes one at a time."""

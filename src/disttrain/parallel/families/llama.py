@@ -192,7 +192,7 @@ class LlamaFamily(HFFamily):
     def activation_bytes(self, spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int,
                          activation_checkpointing: bool, dims: ParallelDims) -> int:
         b, s, t = micro_batch, seq_len, dims.tp
-        tokens = s / dims.cp  # context parallelism: each rank computes its share of every sequence
+        tokens = s // dims.cp  # context parallelism: each rank computes its share of every sequence (s divides)
         h, f, a, kv = spec.hidden, spec.ffn, spec.heads, spec.kv_heads
         d = spec.extra.get("head_dim", spec.head_dim)
         # Replicated under TP: the two RMSNorms' input, output and 1/rms. Split across TP ranks: q/k/v and their
