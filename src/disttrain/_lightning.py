@@ -99,7 +99,7 @@ class DeepSpeedPlumbing(EngineAdapter):
 
     @property
     def root_device(self) -> torch.device:
-        return self.engine.deepspeed_device(super().root_device, self.local_rank)  # type: ignore[misc]
+        return self.engine.device_for(super().root_device, self.local_rank)  # type: ignore[misc]
 
     def _start_deepspeed(self, set_world_ranks: Any) -> None:
         """Lightning's DeepSpeed start-up (seed, ranks, DeepSpeed's process group) on CPU as on CUDA."""

@@ -49,7 +49,7 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
 
     def _format_config(self) -> None:
         options = self.engine.options
-        self.config = self.engine.build_config(self.precision.precision, options.micro_batch_size,
+        self.config = self.engine.configure(self.precision.precision, options.micro_batch_size,
                                                options.gradient_accumulation_steps, self.world_size, None,
                                                self.root_device)
 
@@ -67,7 +67,7 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
             raise RuntimeError(f"{self.strategy_name}: fabric.setup_optimizers needs the model first; call model ="
                                " fabric.setup_module(model), make the optimizer from model.parameters(), then"
                                " fabric.setup_optimizers(optimizer) (or fabric.setup(model, optimizer) at once)")
-        zero_optimizer = self.engine.attach_optimizer(self._deepspeed_engine, optimizer, self.root_device)
+        zero_optimizer = self.engine.setup_optimizer(self._deepspeed_engine, optimizer, self.root_device)
         self._set_deepspeed_activation_checkpointing()
         return zero_optimizer
 
@@ -82,7 +82,7 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
         stepping = engine is not None and engine.is_gradient_accumulation_boundary()
         output = super().optimizer_step(optimizer, **kwargs)
         if stepping:
-            self.engine.reset_clipping(engine)
+            self.engine.after_optimizer_step(engine)
         return output
 
 

@@ -11,6 +11,10 @@ set up a module and its optimizers             ``setup``, ``check_optimizers``, 
 gradient accumulation                          ``no_sync`` (no gradient sync on non-final micro-steps)
 backward the engine owns                       ``prepare_step`` (the pipeline schedule); DeepSpeed's own backward
                                                runs through Lightning's DeepSpeed strategies we subclass
+a library's own engine (DeepSpeed), set up in  ``device_for``, ``configure`` (batch settings, precision, clipping),
+its Lightning strategy's order                 ``prepare`` (before hand-over), ``initialize`` (the hand-over),
+                                               ``setup_optimizer`` (an optimizer made after the model),
+                                               ``after_optimizer_step``
 clipping by the whole model's norm             ``clip_grad_norm_``
 buffers as DDP keeps them                      ``broadcast_buffers``, ``sync_buffers_after_forward``
 checkpoints in the one DCP layout              ``model_state``, ``optimizer_state``, ``reads_checkpoint``,
@@ -163,6 +167,36 @@ class Engine:
 
     def check_optimizers(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Refuse optimizers the engine cannot step (made after :meth:`setup`, by the Trainer)."""
+
+    # -- engines that hand the model to a library's own engine (DeepSpeed) --------------------------------------
+    # Lightning's DeepSpeed strategies, which the ZeRO adapters keep, set the model up in their own order; these are
+    # the steps of :meth:`setup` they call one at a time. Engines that set modules up themselves keep the defaults.
+    def device_for(self, device: torch.device, local_rank: int) -> torch.device:
+        """The device the engine computes on for Lightning's ``device`` of this local rank."""
+        return device
+
+    def configure(self, precision: str, micro_batch_size: int, accumulation: int, world_size: int,
+                  gradient_clipping: Optional[float], device: torch.device) -> dict[str, Any]:
+        """Batch settings, precision and clipping the engine needs before the model is set up (the Trainer's or
+        Fabric's); returns its configuration (DeepSpeed's config), or {}."""
+        return {}
+
+    def prepare(self, module: nn.Module, device: torch.device, training: bool = True, sync_batchnorm: bool = False,
+                convert: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+        """What :meth:`setup` does to the plain module before handing it over (refusals, SyncBatchNorm)."""
+        return module
+
+    def initialize(self, module: nn.Module, optimizer: Any, scheduler: Any, device: torch.device) -> tuple[Any, ...]:
+        """Hand the prepared module (and one optimizer and scheduler) to the library's engine: (engine, optimizer,
+        scheduler)."""
+        raise NotImplementedError(f"{type(self).__name__} sets modules up itself: call setup()")
+
+    def setup_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> Any:
+        """An optimizer made after :meth:`setup` from ``module``'s parameters, as the engine steps it."""
+        return optimizer
+
+    def after_optimizer_step(self, module: nn.Module) -> None:
+        """After each optimizer step (Fabric): what holds for one step only is undone (a clip of that step)."""
 
     # -- training ---------------------------------------------------------------------------------------------
     def no_sync(self, module: nn.Module) -> AbstractContextManager:

@@ -50,14 +50,13 @@ class ZeroEngine(Engine):
         set_extensions_dir(options)
         self.config: dict[str, Any] = {}
 
-    @staticmethod
-    def deepspeed_device(device: torch.device, local_rank: int) -> torch.device:
+    def device_for(self, device: torch.device, local_rank: int) -> torch.device:
         """DeepSpeed reads the device index as its device rank (None on CPU would crash ``device_rank >= 0``); a CPU
         device with the local rank as index places tensors on the CPU all the same."""
         return torch.device("cpu", local_rank) if device.type == "cpu" else device
 
-    def build_config(self, precision: str, micro_batch_size: int, accumulation: int, world_size: int,
-                     gradient_clipping: Optional[float], device: torch.device) -> dict[str, Any]:
+    def configure(self, precision: str, micro_batch_size: int, accumulation: int, world_size: int,
+                  gradient_clipping: Optional[float], device: torch.device) -> dict[str, Any]:
         """The DeepSpeed config (kept as ``self.config``): batch settings always agree, precision and clipping
         come from the Trainer/Fabric."""
         allow_fp16_on_cpu(device, precision)
@@ -107,7 +106,7 @@ class ZeroEngine(Engine):
         self.broadcast_buffers(engine.module)
         return engine, [zero_optimizer] if optimizers else []
 
-    def attach_optimizer(self, engine: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> Any:
+    def setup_optimizer(self, engine: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> Any:
         """The ZeRO-3 optimizer over the partitioned parameters of an engine set up without one (litgpt's
         ``setup_module`` then ``setup_optimizers``)."""
         own = {id(p) for p in engine.module.parameters()}
@@ -136,9 +135,8 @@ class ZeroEngine(Engine):
         zero_optimizer.clip_grad = float(max_norm)
         return norm
 
-    @staticmethod
-    def reset_clipping(engine: Any) -> None:
-        """After an optimizer step: a ``clip_grad_norm_`` holds for that one step, then the config's value again."""
+    def after_optimizer_step(self, engine: Any) -> None:
+        """A ``clip_grad_norm_`` holds for one step; after it, the config's value again."""
         if hasattr(engine.optimizer, "clip_grad"):
             engine.optimizer.clip_grad = engine.gradient_clipping()
 

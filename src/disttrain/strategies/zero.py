@@ -64,7 +64,7 @@ class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
 
     def _format_config(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self.config = self.engine.build_config(
+        self.config = self.engine.configure(
             self.precision_plugin.precision, micro_batch_size=self._micro_batch_size(),
             accumulation=trainer.accumulate_grad_batches if trainer is not None else 1, world_size=self.world_size,
             gradient_clipping=trainer.gradient_clip_val if trainer is not None else None, device=self.root_device)
