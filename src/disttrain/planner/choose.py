@@ -15,7 +15,7 @@ checkpointing adds a forward (x 4/3).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,8 +171,10 @@ VARIANTS = {MegatronEngine: _megatron_grid,
             RecsysEngine: lambda spec, world_size, hw, seq_len: [{}] if spec.table_rows else []}
 
 
-def offloaded(options: Any) -> bool:
-    return bool(getattr(options, "cpu_offload", False) or getattr(options, "offload_optimizer", None))
+def offloaded(row: registry.Registered, options: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``row`` with ``options`` keeps its states in host memory (the _offload names)."""
+    merged = {**row.defaults, **(options or {})}
+    return bool(merged.get("cpu_offload") or merged.get("offload_optimizer"))
 
 
 def candidates(spec: ModelSpec, world_size: int, hw: Hardware,
@@ -180,8 +182,9 @@ def candidates(spec: ModelSpec, world_size: int, hw: Hardware,
     """Every set-up worth estimating, as (strategy row, options): each planned strategy, Megatron's tp x pp splits,
     recsys for models with tables; tables first, 3D last, offload after the strategies that keep states on the
     device."""
-    rows = [row for row in registry.STRATEGIES if row.name in planned()]
-    rows.sort(key=lambda row: (row.engine is not RecsysEngine, row.engine is MegatronEngine, offloaded(row.options())))
+    names = planned()
+    rows = [row for row in registry.STRATEGIES if row.name in names]
+    rows.sort(key=lambda row: (row.engine is not RecsysEngine, row.engine is MegatronEngine, offloaded(row)))
     return [(row, options) for row in rows
             for options in VARIANTS.get(row.engine, lambda *_: [{}])(spec, world_size, hw,
                                                                      int(seq_len or spec.tokens or 1))]
@@ -251,7 +254,7 @@ def _preference(spec: ModelSpec, c: Candidate) -> int:
         order = (RecsysEngine, DDPEngine, FSDPEngine, ZeroEngine, MegatronEngine)
     engine = c.row.engine
     rank = order.index(engine) if engine in order else len(order)
-    return rank + (10 if offloaded(c.row.options(**c.estimate.options)) else 0) + \
+    return rank + (10 if offloaded(c.row, c.estimate.options) else 0) + \
         (5 if c.estimate.activation_checkpointing else 0)
 
 
