@@ -24,16 +24,16 @@ def close(a: list[float], b: list[float]) -> bool:
 
 @pytest.mark.slow
 def test_checkpoint_moves_across_strategies_and_world_sizes(tmp_path):
-    """zero3@2 -> fsdp@4 -> megatron cp=2 x tp=2 @4 -> megatron pp=2 -> ddp@1 -> megatron cp=2 @2 -> zero3@2, one
-    step each after a resume (two before the first save and two at the end, so restored optimizer state shows):
-    every step's loss equals the uninterrupted one-process run. Context parallelism (each sequence split over two
-    ranks, Fabric) trains the same steps, and its checkpoints are the same as any other strategy's."""
+    """zero3@2 -> fsdp@4 -> megatron tp=2 -> megatron pp=2 -> ddp@1 -> megatron cp=2 -> zero3@2, one step each after
+    a resume (two before the first save and two at the end, so restored optimizer state shows): every step's loss
+    equals the uninterrupted one-process run. Context parallelism (each sequence split over two ranks, Fabric) trains
+    the same steps, and its checkpoints are the same as any other strategy's."""
     reference = reference_losses(9, world_size=2)  # global_batch(step, 2): the same 4 samples per step everywhere
     chain = [("disttrain_zero3", 2, "-", 2), ("disttrain_fsdp", 4, "zero3", 1),
-             ("disttrain_megatron:context_parallel_size=2,tensor_parallel_size=2", 4, "fsdp", 1),
-             ("disttrain_megatron:pipeline_parallel_size=2", 2, "cp2tp2", 1), ("disttrain_ddp", 1, "pp2", 1),
+             ("disttrain_megatron:tensor_parallel_size=2", 2, "fsdp", 1),
+             ("disttrain_megatron:pipeline_parallel_size=2", 2, "tp2", 1), ("disttrain_ddp", 1, "pp2", 1),
              ("disttrain_megatron:context_parallel_size=2", 2, "ddp", 1), ("disttrain_zero3", 2, "cp2", 2)]
-    names = ["zero3", "fsdp", "cp2tp2", "pp2", "ddp", "cp2", "zero3b"]
+    names = ["zero3", "fsdp", "tp2", "pp2", "ddp", "cp2", "zero3b"]
     losses, starts = [], []
     for (spec, nproc, load, steps), name in zip(chain, names):
         load_arg = "-" if load == "-" else str(tmp_path / f"ckpt-{load}")
