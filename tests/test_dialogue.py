@@ -288,8 +288,8 @@ def test_trainer_fsdp_lowers_held_out_loss_and_resumes_mid_epoch(tmp_path, demo)
 def test_recipe_context_parallel(tmp_path, demo):
     """--context-parallel-size 2: both processes train each packed row together (one data-parallel rank, so 16 rows
     are 2 micro-steps of 8), held-out loss falls, the export is the plain HF model; another strategy refuses it."""
-    proc = recipe("disttrain_megatron", tmp_path, demo[0], "--context-parallel-size", "2", "--steps", "4",
-                  "--eval-every", "4", "--global-batch", "16")
+    proc = recipe("disttrain_megatron", tmp_path, demo[0], "--context-parallel-size", "2", "--steps", "3",
+                  "--eval-every", "3", "--global-batch", "16")
     assert "2 micro-step(s) per optimizer step" in proc.stdout
     before, after = held_out(proc.stdout)
     assert after < before

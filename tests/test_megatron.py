@@ -92,8 +92,8 @@ TRAINER_CASES = {  # name: (model, strategy, processes); llama-gpipe also saves 
     "vit-tp2": ("vit", megatron(tensor_parallel_size=2), 2),
     "llama-tp2-ac": ("llama", megatron(tensor_parallel_size=2, activation_checkpointing=True), 2),
     "llama-tp2-pp2": ("llama", megatron(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2), 4),
-    # context parallelism under the Trainer, with tensor parallelism (1 key/value head per tp rank: repeated for cp)
-    "llama-cp2-tp2": ("llama", megatron(context_parallel_size=2, tensor_parallel_size=2), 4),
+    # context parallelism under the Trainer (cp x tp against one process: tests/test_cp_core.py)
+    "llama-cp2": ("llama", megatron(context_parallel_size=2), 2),
 }
 
 
