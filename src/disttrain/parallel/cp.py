@@ -8,8 +8,9 @@ dimension, and attention stays exact.
 
 Each rank computes T/cp tokens of every layer: the embedding output is sliced before the first decoder layer, the
 rotary cos/sin before every layer, and the final norm and LM head see local tokens only (the logits are (B, T/cp, V),
-in training and in evaluation; ``model.context_parallel.gather(logits)`` assembles the whole sequence, a collective). HF still builds its attention masks from the full ``position_ids`` (packed rows, sliding windows):
-the slicing happens after that, in forward pre-hooks on the decoder layers.
+in training and in evaluation; ``model.context_parallel.gather(logits)`` assembles the whole sequence, a
+collective). HF still builds its attention masks from the full ``position_ids`` (packed rows, sliding windows): the
+slicing happens after that, in forward pre-hooks on the decoder layers.
 
 Attention:
 

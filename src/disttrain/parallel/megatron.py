@@ -1,7 +1,8 @@
 """The shared core of ``disttrain_megatron``: tensor x pipeline x context x data parallelism on one DeviceMesh.
 
 Order of application (torchtitan's): pipeline split or context parallelism -> tensor parallel -> activation
-checkpointing -> FSDP2 over the data-parallel (and context-parallel) ranks. The Trainer and Fabric ``MegatronStrategy`` adapters only call this engine.
+checkpointing -> FSDP2 over the data-parallel (and context-parallel) ranks. The Trainer and Fabric
+``MegatronStrategy`` adapters only call this engine.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class MegatronEngine(FSDPEngine):
                              " data-parallel dimension is fully sharded: remove them or use strategy='disttrain_fsdp'")
         dims = ParallelDims(world_size, **{dim: getattr(options, name) for dim, name in options.degrees.items()})
         if dims.cp > 1 and dims.pp > 1:
-            raise ValueError(f"context_parallel_size={dims.cp} with pipeline_parallel_size={dims.pp}: context parallelism"
-                             " composes with tensor and data parallelism, not with pipeline stages; use"
+            raise ValueError(f"context_parallel_size={dims.cp} with pipeline_parallel_size={dims.pp}: context"
+                             " parallelism composes with tensor and data parallelism, not with pipeline stages; use"
                              " pipeline_parallel_size=1")
         return dims
 

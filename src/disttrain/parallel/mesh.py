@@ -52,8 +52,9 @@ class ParallelDims:
         fixed = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % fixed:
-                raise ValueError(f"world_size={self.world_size} is not divisible by {self._product(without='dp_shard')};"
-                                 f" choose sizes whose product divides {self.world_size}")
+                raise ValueError(f"world_size={self.world_size} is not divisible by"
+                                 f" {self._product(without='dp_shard')}; choose sizes whose product divides"
+                                 f" {self.world_size}")
             object.__setattr__(self, "dp_shard", self.world_size // fixed)
         elif not isinstance(self.dp_shard, int) or self.dp_shard < 1:
             raise ValueError(f"dp_shard={self.dp_shard!r} must be a positive integer, or -1 for what is left")
