@@ -72,15 +72,10 @@ class EngineAdapter:
     engine's."""
 
     strategy_name: str
-    engine_cls: Optional[type[Engine]]
-
-    @property
-    def options_cls(self) -> type:
-        return registry.lookup(self.strategy_name).options_cls
+    engine_cls: type[Engine]
 
     def _init_engine(self, options: dict[str, Any]) -> None:
         """Called first in every adapter's ``__init__``: the engine exists before Lightning sets the precision."""
-        assert self.engine_cls is not None
         self.engine = self.engine_cls(registry.lookup(self.strategy_name).options(**options), self.strategy_name)
 
 
@@ -215,7 +210,6 @@ class AutoResolution:
     _lightning_registry: Any  # the Trainer's or Fabric's strategy registry
     _precision_attr: str  # "precision_plugin" (Trainer) or "precision" (Fabric)
     auto_options: Any
-    engine_cls: type[Engine]
     plan: Any = None
 
     def _init_engine(self, options: dict[str, Any]) -> None:
@@ -236,9 +230,9 @@ class AutoResolution:
 def choose_strategy(stand_in: Any, options: Any, source: Any, lightning_registry: Any, precision_attr: str) -> Any:
     """What ``disttrain_auto`` runs as: the planner's choice for ``source`` (a module, a recipe YAML, its ``model:``
     dict) on the devices of ``stand_in`` (the auto strategy as Lightning set it up), built from
-    ``lightning_registry`` (the Trainer's or Fabric's) with the plan's options and everything Lightning had set on the stand-in: accelerator,
-    devices, cluster environment, precision (``precision_attr``: "precision_plugin" or "precision"), layer sync
-    and launcher. The planner's report is its ``plan``."""
+    ``lightning_registry`` (the Trainer's or Fabric's) with the plan's options and everything Lightning had set on
+    the stand-in: accelerator, devices, cluster environment, precision (``precision_attr``: "precision_plugin" or
+    "precision"), layer sync and launcher. The planner's report is its ``plan``."""
     from disttrain.planner.runtime import plan_for
 
     devices = stand_in.parallel_devices

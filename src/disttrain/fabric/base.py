@@ -1,10 +1,10 @@
 """The one Fabric adapter base: the Lightning plumbing every ``disttrain_*`` Fabric strategy shares, written once
 over the strategy's engine (:mod:`disttrain.parallel.engine`). A registered strategy is a short subclass naming its
-engine and options dataclass::
+registered strategy and its engine (whose options dataclass it takes), listed in the package's ``ADAPTERS``::
 
     class FSDPStrategy(EngineStrategy):
         strategy_name = "disttrain_fsdp"
-        engine_cls, options_cls = FSDPEngine, FSDPOptions
+        engine_cls = FSDPEngine
 
 :class:`FabricAdapter` holds what every adapter does (checkpoints of the one layout from Fabric's state dict,
 clipping, ``full_model``/``export_full``); :class:`EngineStrategy` puts it over Fabric's ``ParallelStrategy`` for
@@ -125,7 +125,7 @@ class _NoSyncByEngine(_BackwardSyncControl):
 
 class EngineStrategy(FabricAdapter, DistributedPlumbing, ParallelStrategy):
     """The base of the Fabric strategies whose engine sets models up (DDP, FSDP, Megatron, recsys); CUDA (nccl) and
-    CPU (gloo). Subclasses set ``strategy_name``, ``engine_cls`` and ``options_cls``; options are keywords of the
+    CPU (gloo). Subclasses set ``strategy_name`` and ``engine_cls``; options are keywords of the engine's
     options dataclass, the same as the Trainer strategy's. Optimizers may be created before ``fabric.setup`` or
     after it."""
 

@@ -82,9 +82,7 @@ class Registered:
 
     def given(self, options: Any) -> dict[str, Any]:
         """The options of ``options`` that differ from the dataclass defaults and the row's, for labels and reports."""
-        defaults = {f.name: f.default for f in dataclasses.fields(options) if f.default is not dataclasses.MISSING}
-        defaults.update(self.defaults)
-        return {k: v for k, v in dataclasses.asdict(options).items() if k not in defaults or defaults[k] != v}
+        return non_default(options, self.defaults)
 
 
 DDP = Registered("disttrain_ddp", DDPEngine,
@@ -111,6 +109,13 @@ AUTO = Registered("disttrain_auto", None,
 STRATEGIES: tuple[Registered, ...] = (DDP, FSDP, FSDP_OFFLOAD, ZERO3, ZERO3_OFFLOAD, MEGATRON, RECSYS, AUTO)
 
 
+def non_default(options: Any, defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The fields of an options dataclass that differ from its defaults (and from ``defaults``)."""
+    base = {f.name: f.default for f in dataclasses.fields(options) if f.default is not dataclasses.MISSING}
+    base.update(defaults or {})
+    return {k: v for k, v in dataclasses.asdict(options).items() if k not in base or base[k] != v}
+
+
 def names() -> list[str]:
     return [row.name for row in STRATEGIES]
 
@@ -128,4 +133,4 @@ def lookup(name: str) -> Registered:
 
 
 __all__ = ["AUTO", "AutoOptions", "DDP", "FSDP", "FSDP_OFFLOAD", "MEGATRON", "RECSYS", "Registered", "STRATEGIES",
-           "ZERO3", "ZERO3_OFFLOAD", "lookup", "names"]
+           "ZERO3", "ZERO3_OFFLOAD", "lookup", "names", "non_default"]

@@ -74,10 +74,9 @@ def strategy_description(strategy: Any) -> dict[str, Any]:
     if dims is not None:
         out["degrees"] = dims.degrees()
     if dataclasses.is_dataclass(options):
-        defaults = {f.name: f.default for f in dataclasses.fields(options)
-                    if f.default is not dataclasses.MISSING}
-        out["options"] = {k: _plain(v) for k, v in dataclasses.asdict(options).items()
-                          if k not in defaults or defaults[k] != v}
+        from disttrain.parallel.registry import non_default
+
+        out["options"] = {k: _plain(v) for k, v in non_default(options).items()}
     return out
 
 

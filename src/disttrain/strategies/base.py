@@ -1,10 +1,10 @@
 """The one Trainer adapter base: the Lightning plumbing every ``disttrain_*`` Trainer strategy shares, written once
 over the strategy's engine (:mod:`disttrain.parallel.engine`). A registered strategy is a short subclass naming its
-engine and options dataclass::
+registered strategy and its engine (whose options dataclass it takes), listed in the package's ``ADAPTERS``::
 
     class FSDPStrategy(EngineStrategy):
         strategy_name = "disttrain_fsdp"
-        engine_cls, options_cls = FSDPEngine, FSDPOptions
+        engine_cls = FSDPEngine
 
 :class:`TrainerAdapter` holds what every adapter does (checkpoint keys of the one layout, clipping, buffers,
 ``full_model``/``export_full``); :class:`EngineStrategy` puts it over Lightning's ``ParallelStrategy`` for engines
@@ -188,7 +188,7 @@ class FSDP2MixedPrecision(EngineMixedPrecision):
 
 class EngineStrategy(TrainerAdapter, DistributedPlumbing, ParallelStrategy):
     """The base of the Trainer strategies whose engine sets models up (FSDP, Megatron, recsys); CUDA (nccl) and
-    CPU (gloo). Subclasses set ``strategy_name``, ``engine_cls`` and ``options_cls``; options are keywords of the
+    CPU (gloo). Subclasses set ``strategy_name`` and ``engine_cls``; options are keywords of the engine's
     options dataclass."""
 
     _launcher_cls = _SubprocessScriptLauncher
