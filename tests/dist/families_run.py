@@ -2,7 +2,8 @@
 
 Usage: families_run.py OUT SPEC MODEL [MODEL ...]
 MODEL: gpt2 (tied embeddings), gpt2-untied, bert (BertForSequenceClassification), roberta, qwen3 (tied),
-qwen3-untied, llama-bias (attention_bias=True), vit-qknorm (timm ViT, qk_norm=True), t5; gpt2-userplan and
+qwen3-untied, llama-bias (attention_bias=True), vit-qknorm (timm ViT, qk_norm=True), t5; through the plans their HF
+configs declare: phi3, neox, gemma2 (tied), gemma2-untied, qwen2-moe, mixtral, qwen3-moe; gpt2-userplan and
 bert-userplan, qwen3-userplan: the model with a ``tp_plan`` written with torch's own styles (as a user would; the
 Qwen3 plan does not mention its per-head q/k norms).
 
@@ -53,6 +54,24 @@ def build(name: str) -> torch.nn.Module:
     if name == "llama-bias":
         config = tf.LlamaConfig(**small, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=False)
         return tf.LlamaForCausalLM(config)
+    moe = dict(num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False)
+    if name == "phi3":  # fused qkv_proj and gate_up_proj (HF's plan: colwise_gather_output)
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**small, num_key_value_heads=2, pad_token_id=0,
+                                                tie_word_embeddings=False))
+    if name == "neox":  # per-head interleaved query_key_value
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**small, hidden_dropout=0.0, attention_dropout=0.0,
+                                                      tie_word_embeddings=False))
+    if name.startswith("gemma2"):  # tied by default; logit soft-capping, scaled embeddings, sliding windows
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, num_key_value_heads=2, head_dim=16,
+                                                    tie_word_embeddings=name == "gemma2"))
+    if name == "qwen2-moe":  # packed gate_up_proj experts, a shared expert
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**small, **moe, num_experts=4, moe_intermediate_size=32,
+                                                        shared_expert_intermediate_size=48))
+    if name == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**small, **moe, num_local_experts=4))
+    if name == "qwen3-moe":  # per-head q/k norms (replicated_with_grad_allreduce) and experts
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**small, **moe, num_experts=4, moe_intermediate_size=32,
+                                                        head_dim=16))
     if name == "t5":
         config = tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                              dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,

@@ -97,8 +97,9 @@ def pipeline_family(model: nn.Module) -> Family:
         return family
     if reason := unsupported_reason(model):
         raise ValueError(f"pipeline parallelism: {reason}")
-    raise ValueError(f"pipeline parallelism knows how to split HF Llama-family causal LMs, GPT2LMHeadModel,"
-                     f" BERT-style sequence classifiers and timm VisionTransformers, not {type(model).__name__}")
+    raise ValueError(f"pipeline parallelism knows how to split HF causal LMs whose config declares a pipeline plan,"
+                     f" GPT2LMHeadModel, BERT-style sequence classifiers and timm VisionTransformers, not"
+                     f" {type(model).__name__}")
 
 
 def block_sizes(model: nn.Module) -> tuple[list[int], int, int]:

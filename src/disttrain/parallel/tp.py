@@ -2,7 +2,8 @@
 ``torch.distributed.tensor.parallel`` style, applied to every block of the model.
 
 The plans, head-count checks and fused-weight reorderings are the model families' (:mod:`disttrain.parallel.families`:
-the HF Llama family, GPT-2, BERT-style encoders, timm's VisionTransformer); a user can pass their own plan (paths
+the HF Llama family, GPT-2, BERT-style encoders, timm's VisionTransformer); any other HF model whose config declares
+its own plan (``base_model_tp_plan``) is sharded by transformers' own styles (:mod:`~disttrain.parallel.families.hf_plans`); a user can pass their own plan (paths
 relative to one repeated block: it applies to the blocks that contain them). Embeddings, norms and the output head
 stay replicated over the tensor-parallel group (FSDP shards them over the data-parallel one). Encoder-decoder models
 (T5, BART) are refused.
@@ -32,6 +33,17 @@ class TPResult:
 
     reordered: dict[str, torch.Tensor] = field(default_factory=dict)
     weight_dims: dict[str, int] = field(default_factory=dict)
+    # Parameters (full name -> rows) checkpointed whole: strided shards, which DCP cannot write as chunks.
+    whole: dict[str, int] = field(default_factory=dict)
+
+    def record_strided(self, model: nn.Module) -> None:
+        """Note the parameters of ``model`` whose DTensor placements are strided shards (``_StridedShard``)."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements):
+                self.whole[name] = param.shape[0]
 
     def record(self, block_path: str, reorders: dict[str, Reorder]) -> None:
         for path, reorder in reorders.items():
@@ -46,7 +58,7 @@ class TPResult:
     def storage_layout(self, prefixes: Iterable[str] = ("",)) -> QKVRowsLayout:
         """The checkpoint layout that saves the reordered weights in the model's own order (keys under any of
         ``prefixes``)."""
-        return QKVRowsLayout(self.reordered, prefixes=tuple(prefixes), weight_dims=self.weight_dims)
+        return QKVRowsLayout(self.reordered, prefixes=tuple(prefixes), weight_dims=self.weight_dims, whole=self.whole)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
@@ -60,11 +72,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
     if found is None and (reason := unsupported_reason(model)):
         raise ValueError(f"tensor parallelism: {reason}")
     family: Family | None = found[2] if found else None
+    if plan is None and family is not None and hasattr(family, "apply_tp"):  # the model's own declared plan
+        family.check_tp(found[1], tp, None)
+        family.apply_tp(found[1], tp_mesh)
+        result.record_strided(model)
+        return result
     if plan is None:
         if family is None:
-            raise ValueError(f"no tensor-parallel plan for {type(model).__name__}: built-in plans cover the HF Llama"
-                             " family, GPT-2, BERT-style encoders and timm's VisionTransformer; pass tp_plan="
-                             "{'block.path': ColwiseParallel(), ...} with paths relative to one repeated block")
+            raise ValueError(f"no tensor-parallel plan for {type(model).__name__}: disttrain applies the plan an HF"
+                             " model's config declares (base_model_tp_plan) and its own for GPT-2, BERT-style encoders"
+                             " and timm's VisionTransformer; pass tp_plan={'block.path': ColwiseParallel(), ...} with"
+                             " paths relative to one repeated block")
         plan = family.tp_plan(found[1])
     if family is not None:
         family.check_tp(found[1], tp, plan)

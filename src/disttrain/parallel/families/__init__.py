@@ -20,7 +20,9 @@ listed in :data:`FAMILIES`; HF families derive from :class:`~disttrain.parallel.
 - **export**: ``export_format``, the ``disttrain export --to`` format its library loads (hf, timm, torch).
 
 Every method has a default that refuses (or returns None), so a family implements what it supports. A new family
-(e.g. Qwen2-MoE) is one module here, added to :data:`FAMILIES`, plus its tests.
+needs a module here only where transformers declares no plans for it, or where disttrain does more for it than the
+plans (context parallelism, the planner's formulas): :mod:`~disttrain.parallel.families.hf_plans` trains every HF
+model whose config declares its tensor-, expert- and pipeline-parallel plans.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ from disttrain.parallel.families.base import ExportFormat, Family, Plan
 from disttrain.parallel.families.bert import BERT
 from disttrain.parallel.families.deepfm import DEEPFM
 from disttrain.parallel.families.gpt2 import GPT2
+from disttrain.parallel.families.hf_plans import HF_PLANS
 from disttrain.parallel.families.layout import Reorder
 from disttrain.parallel.families.llama import LLAMA
 from disttrain.parallel.families.spec import ModelSpec
 from disttrain.parallel.families.vit import VIT
 
-# Looked up in this order: the first family that recognises a model or a config is its family.
-FAMILIES: tuple[Family, ...] = (LLAMA, GPT2, BERT, VIT, DEEPFM)
+# Looked up in this order: the first family that recognises a model or a config is its family. HF_PLANS (any HF
+# model whose config declares its own parallel plans) comes last: the family files before it are written for theirs.
+FAMILIES: tuple[Family, ...] = (LLAMA, GPT2, BERT, VIT, DEEPFM, HF_PLANS)
 
 
 def registered() -> tuple[Family, ...]:

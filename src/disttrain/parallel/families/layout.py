@@ -49,14 +49,19 @@ class QKVRowsLayout(ckpt.StorageLayout):
     ``attn.c_attn`` columns) whatever the tensor-parallel size, so a model saved at tp=2 loads under FSDP, DDP or
     another tp. Under TP the slices live rank-major (``qkv_rank_major``); these few tensors (weights, biases and
     their optimizer moments) are gathered, put back in the library's order and saved whole, and on load read
-    whole, reordered and sharded again. Every other tensor stays sharded."""
+    whole, reordered and sharded again. Every other tensor stays sharded.
+
+    ``whole`` names parameters (full names, with their rows) saved whole in their own order: strided shards (a fused
+    ``gate_up_proj`` of MoE experts split by transformers' ``packed_colwise``), which DCP cannot describe as chunks."""
 
     def __init__(self, reordered: dict[str, torch.Tensor], prefixes: Iterable[str] = ("",),
-                 weight_dims: Optional[dict[str, int]] = None) -> None:
+                 weight_dims: Optional[dict[str, int]] = None, whole: Optional[dict[str, int]] = None) -> None:
         dims = weight_dims or {}
         self.orders = {f"{prefix}{path}.{suffix}": (order, dims.get(path, 0) if suffix == "weight" else 0)
                        for path, order in reordered.items() for prefix in set(prefixes)
                        for suffix in ("weight", "bias")}
+        self.orders.update({f"{prefix}{name}": (torch.arange(rows), 0) for name, rows in (whole or {}).items()
+                            for prefix in set(prefixes)})
         self.placements: dict[tuple[str, str, str], Any] = {}
 
     def _entries(self, tensors: dict[str, Any]):
