@@ -90,7 +90,7 @@ def test_parallel_dims_arithmetic_and_coordinates():
     assert dims.coordinates(1)["tp"] == 1 and dims.coordinates(2)["cp"] == 1  # tp fastest, then cp
     with pytest.raises(ValueError, match=r"world_size=6 is not divisible by tp\*pp=4 \(tp=2, pp=2\)"):
         ParallelDims(6, tp=2, pp=2)
-    with pytest.raises(ValueError, match=r"ep=3 does not divide dp_shard\*cp=8.*choose one of 1, 2, 4, 8"):
+    with pytest.raises(ValueError, match=r"ep=3 does not divide dp_shard=8.*choose one of 1, 2, 4, 8"):
         ParallelDims(8, ep=3)
 
 

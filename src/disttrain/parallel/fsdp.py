@@ -95,8 +95,24 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, op
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward: resharding them is wasted work.
         reshard = options.reshard_after_forward if i < len(blocks) - 1 else False
-        fully_shard(block, reshard_after_forward=reshard, **common)
+        _shard(block, reshard_after_forward=reshard, **common)
     return blocks
+
+
+def _shard(module: nn.Module, **kwargs: Any) -> None:
+    """``fully_shard``, keeping what transformers records from the module's forward. fully_shard gives the module a
+    class of its own (``FSDPMixtralModel``), and transformers looks up which outputs a model records (an MoE
+    router's logits, from which its auxiliary loss is computed) by the class's name: without the entry copied to the
+    new class an MoE model trained with output_router_logits=True would silently lose its auxiliary loss."""
+    cls = type(module)
+    fully_shard(module, **kwargs)
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # an older transformers records by class reference, which fully_shard keeps as a base
+        return
+    flags = dict.get(_CAN_RECORD_REGISTRY, str(cls))
+    if flags:
+        dict.__setitem__(_CAN_RECORD_REGISTRY, str(type(module)), flags)
 
 
 def shard_root(module: nn.Module, mesh: DeviceMesh, options: FSDPOptions, precision: str,
@@ -104,9 +120,8 @@ def shard_root(module: nn.Module, mesh: DeviceMesh, options: FSDPOptions, precis
     """One FSDP unit for ``module``'s parameters outside the units inside it: an entry point (the model, a
     sub-network, a pipeline stage) whose outputs stay fp32 under ``*-mixed``, for a loss computed outside it."""
     policy = mixed_precision_policy(precision, root=True)
-    fully_shard(module, mesh=mesh, reshard_after_forward=options.reshard_after_forward,
-                offload_policy=offload_policy(options.cpu_offload, device),
-                **({"mp_policy": policy} if policy else {}))
+    _shard(module, mesh=mesh, reshard_after_forward=options.reshard_after_forward,
+           offload_policy=offload_policy(options.cpu_offload, device), **({"mp_policy": policy} if policy else {}))
 
 
 def sub_networks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Sequence
 
@@ -46,6 +46,12 @@ class MegatronOptions(FSDPOptions):
         The sequence length must divide by it. Not with pipeline parallelism.
     context_parallel_attention: "all_to_all" (Ulysses: heads exchanged for sequence around the model's own kernel;
         any device, packed rows, sliding windows) or "ring" (torch's ring attention: CUDA SDPA, causal, unpacked).
+    expert_parallel_size: ranks that split the experts of an MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE, any HF model
+        whose config declares ``base_model_ep_plan``): each keeps ``experts / expert_parallel_size`` whole experts,
+        and every token is sent to its experts' ranks and back with all-to-all (dropless). Taken from the
+        data-parallel ranks (it must divide them), so it adds no ranks; FSDP shards the other weights over all
+        data-parallel ranks and each expert over the ranks that hold it. With tensor parallelism the experts are
+        whole on every tensor-parallel rank (attention is split). Not with pipeline or context parallelism.
     Data parallel is what is left: ``world_size / (tensor_parallel_size * pipeline_parallel_size *
     context_parallel_size)``.
     """
@@ -53,7 +59,7 @@ class MegatronOptions(FSDPOptions):
     # The options that set a degree of ParallelDims, by dimension: what parallel_dims reads, what the CLI's degree
     # flags (--tp, --pp) set.
     degrees: ClassVar[dict[str, str]] = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size",
-                                         "cp": "context_parallel_size"}
+                                         "cp": "context_parallel_size", "ep": "expert_parallel_size"}
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -65,6 +71,7 @@ class MegatronOptions(FSDPOptions):
     pipeline_module: str = "model"
     context_parallel_size: int = 1
     context_parallel_attention: str = "all_to_all"
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # Every option a user sets is read or refused: these are read only by the dimension they belong to.
@@ -73,6 +80,8 @@ class MegatronOptions(FSDPOptions):
             unused += [(name, "pipeline_parallel_size > 1") for name, default in (
                 ("pipeline_schedule", "1f1b"), ("microbatches", None), ("virtual_stages", 1), ("split_points", None))
                 if getattr(self, name) != default]
+        if self.expert_parallel_size > 1 and self.tp_plan is not None:
+            unused.append(("tp_plan", "expert_parallel_size=1 (experts follow the model's own plans)"))
         if self.tensor_parallel_size == 1 and self.tp_plan is not None:
             unused.append(("tp_plan", "tensor_parallel_size > 1"))
         if self.context_parallel_size == 1 and self.context_parallel_attention != "all_to_all":
@@ -91,6 +100,7 @@ class MegatronEngine(FSDPEngine):
         super().__init__(options, name)
         self.pipeline: Optional[Pipeline] = None
         self.tp_result = TPResult()
+        self.expert_modules: list[nn.Module] = []
         self._target_prefix = ""
 
     @classmethod
@@ -101,6 +111,10 @@ class MegatronEngine(FSDPEngine):
             raise ValueError("hybrid_shard/shard_size are disttrain_fsdp options; under disttrain_megatron the"
                              " data-parallel dimension is fully sharded: remove them or use strategy='disttrain_fsdp'")
         dims = ParallelDims(world_size, **{dim: getattr(options, name) for dim, name in options.degrees.items()})
+        if dims.ep > 1 and (dims.cp > 1 or dims.pp > 1):
+            raise ValueError(f"expert_parallel_size={dims.ep} with context_parallel_size={dims.cp} and"
+                             f" pipeline_parallel_size={dims.pp}: expert parallelism composes with data sharding and"
+                             " tensor parallelism; use context_parallel_size=1 and pipeline_parallel_size=1")
         if dims.cp > 1 and dims.pp > 1:
             raise ValueError(f"context_parallel_size={dims.cp} with pipeline_parallel_size={dims.pp}: context"
                              " parallelism composes with tensor and data parallelism, not with pipeline stages; use"
@@ -165,7 +179,9 @@ class MegatronEngine(FSDPEngine):
 
             apply_context_parallel(target, meshes.cp, attention=opts.context_parallel_attention)
         if dims.tp > 1:
-            self.tp_result = apply_tp(target, meshes.tp, opts.tp_plan, opts.wrap_classes)
+            self.tp_result = apply_tp(target, meshes.tp, opts.tp_plan, opts.wrap_classes, ep=dims.ep)
+        if dims.ep > 1:
+            self._expert_parallel(target, device, precision)
         if dims.pp > 1:
             self._shard_stages(device, precision)
         else:
@@ -188,6 +204,34 @@ class MegatronEngine(FSDPEngine):
                 f" {self.dims.tp}, {self.dims.pp} and {self.dims.cp}): write the full model with"
                 " strategy.export_full(path) and load that file into the plain model")
         return super().full_model(model)
+
+    def _expert_parallel(self, target: nn.Module, device: torch.device, precision: str) -> None:
+        """Split the experts over the expert-parallel ranks (the model's own expert plan, applied by transformers)
+        and give each experts module an FSDP unit of its own over the ranks that hold the same experts. An expert's
+        gradient arrives summed over the tokens every rank sent it; dividing by all data-parallel ranks (not only
+        those of its unit) makes it the same mean over the global batch as every other weight's."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from disttrain.parallel.families.hf_plans import HF_PLANS
+
+        assert self.meshes is not None and self.dims is not None
+        found = find_model(target)
+        if found is None or found[2] is not HF_PLANS:
+            name = type(found[1] if found else target).__name__
+            raise ValueError(f"expert_parallel_size={self.dims.ep}: expert parallelism splits the experts of HF MoE"
+                             f" models whose config declares an expert plan (Mixtral, Qwen2-MoE, Qwen3-MoE, ...), not"
+                             f" {name}; use expert_parallel_size=1")
+        experts = HF_PLANS.apply_ep(found[1], self.meshes.ep, self.meshes.ep_tokens, self.dims.tp)
+        self.expert_modules = experts
+        unit_options = replace(self.options, activation_checkpointing=False)
+        for module in experts:
+            shard_blocks(module, [module], self.meshes.expert_fsdp, unit_options, precision, device)
+            assert isinstance(module, FSDPModule)
+            module.set_gradient_divide_factor(float(self.dims.dp_shard))
+            # gloo has no pre-multiplied sum: sum, then divide. (Not on a one-rank unit: FSDP divides its copy of
+            # the gradient there already and would divide it twice.)
+            if device.type == "cpu" and self.meshes.expert_fsdp.size() > 1:
+                module.set_force_sum_reduction_for_comms(True)
 
     def _shard_stages(self, device: torch.device, precision: str) -> None:
         """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP), as

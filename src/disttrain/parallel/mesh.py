@@ -27,8 +27,8 @@ class ParallelDims:
     cp: context parallel: ranks that split each sequence (they see the same samples, different tokens).
     tp: tensor parallel: ranks that split each block's heads and MLP.
     pp: pipeline parallel: stages over ranks.
-    ep: expert parallel: ranks that split an MoE layer's experts, borrowed from ``dp_shard x cp`` (as torchtitan
-        does), so it adds no ranks of its own.
+    ep: expert parallel: ranks that split an MoE layer's experts, borrowed from ``dp_shard`` (as torchtitan
+        does), so it adds no ranks of its own; they see different samples and exchange tokens with all-to-all.
 
     Data parallel (different samples per rank) is ``dp = dp_replicate * dp_shard``; FSDP shards over
     ``dp_shard * cp`` ranks (context-parallel ranks hold the same parameters, so they share the shards too).
@@ -61,10 +61,9 @@ class ParallelDims:
         if fixed * self.dp_shard != self.world_size:
             raise ValueError(f"{self._product(every=True)} does not equal world_size={self.world_size}; pass"
                              " dp_shard=-1 to derive it")
-        if (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide dp_shard*cp={self.dp_shard * self.cp}: expert-parallel"
-                             " ranks are taken from the data-sharding and context-parallel ranks; choose one of"
-                             f" {', '.join(map(str, divisors(self.dp_shard * self.cp)))}")
+        if self.dp_shard % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp_shard={self.dp_shard}: expert-parallel ranks are taken"
+                             f" from the data-sharding ranks; choose one of {', '.join(map(str, divisors(self.dp_shard)))}")
 
     def _product(self, without: str = "", every: bool = False) -> str:
         """``"tp*pp=4 (tp=2, pp=2)"``: the product of the degrees above 1 (of all of them with ``every``)."""
@@ -128,9 +127,20 @@ class ParallelDims:
         sizes = {name: getattr(self, name) for name in DIMENSIONS}
         # Only dimensions above 1 (the data-sharding one always, so that every mesh below exists).
         names = tuple(n for n in DIMENSIONS if sizes[n] > 1 or n == "dp_shard")
+        if self.ep > 1:
+            if self.cp > 1 or self.dp_replicate > 1 or self.pp > 1:
+                raise ValueError(f"ep={self.ep} with {self._product(without='ep')}: expert parallelism composes with"
+                                 " data sharding and tensor parallelism; use cp=1, dp_replicate=1 and pp=1 with it")
+            # The data-sharding ranks split into (copies of each expert, expert-parallel ranks): neighbours hold
+            # different experts.
+            sizes = {**sizes, "dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep}
+            names = tuple(x for n in names for x in (("dp_shard_mod_ep", "ep") if n == "dp_shard" else (n,)))
         world = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+        dp_shard = world[("dp_shard_mod_ep", "ep")]._flatten("dp_shard") if self.ep > 1 else None
 
         def joined(parts: tuple[str, ...], name: str) -> DeviceMesh:
+            if dp_shard is not None:  # expert parallel: dp_shard alone (other dimensions they join are refused)
+                return dp_shard
             present = tuple(p for p in parts if p in names)
             return world[present]._flatten(name) if len(present) > 1 else world[present[0]]
 
@@ -141,8 +151,14 @@ class ParallelDims:
                              " parallelism together are not supported; use dp_replicate=1")
         # HSDP: fully_shard takes a 2-D (replicate, shard) mesh.
         fsdp = world["dp_replicate", "dp_shard"] if self.hybrid else shard
+        experts: dict[str, DeviceMesh] = {}
+        if self.ep > 1:
+            # Each rank dispatches the tokens it holds itself (ranks of one tensor-parallel group hold the same
+            # ones): a one-rank mesh per rank, for transformers' expert dispatch.
+            own = init_device_mesh(device_type, (self.world_size, 1), mesh_dim_names=("all", "own"))["own"]
+            experts = dict(ep=world["ep"], expert_fsdp=world["dp_shard_mod_ep"], ep_tokens=own)
         return Meshes(world=world, dp=dp, fsdp=fsdp, cp=world["cp"] if self.cp > 1 else None,
-                      tp=world["tp"] if self.tp > 1 else None, pp=world["pp"] if self.pp > 1 else None)
+                      tp=world["tp"] if self.tp > 1 else None, pp=world["pp"] if self.pp > 1 else None, **experts)
 
 
 @dataclass(frozen=True)
@@ -150,7 +166,9 @@ class Meshes:
     """The device meshes of one :class:`ParallelDims`, by use. ``world``: every dimension above 1 (what Lightning's
     ``device_mesh`` shows); ``dp``: the ranks that see different samples (samplers, buffers); ``fsdp``: what
     ``fully_shard`` shards over (``dp_shard x cp``; 2-D for HSDP); ``cp``/``tp``/``pp``: those dimensions, None when
-    their degree is 1."""
+    their degree is 1. Under expert parallelism: ``ep`` (the ranks that split the experts), ``expert_fsdp`` (the
+    ranks holding the same experts, which FSDP shards them over) and ``ep_tokens`` (the ranks holding this rank's
+    tokens: itself)."""
 
     world: DeviceMesh
     dp: DeviceMesh
@@ -158,6 +176,9 @@ class Meshes:
     cp: Optional[DeviceMesh] = None
     tp: Optional[DeviceMesh] = None
     pp: Optional[DeviceMesh] = None
+    ep: Optional[DeviceMesh] = None
+    expert_fsdp: Optional[DeviceMesh] = None
+    ep_tokens: Optional[DeviceMesh] = None
 
 
 def divisors(n: int) -> list[int]:

@@ -62,10 +62,11 @@ class TPResult:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
-             wrap_classes: BlockSpec = None) -> TPResult:
+             wrap_classes: BlockSpec = None, ep: int = 1) -> TPResult:
     """Shard every block of ``model`` over ``tp_mesh`` with ``plan`` (paths relative to one repeated block; it is
     applied to the blocks that contain them). Without a plan, the plan of the model's family is used; anything
-    else needs a plan. Encoder-decoder models are refused."""
+    else needs a plan. Encoder-decoder models are refused. ``ep``: the expert-parallel size (experts split over it
+    are left out of the tensor-parallel plan)."""
     tp = tp_mesh.size()
     result = TPResult()
     found = find_model(model)
@@ -74,7 +75,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
     family: Family | None = found[2] if found else None
     if plan is None and family is not None and hasattr(family, "apply_tp"):  # the model's own declared plan
         family.check_tp(found[1], tp, None)
-        family.apply_tp(found[1], tp_mesh)
+        family.apply_tp(found[1], tp_mesh, ep=ep)
         result.record_strided(model)
         return result
     if plan is None:
