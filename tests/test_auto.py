@@ -86,14 +86,18 @@ def test_a_configure_model_module_is_measured_on_meta_and_put_back():
 @pytest.fixture(scope="module")
 def hf_families(tmp_path_factory):
     """One launch: GPT-2 and T5, each under disttrain_auto and under Lightning's own ddp."""
-    return run_dist("auto_families.py", tmp_path_factory.mktemp("auto_families"), "gpt2", "t5")
+    return run_dist("auto_families.py", tmp_path_factory.mktemp("auto_families"), "gpt2", "t5", "qwen2-moe",
+                    "mixtral", "deit", "eva02")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, choice", [("gpt2", "disttrain_ddp"), ("t5", "disttrain_fsdp")])
+@pytest.mark.parametrize("model, choice", [("gpt2", "disttrain_ddp"), ("t5", "disttrain_fsdp"),
+                                           ("qwen2-moe", "disttrain_ddp"), ("mixtral", "disttrain_ddp"),
+                                           ("deit", "disttrain_ddp"), ("eva02", "disttrain_ddp")])
 def test_trainer_auto_on_hf_models_beyond_llama_matches_lightning_ddp(hf_families, model, choice):
-    """GPT-2 and T5 used to fail planning ("the Llama config lacks 'hidden_size'"); T5 is given a device memory
-    where only a sharded strategy fits."""
+    """GPT-2 and T5 used to fail planning ("the Llama config lacks 'hidden_size'"), MoE models on their grouped
+    expert matmul ("Expected mat_a to be BFloat16") and timm models built for 32x32 images on a 224x224 input; T5
+    is given a device memory where only a sharded strategy fits."""
     for rank in hf_families:
         result = rank[model]
         assert result["choice"] == choice

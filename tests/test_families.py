@@ -31,7 +31,7 @@ TINY_DEEPFM = {"embedding_dim": 8, "num_embeddings_per_feature": [50, 30, 20], "
 def tiny_models() -> dict[str, nn.Module]:
     import timm
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig, \
-        LlamaForCausalLM
+        LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
     from disttrain.recsys.model import DeepFMNet
 
@@ -43,6 +43,9 @@ def tiny_models() -> dict[str, nn.Module]:
                                                          intermediate_size=64, vocab_size=64)),
         "vit": timm.create_model("vit_base_patch16_224", pretrained=False, **TINY_VIT),
         "deepfm": DeepFMNet(**TINY_DEEPFM),
+        # any other HF model whose config declares its parallel plans
+        "hf_plans": Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, pad_token_id=0, eos_token_id=0, bos_token_id=0)),
     }
 
 
@@ -130,7 +133,7 @@ def test_the_planner_refuses_a_misspelt_section(tmp_path):
 def test_export_formats_are_the_families_and_the_neutral_ones():
     assert tuple(export_formats()) == ("safetensors", "hf", "timm", "torch")
     assert {f.name: f.export_format.name for f in FAMILIES} == {"llama": "hf", "gpt2": "hf", "bert": "hf",
-                                                                "vit": "timm", "deepfm": "torch"}
+                                                                "vit": "timm", "deepfm": "torch", "hf_plans": "hf"}
 
 
 def test_megatron_splits_the_model_inside_a_lightning_module_that_keeps_its_config():

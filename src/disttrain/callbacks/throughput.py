@@ -147,7 +147,8 @@ def hf_transformer_dims(config_or_model: Any) -> TransformerDims:
     """``TransformerDims`` of a Hugging Face causal LM, from its model (sharded or not: FSDP2 and ZeRO-3 parameters
     count at full size) or from its config alone (the model is then built on the meta device, allocating nothing).
 
-    The input embedding is left out of ``n_params`` unless it is tied to the output head, where it is a matmul.
+    The input embedding is left out of ``n_params`` unless it is tied to the output head, where it is a matmul. An
+    MoE model counts its active parameters: of each layer's experts, the ``num_experts_per_tok`` a token meets.
     """
     if isinstance(config_or_model, nn.Module):
         model = config_or_model
@@ -169,6 +170,11 @@ def hf_transformer_dims(config_or_model: Any) -> TransformerDims:
     tied = (head is not None and head.weight is embedding) or bool(getattr(config, "tie_word_embeddings", False))
     if not tied:
         n_params -= _global_numel(embedding)
+    from disttrain.parallel.families.hf_plans import expert_counts
+
+    experts, per_layer, top_k = expert_counts(model)
+    if experts and per_layer:  # MoE: a token meets top_k of each layer's experts (the active parameters)
+        n_params -= round(experts * (1 - top_k / per_layer))
     heads, head_dim = getattr(config, "num_attention_heads", None), getattr(config, "head_dim", None)
     hidden = heads * head_dim if heads and head_dim else _field(config, "hidden_size", "n_embd", "d_model")
     return TransformerDims(n_params=n_params, n_layers=_field(config, "num_hidden_layers", "n_layer", "num_layers"),

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from disttrain.parallel.blocks import find_blocks
-from disttrain.parallel.families import family_for_model_type, unsupported_reason
+from disttrain.parallel.families import family_for_model_type, family_of, unsupported_reason
+from disttrain.parallel.families.hf_plans import expert_counts
 from disttrain.planner.measured import Inputs, MeasuredModel
 from disttrain.parallel.families.spec import ModelSpec, count_params
 
@@ -120,17 +121,20 @@ def _hf_inputs(model: nn.Module, config: Any) -> tuple[Inputs, str, bool]:
 def hf_spec(config: Any, model: Optional[nn.Module] = None) -> ModelSpec:
     """Any HF model: ``model`` (a module, on any device) or the model ``config`` describes, built on meta."""
     model = model if model is not None else build_hf(config)
-    family = family_for_model_type(getattr(config, "model_type", None))
+    own = family_for_model_type(getattr(config, "model_type", None))
+    family = own or family_of(model)  # a family file, else the plans the HF config declares (hf_plans)
     widths = {**_hf_widths(config), **(family.widths(config) if family is not None else {})}
     blocks = repeated_blocks(model)
     inputs, what, lm = _hf_inputs(model, config)
     plan = family.tp_plan(model) if family is not None else None
     measured = MeasuredModel(model, inputs, blocks, plan, what=what)
+    experts, per_layer, top_k = expert_counts(model)
     extra = {"activations": measured, "lm_logits": lm, "model_type": config.model_type,
              "tensor_parallel": family is not None and _splits(family, model),
-             "pipeline": family is not None and _pipelines(family, model)}
+             "pipeline": family is not None and _pipelines(family, model),
+             "experts": {"params": experts, "count": per_layer, "top_k": top_k} if experts else {}}
     attention = "eager" if getattr(config, "_attn_implementation", None) == "eager" else "sdpa"
-    return ModelSpec(family.name if family is not None else config.model_type, **_structure(model, blocks),
+    return ModelSpec(own.name if own is not None else config.model_type, **_structure(model, blocks),
                      hidden=widths["hidden"], ffn=widths["ffn"], heads=widths["heads"], kv_heads=widths["kv_heads"],
                      vocab=widths["vocab"], tokens=widths["tokens"], attention=attention, extra=extra)
 
@@ -162,9 +166,15 @@ def timm_model(name: str) -> nn.Module:
 
 
 def image_spec(model: nn.Module, family: str) -> ModelSpec:
-    """An image model taking ``(B, C, H, W)`` at its configured input size (timm's ``pretrained_cfg``)."""
+    """An image model taking ``(B, C, H, W)`` at the size it was built for: its patch embedding's ``img_size`` (a
+    timm ViT, DeiT or EVA built with ``img_size=32``), else timm's ``pretrained_cfg``."""
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
     chans, height, width = cfg.get("input_size", (3, 224, 224))
+    built = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if isinstance(built, (tuple, list)) and len(built) == 2:
+        height, width = (int(v) for v in built)
+        chans = int(getattr(model.patch_embed.proj, "in_channels", chans)) if hasattr(model.patch_embed, "proj") \
+            else chans
     blocks = repeated_blocks(model)
 
     def inputs(b: int, s: int) -> tuple[tuple, dict]:

@@ -21,8 +21,10 @@ length, measured on first use and kept.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +211,7 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], blocks: list[nn.Module
         handles += [m.register_forward_hook(_split_hook(recorder, False)) for m in rows]
     args, kwargs = inputs
     args, kwargs = tuple(fake_of(a) for a in args), {k: fake_of(v) for k, v in kwargs.items()}
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_grouped_mm_flops())
     try:
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _CountFusedAttention(), counter, \
                 fake:
@@ -248,7 +250,9 @@ class MeasuredModel:
             was_training = self.model.training
             self.model.train()  # what is saved for backward: the training forward (dropout, batch statistics)
             try:
-                self._profiles[key] = measure(self.model, self.inputs(micro_batch, seq_len), self.blocks, self.plan)
+                with _measurable_experts(self.model):
+                    self._profiles[key] = measure(self.model, self.inputs(micro_batch, seq_len), self.blocks,
+                                                  self.plan)
             except Exception as e:  # a forward that needs real data (or real devices) cannot be planned this way
                 raise ValueError(
                     f"the planner cannot run {type(self.model).__name__}'s forward on the meta device with"
@@ -258,3 +262,39 @@ class MeasuredModel:
             finally:
                 self.model.train(was_training)
         return self._profiles[key]
+
+
+@contextmanager
+def _measurable_experts(model: nn.Module) -> Iterator[None]:
+    """HF MoE experts measured through transformers' own grouped-matmul fallback op while the model is profiled:
+    torch's ``_grouped_mm`` has no meta kernel for float32 (it checks for bfloat16 before computing a shape), and
+    transformers' op has one and saves for backward what the grouped matmul saves (its input; the weights are
+    parameters). Its FLOPs are counted by :func:`_grouped_mm_flops`."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    if not hasattr(moe, "_can_use_grouped_mm") or not any(hasattr(m, "gate_up_proj") or hasattr(m, "down_proj")
+                                                            for m in model.modules()):
+        yield
+        return
+    original = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+def _grouped_mm_flops() -> dict:
+    """FlopCounterMode's formula for transformers' grouped matmul op: 2 x rows x in x out (every row meets one
+    expert's weight)."""
+    op = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if op is None:
+        return {}
+
+    def flops(input_shape: Any, weight_shape: Any, *args: Any, **kwargs: Any) -> int:
+        return 2 * input_shape[0] * input_shape[1] * weight_shape[-1]
+
+    return {op.default: flops}

@@ -23,6 +23,7 @@ files: context parallelism, the planner's formulas and their pipeline stages are
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Optional
 
 import torch
@@ -83,6 +84,22 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
         first, attr = group[0]
         for module, name in group[1:]:
             module._parameters[name] = first._parameters[attr]
+
+
+def expert_counts(model: nn.Module) -> tuple[int, int, int]:
+    """``(parameters in experts, experts per MoE layer, experts each token goes to)`` of an HF model whose config
+    declares an expert plan (its ``ep_dispatch_experts`` modules); zeros for a dense model. Sharded parameters count
+    at full size."""
+    patterns = [name for name, style in declared_plans(model)[1].items() if style == "ep_dispatch_experts"]
+    if not patterns:
+        return 0, 0, 0
+    match = re.compile("(?:^|\\.)(?:" + "|".join(re.escape(p).replace("\\*", "\\d+") for p in patterns) + ")$")
+    params = sum(getattr(p, "ds_numel", p.numel()) for name, module in model.named_modules() if match.search(name)
+                 for p in module.parameters())
+    config = _text_config(model)
+    top_k = next((v for k in ("num_experts_per_tok", "moe_topk", "top_k") if isinstance(v := getattr(config, k, None),
+                                                                                      int)), 0)
+    return params, HF_PLANS.num_experts(model), top_k
 
 
 class PassThrough(nn.Module):
@@ -182,6 +199,23 @@ class HFPlansFamily(HFFamily):
                  if isinstance(getattr(config, k, None), int)}
         if heads:
             check_heads(tp, **heads)
+
+    def tp_plan(self, model: Optional[nn.Module] = None) -> dict:
+        """The declared plan of one layer in torch's styles (column- or row-split), as the planner reads it to tell
+        split activations from replicated ones; training applies transformers' own styles (:meth:`apply_tp`)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if model is None:
+            raise ValueError("the plan an HF config declares is read from its model")
+        plan: dict = {}
+        for name, style in declared_plans(model)[0].items():
+            prefix, star, path = name.partition("layers.*.")
+            if star and not prefix.strip(".").count("."):  # a path inside each layer
+                if "colwise" in style:
+                    plan[path] = ColwiseParallel()
+                elif "rowwise" in style and "embedding" not in style:
+                    plan[path] = RowwiseParallel()
+        return plan
 
     def apply_tp(self, model: nn.Module, tp_mesh: Any, ep: int = 1) -> None:
         """Shard ``model`` over ``tp_mesh`` with its own resolved plan (transformers' styles)."""
