@@ -299,3 +299,17 @@ def test_recipe_context_parallel(tmp_path, demo):
     assert refused.returncode != 0
     assert "dialogue_llm: error: --context-parallel-size 2 is an option of disttrain_megatron" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.slow
+def test_recipe_trains_an_moe_config_with_expert_parallelism(tmp_path, demo):
+    """configs/nlp/dialogue_moe_tiny.yaml (Qwen2-MoE, the router's auxiliary loss on) with --expert-parallel-size 2:
+    each process keeps half the experts, held-out loss falls, and the export is the plain HF MoE model."""
+    proc = recipe("disttrain_megatron", tmp_path, demo[0], "--config", "configs/nlp/dialogue_moe_tiny.yaml",
+                  "--expert-parallel-size", "2", "--steps", "3", "--eval-every", "3")
+    before, after = held_out(proc.stdout)
+    assert after < before
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf")
+    assert type(model).__name__ == "Qwen2MoeForCausalLM" and model.config.num_experts == 8

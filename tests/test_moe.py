@@ -130,3 +130,25 @@ def test_expert_parallel_refuses_what_has_no_experts_and_sizes_that_do_not_divid
         HF_PLANS.apply_ep(phi3, FakeMesh(), None, 1)
     with pytest.raises(ValueError, match=r"tp_plan=.* applies with expert_parallel_size=1"):
         MegatronOptions(expert_parallel_size=2, tensor_parallel_size=2, tp_plan={})
+
+
+def test_the_planner_and_the_simulator_count_experts_by_expert_parallel_size():
+    """The engine's own sharding on the fake group (disttrain simulate) and the planner's count agree on a rank's
+    model states under ep=2, and per-rank expert bytes fall with ep (each rank keeps ep's share of the experts)."""
+    from disttrain.planner import estimate, model_spec
+    from disttrain.simulate import simulate
+
+    config = "configs/nlp/dialogue_moe_tiny.yaml"
+    spec = model_spec(config)
+    assert spec.extra["experts"] == {"params": 1179648, "count": 8, "top_k": 2}
+    sim = simulate(config, "disttrain_megatron", 4, precision="32-true", expert_parallel_size=2)
+    est = estimate(spec, "disttrain_megatron", 4, precision="32-true", expert_parallel_size=2, micro_batch=2,
+                   seq_len=64)
+    assert sim.busiest.params == pytest.approx(est.params, rel=0.02)
+    assert est.comm["ep"] > 0 and any("expert parallelism" in note for note in sim.notes)
+    # tp=2 x ep=2: attention split in two, experts whole on each tensor-parallel rank
+    tp = estimate(spec, "disttrain_megatron", 4, precision="32-true", expert_parallel_size=2, tensor_parallel_size=2)
+    experts_per_rank = spec.extra["experts"]["params"] / 2 * 4  # ep=2, one copy per tensor-parallel rank, fp32
+    assert tp.params >= experts_per_rank
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2: a llama model has no experts"):
+        estimate(model_spec("configs/nlp/dialogue_tiny.yaml"), "disttrain_megatron", 2, expert_parallel_size=2)

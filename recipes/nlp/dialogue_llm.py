@@ -1,11 +1,14 @@
-"""Dialogue LLM: chat SFT of a Llama-family model (disttrain.nlp.DialogueLM) with Lightning Fabric, under any
-disttrain strategy. Loss only on assistant turns; dialogues packed without attending to each other.
+"""Dialogue LLM: chat SFT of a causal LM (disttrain.nlp.DialogueLM: Llama, or the HF model_type the config names, e.g.
+an MoE) with Lightning Fabric, under any disttrain strategy. Loss only on assistant turns; dialogues packed without
+attending to each other.
 
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_zero3
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_auto
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_megatron \
         --context-parallel-size 2     # each packed row split over the 2 processes (long dialogues)
+    lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_megatron \
+        --config configs/nlp/dialogue_moe_tiny.yaml --expert-parallel-size 2   # MoE: experts split over 2 processes
     python recipes/nlp/dialogue_llm.py        # same defaults (tiny config, 2 CPU processes, disttrain_fsdp)
     python recipes/nlp/dialogue_llm.py --accelerator gpu --devices 1 --config configs/nlp/dialogue_1b.yaml \
         --data chats.jsonl --tokenizer /models/my-tokenizer
@@ -78,8 +81,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-parallel-size", type=int, default=1,
                    help="disttrain_megatron: ranks that split each packed row (long dialogues); data.seq_len must"
                         " divide by it")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="disttrain_megatron: ranks that split an MoE model's experts (a model: section with"
+                        " model_type: qwen2_moe, mixtral, ...); it must divide the processes and the experts")
     p.add_argument("--precision", default=None, help="default: train.precision")
     return p.parse_args(argv)
+
+
+# The disttrain_megatron sizes the command line sets (--context-parallel-size, --expert-parallel-size).
+MEGATRON_SIZES = ("context_parallel_size", "expert_parallel_size")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,20 +115,21 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     micro = int(train.get("micro_batch_size", 8))
     strategy: Any = os.environ.get("LT_STRATEGY") if cli else args.strategy
     cli_kwargs: dict[str, Any] = {}
-    if args.context_parallel_size > 1 and strategy != "disttrain_megatron":
-        raise ValueError(f"--context-parallel-size {args.context_parallel_size} is an option of disttrain_megatron"
-                         f" (the strategy that composes context, tensor and data parallelism), not of {strategy}; pass"
-                         " --strategy disttrain_megatron")
+    sizes = {name: getattr(args, name) for name in MEGATRON_SIZES if getattr(args, name) > 1}
+    for name, size in sizes.items():
+        if strategy != "disttrain_megatron":
+            raise ValueError(f"--{name.replace('_', '-')} {size} is an option of disttrain_megatron (the strategy that"
+                             f" composes context, expert, tensor and data parallelism), not of {strategy}; pass"
+                             " --strategy disttrain_megatron")
     # Fabric refuses a strategy object next to the launcher's LT_STRATEGY: where the recipe builds the object (the
-    # planner needs the model before Fabric starts processes; context parallelism is an option), it takes the name
+    # planner needs the model before Fabric starts processes; the parallel sizes are options), it takes the name
     # over.
     if strategy == "disttrain_auto":
         os.environ.pop("LT_STRATEGY", None)
         strategy = cli_kwargs["strategy"] = disttrain.fabric.AutoStrategy(model=cfg["model"], micro_batch=micro)
-    elif args.context_parallel_size > 1:
+    elif sizes:
         os.environ.pop("LT_STRATEGY", None)
-        strategy = cli_kwargs["strategy"] = disttrain.fabric.MegatronStrategy(
-            context_parallel_size=args.context_parallel_size)
+        strategy = cli_kwargs["strategy"] = disttrain.fabric.MegatronStrategy(**sizes)
     cli_kwargs["loggers"] = fabric_loggers(args.out, args.logger)
     fabric = L.Fabric(precision=precision, **cli_kwargs) if cli else L.Fabric(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,

@@ -125,24 +125,34 @@ class Recipe:
     example: str
     sections: Callable[[], Schema]
     required: tuple[str, ...] = ("model",)
+    # The keys of a ``model:`` mapping, from the mapping itself (its ``model_type`` names the config class that
+    # takes them); None: ``sections()["model"]``.
+    model_schema: Optional[Callable[[Mapping[str, Any]], Schema]] = None
 
-    def schema(self) -> Schema:
-        return self.sections()
+    def schema(self, model: Optional[Mapping[str, Any]] = None) -> Schema:
+        sections = self.sections()
+        if self.model_schema is not None:
+            sections = {**sections, "model": self.model_schema(model if isinstance(model, Mapping) else {})}
+        return sections
 
     def read(self, source: ConfigSource) -> dict[str, Any]:
         """The whole recipe: a YAML path read and checked, or a dict checked (named "the config dict")."""
         if isinstance(source, Mapping):
             config = dict(source)
-            check_keys(config, self.schema(), DICT_SOURCE)
+            check_keys(config, self.schema(config.get("model")), DICT_SOURCE)
             return config
-        return read_config(source, self.schema(), self.required, self.example)
+        if self.model_schema is None:
+            return read_config(source, self.schema(), self.required, self.example)
+        config = read_config(source, {**self.sections(), "model": None}, self.required, self.example)
+        check_keys(config["model"], self.schema(config["model"])["model"], str(source), "model")
+        return config
 
     def model(self, source: ConfigSource) -> dict[str, Any]:
         """The ``model:`` section of a recipe: a YAML path, the whole recipe as a dict, or the ``model:`` mapping
         itself; checked either way."""
         if isinstance(source, Mapping):
             model = dict(source["model"] if isinstance(source.get("model"), Mapping) else source)
-            check_keys(model, self.schema()["model"], DICT_SOURCE, "model")
+            check_keys(model, self.schema(model)["model"], DICT_SOURCE, "model")
             return model
         return dict(self.read(source)["model"])
 

@@ -38,7 +38,9 @@ def recipe_schema() -> Schema:
     return {"model": LLAMA.config_schema({}), "data": dict.fromkeys(DATA_KEYS), "train": train}
 
 
-DIALOGUE_RECIPE = Recipe("dialogue", "configs/nlp/dialogue_tiny.yaml", recipe_schema)
+# model: holds the arguments of the HF config class its model_type names (LlamaConfig without one), e.g.
+# model_type: qwen2_moe with num_experts (configs/nlp/dialogue_moe_tiny.yaml).
+DIALOGUE_RECIPE = Recipe("dialogue", "configs/nlp/dialogue_tiny.yaml", recipe_schema, model_schema=LLAMA.config_schema)
 
 
 def read_recipe_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -48,14 +50,16 @@ def read_recipe_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def llama_config(source: ConfigSource, **overrides: Any) -> Any:
-    """A ``LlamaConfig`` from a recipe YAML path, its ``model:`` dict, or a local pretrained folder."""
-    from transformers import AutoConfig, LlamaConfig
+    """The HF config of a recipe YAML path or its ``model:`` dict (a ``LlamaConfig``, or the class its
+    ``model_type`` names, e.g. ``qwen2_moe``), or of a local pretrained folder."""
+    from transformers import AutoConfig
 
     if source is None:
         raise ValueError("pass config= (a YAML path or a dict of LlamaConfig arguments) or pretrained= (a folder)")
     if not isinstance(source, dict) and Path(source).is_dir():
         return AutoConfig.from_pretrained(str(source), **overrides)
-    return LlamaConfig(**{**DIALOGUE_RECIPE.model(source), **overrides})
+    settings = {**DIALOGUE_RECIPE.model(source), **overrides}
+    return AutoConfig.for_model(settings.pop("model_type", None) or "llama", **settings)
 
 
 def build_model(config: Any, attn_implementation: str = "sdpa") -> nn.Module:

@@ -139,14 +139,19 @@ def step_time(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
     dp_bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
     # Tensor- and context-parallel ranks are neighbours in the mesh (one node while tp*cp fits it).
     tp_bw = hw.intra_node_bw if e.dims.tp * e.dims.cp <= hw.gpus_per_node else hw.inter_node_bw
+    # Expert-parallel ranks are data-parallel neighbours (one node while tp*ep fits it); their all-to-alls, like the
+    # embedding tables', are on the critical path.
+    ep_bw = hw.intra_node_bw if e.dims.tp * e.dims.ep <= hw.gpus_per_node else hw.inter_node_bw
     exposed = (c.get("tp", 0) / tp_bw + c.get("cp", 0) / tp_bw + c.get("pp", 0) / dp_bw + c.get("a2a", 0) / dp_bw
+               + c.get("ep", 0) / ep_bw
                + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
     return max(compute, c.get("dp", 0) / dp_bw) + exposed
 
 
 def _megatron_grid(spec: ModelSpec, world_size: int, hw: Hardware, seq_len: int) -> list[dict]:
-    """tp x pp splits (tp inside a node) of the heads and layers the model has, and for long sequences tp x cp
-    (context parallelism inside a node: its all-to-alls are on every block's critical path)."""
+    """tp x pp splits (tp inside a node) of the heads and layers the model has, for long sequences tp x cp
+    (context parallelism inside a node: its all-to-alls are on every block's critical path), and for MoE models tp x
+    ep (the experts split inside a node)."""
     if not tensor_parallel(spec):
         return []
     out = []
@@ -156,6 +161,10 @@ def _megatron_grid(spec: ModelSpec, world_size: int, hw: Hardware, seq_len: int)
         for p in divisors(world_size // t):
             if (t, p) != (1, 1) and p <= 16 and spec.layers % p == 0 and (p == 1 or pipelines(spec)):
                 out.append({"tensor_parallel_size": t, "pipeline_parallel_size": p})
+        experts = (spec.extra.get("experts") or {}).get("count", 0)
+        for e in divisors(min(world_size // t, hw.gpus_per_node // t)) if experts else []:
+            if e > 1 and experts % e == 0:  # expert parallelism inside a node, over the data-parallel ranks
+                out.append({"tensor_parallel_size": t, "expert_parallel_size": e})
         if seq_len < LONG_SEQUENCE or not spec.extra.get("context_parallel"):
             continue
         heads, kv = spec.heads // t, spec.kv_heads // t  # per tensor-parallel rank: what the all-to-all splits

@@ -44,7 +44,7 @@ class Estimate:
 
     ``comm`` holds per-rank bytes per step: ``dp`` (data-parallel collectives, overlapped with compute), ``tp``
     (tensor-parallel all-reduces, on the critical path), ``pp`` (pipeline sends), ``a2a`` (embedding all-to-all),
-    ``pcie`` (offload copies) and ``host_optimizer`` (state a CPU optimizer sweeps).
+    ``cp`` (context-parallel all-to-all), ``ep`` (MoE tokens to their experts and back), ``pcie`` (offload copies) and ``host_optimizer`` (state a CPU optimizer sweeps).
     """
 
     strategy: str
@@ -82,9 +82,10 @@ class Estimate:
     @property
     def label(self) -> str:
         d = self.dims
-        if (d.cp, d.tp, d.pp) == (1, 1, 1):
+        if (d.cp, d.tp, d.pp, d.ep) == (1, 1, 1, 1):
             return self.strategy
-        return f"{self.strategy} tp={d.tp} pp={d.pp} dp={d.dp}" + (f" cp={d.cp}" if d.cp > 1 else "")
+        return (f"{self.strategy} tp={d.tp} pp={d.pp} dp={d.dp}" + (f" cp={d.cp}" if d.cp > 1 else "")
+                + (f" ep={d.ep}" if d.ep > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -288,13 +289,25 @@ def _megatron(s: Setup) -> Estimate:
                          f" decoders (Llama, Qwen2/3, Mistral), not of a {spec.family} model")
     if c > 1 and s.seq_len % c:
         raise ValueError(f"context_parallel_size={c} does not divide seq_len={s.seq_len}")
+    e = dims.ep
+    experts = spec.extra.get("experts") or {}
+    if e > 1 and not experts:
+        raise ValueError(f"expert_parallel_size={e}: a {spec.family} model has no experts to split (its config"
+                         " declares no expert-parallel plan); use expert_parallel_size=1")
+    if e > 1 and experts.get("count") and experts["count"] % e:
+        raise ValueError(f"expert_parallel_size={e} does not divide the model's {experts['count']} experts")
+    # Under expert parallelism each rank keeps experts/ep whole experts of its stage's layers (not split by tensor
+    # parallelism), sharded over the dp_shard/ep ranks that hold the same ones; the rest is split as usual.
+    expert = experts.get("params", 0) // p if e > 1 else 0
     # The busiest stage: its share of the blocks, split across the tensor-parallel ranks (column/row-split
     # layers), plus (pipeline) the bigger end or (no pipeline) both ends, which stay whole on every tensor-parallel
     # rank (the plans split blocks only; embeddings, final norm and head are replicated, then FSDP-sharded).
     root = spec.root_params
-    local = math.ceil(spec.layers // p * spec.layer_params / t) + (root if p == 1 else math.ceil(root / 2))
-    exact = fsdp_rank_elements(spec, dims.shard, t) if p == 1 else None
+    local = math.ceil((spec.layers // p * spec.layer_params - expert) / t) + (root if p == 1 else math.ceil(root / 2))
+    exact = fsdp_rank_elements(spec, dims.shard, t) if p == 1 and not expert else None
     shard = exact if exact is not None else math.ceil(local / dims.shard)  # FSDP on the data dimension
+    expert_fsdp = dims.dp_shard // e
+    shard += math.ceil(expert / e / expert_fsdp)
     per_mb = s.activations()
     # 1F1B: the first stage holds min(p, m) pipeline microbatches (b/m samples each) of its layers/p blocks.
     acts = per_mb * min(p, m) / (p * m) if p > 1 else per_mb
@@ -303,10 +316,13 @@ def _megatron(s: Setup) -> Estimate:
     micro_steps = t * p * c
     width = s.seq_len / c * b * spec.hidden * z.compute
     buffers = 2 * width * (t > 1) + 2 * width * (p > 1) + 2 * width * (c > 1)
+    layer_expert = expert * p // spec.layers if expert else 0  # one layer's experts
+    block = math.ceil((spec.layer_params - layer_expert) / t) + layer_expert // e  # one block gathered
     if dims.shard > 1:
-        buffers += 2 * math.ceil(spec.layer_params / t) * z.compute + math.ceil(spec.layer_params / t) * z.reduce
+        buffers += 2 * block * z.compute + block * z.reduce
     n = dims.shard
-    comm = {"dp": (n - 1) / n * local * (2 * z.compute + z.reduce) if n > 1 else 0.0,
+    comm = {"dp": ((n - 1) / n * local + (expert_fsdp - 1) / expert_fsdp * expert / e) * (2 * z.compute + z.reduce)
+            if n > 1 else 0.0,
             # two all-reduces forward and two backward per block (attention and MLP), ring: 2(t-1)/t of the tensor
             "tp": 4 * (spec.layers // p) * 2 * (t - 1) / t * width * micro_steps if t > 1 else 0.0,
             "pp": 2 * width * micro_steps if p > 1 else 0.0,
@@ -314,6 +330,10 @@ def _megatron(s: Setup) -> Estimate:
             # again for their gradients; each rank sends (c-1)/c of its share of them
             "cp": 2 * (spec.layers // p) * (c - 1) / c * width / t * (2 + 2 * spec.kv_heads / spec.heads)
             * micro_steps if c > 1 else 0.0,
+            # experts: each (token, expert) pair to the expert's rank and back, forward and backward again; a rank
+            # sends (e-1)/e of its tokens' top_k copies
+            "ep": 4 * (spec.layers // p) * experts.get("top_k", 1) * (e - 1) / e * width * micro_steps
+            if e > 1 else 0.0,
             "bubble": (p - 1) / (micro_steps + p - 1)}
     return s.estimate(params=shard * z.param, grads=shard * z.grad, optimizer=shard * z.optimizer, activations=acts,
                       buffers=buffers, comm=comm)

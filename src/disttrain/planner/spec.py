@@ -162,9 +162,18 @@ def meta_model(spec_source: dict) -> nn.Module:
     """The model a config describes, built on the meta device (for checking counts; allocates nothing)."""
     cfg = spec_source.get("model", spec_source)
     family = family_for_config(cfg)
-    if family is None:
-        raise ValueError(f"cannot tell the model family of {sorted(cfg)}; see model_spec")
-    return family.meta_model(cfg)
+    if family is not None:
+        return family.meta_model(cfg)
+    if "model_type" in cfg:  # an HF config of a family without a file here (an MoE model, Phi-3, ...)
+        import torch
+        from transformers import AutoConfig
+
+        from disttrain.planner.generic import build_hf
+
+        with torch.device("meta"):
+            return build_hf(AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                                       if k != "model_type"}))
+    raise ValueError(f"cannot tell the model family of {sorted(cfg)}; see model_spec")
 
 
 __all__ = ["ModelLike", "ModelSpec", "count_params", "meta_model", "model_spec", "parse_bytes", "recipe_model"]

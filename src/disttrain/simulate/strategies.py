@@ -84,6 +84,11 @@ def sharded(sim: Simulation, config: Config, options: Any) -> None:
                     continue
                 name = "rank 0 (first shards)" if index == 0 else f"rank {rank} (last shards)"
                 sim.roles.append(Role(name, rank, same, p, g, o, c, comm))
+    if dims.ep > 1:
+        sim.notes.append(f"expert parallelism: each rank keeps 1/{dims.ep} of every MoE layer's experts (whole experts),"
+                         f" sharded over the {dims.dp_shard // dims.ep} ranks that hold the same ones; the rest over all"
+                         f" {dims.shard}. Tokens go to their experts and back with all-to-all, which scales with the"
+                         " batch: see the planner's estimate")
     if dims.cp > 1:
         sim.notes.append(f"context parallelism: the {dims.cp} ranks that split each sequence hold the same parameters,"
                          f" so FSDP shards them over dp_shard x cp ({dims.shard} ranks); their all-to-all traffic scales"
