@@ -1,0 +1,165 @@
+"""Expert parallelism against FSDP on an MoE model: tokens/s and per-rank memory of ``disttrain_megatron
+(expert_parallel_size=2)`` and ``disttrain_fsdp``, measured in one run (2 processes under torchrun, Fabric):
+
+    python bench/moe.py                                   # CPU/gloo, configs/nlp/dialogue_moe_tiny.yaml
+    python bench/moe.py --device cuda --precision bf16-mixed --seq 2048
+
+The model is the dialogue recipe's tiny MoE (Qwen2-MoE: hidden 128, 4 layers, 8 experts of width 96 per layer, 2 per
+token, a shared expert, the router's auxiliary loss on), ``--experts`` raises the expert count. Each rank trains its
+own rows of ``--seq`` tokens under both strategies (the same data-parallel layout): FSDP shards every weight over
+the 2 ranks and gathers a whole layer's experts before computing it; expert parallelism keeps half of each layer's
+experts whole on each rank and sends every token to its experts' rank and back with all-to-all.
+
+Printed per strategy: the median optimizer step (forward, backward, AdamW), the whole job's tokens per second, the
+ratio to FSDP, and on the busiest rank the parameters it stores, the expert weights it computes with (FSDP: all of
+them, gathered), the bytes one forward saves for backward, and on CUDA the peak of the bytes it allocates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import free_port  # noqa: E402
+from tables import write_table  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "nlp" / "dialogue_moe_tiny.yaml"
+STRATEGIES = {"disttrain_fsdp": {}, "disttrain_megatron ep=2": {"expert_parallel_size": 2}}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rows", type=int, default=8, help="rows per rank per step")
+    p.add_argument("--experts", type=int, default=32, help="experts per MoE layer")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
+    p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def model_config(args) -> dict:
+    return {**yaml.safe_load(CONFIG.read_text())["model"], "num_experts": args.experts,
+            "max_position_embeddings": args.seq}
+
+
+def measure(args, device: torch.device, name: str, options: dict) -> dict:
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import disttrain
+    from disttrain.planner.measure import SavedActivations
+
+    strategy = disttrain.fabric.MegatronStrategy(**options) if options else disttrain.fabric.FSDPStrategy()
+    fabric = L.Fabric(accelerator=device.type, devices=2, precision=args.precision, strategy=strategy)
+    fabric.launch()
+    settings = dict(model_config(args))
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings, use_cache=False)
+    torch.manual_seed(0)
+    model = fabric.setup_module(AutoModelForCausalLM.from_config(config))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    g = torch.Generator().manual_seed(fabric.global_rank)
+    ids = torch.randint(0, config.vocab_size, (args.rows, args.seq), generator=g).to(fabric.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, saved = [], 0
+    for step in range(args.steps + 2):
+        fabric.barrier()
+        start = time.perf_counter()
+        with SavedActivations(model) as activations:
+            loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        fabric.barrier()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+        saved = activations.bytes()
+    stored = computed = 0
+    for pname, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        stored += local.numel() * local.element_size()
+        if ".experts." in pname:
+            ep = [param.device_mesh.size(i) for i, n in enumerate(param.device_mesh.mesh_dim_names) if n == "ep"]
+            computed += param.numel() // (ep[0] if ep else 1) * local.element_size()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    step_s = statistics.median(times)
+    return {"step_s": step_s, "tokens_per_s": 2 * args.rows * args.seq / step_s, "stored": stored,
+            "experts": computed, "saved": saved, "peak": peak}
+
+
+def child(args) -> None:
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    results = {name: measure(args, device, name, options) for name, options in STRATEGIES.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(everyone, f)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        return child(args)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "r.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                        f"--master_port={free_port()}", os.path.abspath(__file__), *sys.argv[1:], "--child",
+                        "--result", result], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        ranks = json.loads(Path(result).read_text())
+    mib = 2**20
+    setup = (f"dialogue_moe_tiny's model with {args.experts} experts per layer (2 per token), {args.rows} rows x"
+             f" {args.seq} tokens per rank, {args.device}, {args.precision}, 2 processes")
+    print(setup)
+    cuda = args.device == "cuda"  # a process's peak resident set does not reset between the two runs: CUDA only
+    header = ["strategy", "step s", "tokens/s", "x fsdp", "stored MiB", "experts MiB", "saved MiB"] + \
+        (["peak MiB"] if cuda else [])
+    print(f"{header[0]:<26}" + "".join(f"{h:>12}" for h in header[1:]))
+    base = ranks[0]["disttrain_fsdp"]["tokens_per_s"]
+    rows = []
+    for name in STRATEGIES:
+        first = ranks[0][name]
+        busiest = {k: max(r[name][k] for r in ranks) for k in ("stored", "experts", "saved", "peak")}
+        values = [first["step_s"], first["tokens_per_s"], first["tokens_per_s"] / base, busiest["stored"] / mib,
+                  busiest["experts"] / mib, busiest["saved"] / mib] + ([busiest["peak"] / mib] if cuda else [])
+        print(f"{name:<26}" + "".join(f"{v:>12.3f}" if i in (0, 2) else f"{v:>12,.1f}" for i, v in enumerate(values)))
+        rows.append([name, *values])
+    notes = ["stored: parameters a rank keeps between steps (its FSDP shards; under ep its experts' shards);"
+             " experts: the expert weights a rank computes with (FSDP gathers all of a layer's experts, ep=2 keeps"
+             " half of them whole)",
+             "saved: what one forward saves for backward on the busiest rank (each storage once, parameters left out);"
+             " peak (CUDA): the peak of allocated bytes",
+             "tokens/s: the whole job's (both strategies train the same 2 x rows per step)"]
+    for note in notes:
+        print(f"- {note}")
+    write_table("moe", "Expert parallelism vs FSDP on an MoE model", setup, header, rows,
+                bars=("tokens/s", "experts MiB"),
+                fmt={"step s": ".3f", "tokens/s": ",.0f", "x fsdp": ".3f", "stored MiB": ".1f", "experts MiB": ".1f",
+                     "saved MiB": ".1f", "peak MiB": ".1f"}, notes=notes, out_dir=args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
