@@ -190,11 +190,15 @@ def test_pp2_dp2_vit_on_four_processes_matches(tmp_path):
 FAMILY_MODELS = ["gpt2", "gpt2-untied", "gpt2-userplan", "bert", "bert-userplan", "roberta", "qwen3", "qwen3-untied",
                  "qwen3-userplan", "llama-bias", "vit-qknorm", "t5",
                  # no family file: through the tensor and pipeline plans their HF configs declare
-                 "phi3", "neox", "gemma2", "gemma2-untied", "qwen2-moe", "mixtral", "qwen3-moe"]
+                 "phi3", "neox", "gemma2", "gemma2-untied", "qwen2-moe", "mixtral", "qwen3-moe",
+                 # timm beyond VisionTransformer: DeiT's distilled ViT (tensor parallel), EVA-02 (refused)
+                 "deit", "eva02"]
 TIED = "cannot split a model with tie_word_embeddings=True .* set tie_word_embeddings=False"
 ENCODER_DECODER = "T5ForConditionalGeneration is an encoder-decoder model .* train it with disttrain_fsdp or"
-REFUSED = {"tp": {"t5": ENCODER_DECODER},
-           "pp": {"t5": ENCODER_DECODER, "gpt2": TIED, "qwen3": TIED, "gemma2": TIED}}
+EVA = "timm Eva is not split: EVA-02's blocks apply rotary embeddings .* train it with disttrain_fsdp or"
+REFUSED = {"tp": {"t5": ENCODER_DECODER, "eva02": EVA},
+           "pp": {"t5": ENCODER_DECODER, "gpt2": TIED, "qwen3": TIED, "gemma2": TIED, "eva02": EVA,
+                  "deit": "does not split VisionTransformerDistilled \\(DeiT's distillation token and second head\\)"}}
 REL = 1e-4
 
 
@@ -221,7 +225,7 @@ def test_model_families_match_one_process_and_export_their_own_layout(families, 
     # library's own names and shapes (GPT-2's Conv1D [in, out], c_attn's q|k|v columns, timm's qkv rows).
     assert result["export_diff"][0] <= REL, result["export_diff"]
     assert result["ckpt_diff"][0] <= REL, result["ckpt_diff"]
-    if not model.startswith("vit"):  # `disttrain export --to hf`, loaded by HF's from_pretrained
+    if not model.startswith(("vit", "deit")):  # `disttrain export --to hf`, loaded by HF's from_pretrained
         assert result["hf_logits_diff"] <= REL
     # the checkpoint loads back into the same layout (qkv slices and momentum reordered again): the next step
     assert result["resumed"] == pytest.approx(result["ref_resumed"], rel=REL)
@@ -240,3 +244,21 @@ def test_a_user_plan_applies_to_the_blocks_that_contain_its_paths():
     assert [type(b).__name__ for b in plan_blocks(bert, plan)] == ["BertLayer", "BertLayer"]
     with pytest.raises(ValueError, match=r"tp_plan paths \['attention.self.qeury'\] do not all exist .* BertLayer: "):
         plan_blocks(bert, {"attention.self.qeury": ColwiseParallel()})
+
+
+# -- every HF causal-LM family whose config declares a tensor-parallel plan -----------------------------------------
+@pytest.mark.slow
+def test_every_declared_hf_tp_plan_matches_one_process_or_is_refused(tmp_path):
+    """tp=2 against one process on a tiny config of each causal-LM family of the pinned transformers whose config
+    declares base_model_tp_plan (2 SGD steps). A family whose tiny config does not run on one CPU process is not a
+    disttrain matter and is only counted."""
+    result = run_dist("hf_tp_plans.py", tmp_path)[0]
+    matched = [t for t, r in result.items() if "losses" in r and r["losses"] == pytest.approx(r["ref_losses"], rel=REL)]
+    refused = {t: r["refused"] for t, r in result.items() if "refused" in r}
+    skipped = [t for t, r in result.items() if "skipped" in r]
+    assert len(result) == 116  # transformers 5.24: causal LMs with a declared tensor-parallel plan
+    assert sorted(matched + list(refused) + skipped) == sorted(result), {
+        t: r for t, r in result.items() if t not in matched and t not in refused and t not in skipped}
+    assert all(re.match(r"tensor parallelism does not split \w+ with the plan its config declares: .*; use"
+                        r" disttrain_fsdp", line) for line in refused.values()), refused
+    assert len(matched) >= 88 and len(refused) <= 3, (len(matched), refused)

@@ -3,7 +3,8 @@
 Usage: families_run.py OUT SPEC MODEL [MODEL ...]
 MODEL: gpt2 (tied embeddings), gpt2-untied, bert (BertForSequenceClassification), roberta, qwen3 (tied),
 qwen3-untied, llama-bias (attention_bias=True), vit-qknorm (timm ViT, qk_norm=True), t5; through the plans their HF
-configs declare: phi3, neox, gemma2 (tied), gemma2-untied, qwen2-moe, mixtral, qwen3-moe; gpt2-userplan and
+configs declare: phi3, neox, gemma2 (tied), gemma2-untied, qwen2-moe, mixtral, qwen3-moe; timm deit (distilled),
+eva02; gpt2-userplan and
 bert-userplan, qwen3-userplan: the model with a ``tp_plan`` written with torch's own styles (as a user would; the
 Qwen3 plan does not mention its per-head q/k norms).
 
@@ -79,6 +80,10 @@ def build(name: str) -> torch.nn.Module:
         return tf.T5ForConditionalGeneration(config)
     import timm
 
+    if name in ("deit", "eva02"):  # DeiT distilled (two heads; training returns their mean), EVA-02 (rotary, SwiGLU)
+        model = "deit_tiny_distilled_patch16_224" if name == "deit" else "eva02_tiny_patch14_224"
+        return timm.create_model(model, pretrained=False, img_size=16, patch_size=4, embed_dim=32, depth=4,
+                                 num_heads=4, num_classes=LABELS)
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=32,
                              depth=4, num_heads=4, num_classes=LABELS, qk_norm=True)
 
@@ -99,14 +104,14 @@ def user_plan(name: str) -> dict:
 def batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     name = name.removesuffix("-userplan")
     g = torch.Generator().manual_seed(10 + step)
-    if name.startswith("vit"):
+    if name.startswith(("vit", "deit", "eva")):
         return torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, LABELS, (BATCH,), generator=g)
     ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
     return ids, (torch.randint(0, LABELS, (BATCH,), generator=g) if name in ("bert", "roberta") else ids)
 
 
 def loss_of(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, pipelined: bool) -> torch.Tensor:
-    if name.startswith("vit"):
+    if name.startswith(("vit", "deit", "eva")):
         return model(x, target=y) if pipelined else F.cross_entropy(model(x), y)
     return model(input_ids=x, labels=y).loss
 
@@ -140,7 +145,7 @@ def train(fabric: L.Fabric | None, name: str, model, optimizer, steps: range, pi
 
 def setup(fabric: L.Fabric, name: str, model) -> tuple:
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
-    if fabric.strategy.engine.pipeline is not None and name.startswith("vit"):
+    if fabric.strategy.engine.pipeline is not None and name.startswith(("vit", "deit", "eva")):
         model.pipeline.loss_fn = F.cross_entropy  # Fabric's PP hook for a model without its own loss
     return model, optimizer
 
@@ -168,11 +173,12 @@ def check(fabric: L.Fabric, name: str) -> dict:
     result = {"losses": losses, "ref_losses": ref_losses}
     # The offline readers check the folder on every rank together (a collective); rank 0 writes the export.
     result["ckpt_diff"] = state_diff(full_model_state(f"{out}-ckpt", key="model"), ref_state)
-    if not name.startswith("vit"):
+    if not name.startswith(("vit", "deit", "eva")):
         from disttrain.parallel.export import export_checkpoint
 
         export_checkpoint(f"{out}-ckpt", "hf", f"{out}-hf", key="model", config=reference.config.to_dict())
-    if fabric.global_rank == 0 and not name.startswith("vit"):  # HF loads the exported directory as its own model
+    # HF loads the exported directory as its own model
+    if fabric.global_rank == 0 and not name.startswith(("vit", "deit", "eva")):
         import transformers as tf
 
         loaded = getattr(tf, type(reference).__name__).from_pretrained(f"{out}-hf")

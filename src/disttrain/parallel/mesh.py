@@ -62,8 +62,9 @@ class ParallelDims:
             raise ValueError(f"{self._product(every=True)} does not equal world_size={self.world_size}; pass"
                              " dp_shard=-1 to derive it")
         if self.dp_shard % self.ep:
+            choices = ", ".join(map(str, divisors(self.dp_shard)))
             raise ValueError(f"ep={self.ep} does not divide dp_shard={self.dp_shard}: expert-parallel ranks are taken"
-                             f" from the data-sharding ranks; choose one of {', '.join(map(str, divisors(self.dp_shard)))}")
+                             f" from the data-sharding ranks; choose one of {choices}")
 
     def _product(self, without: str = "", every: bool = False) -> str:
         """``"tp*pp=4 (tp=2, pp=2)"``: the product of the degrees above 1 (of all of them with ``every``)."""

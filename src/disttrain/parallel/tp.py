@@ -2,8 +2,9 @@
 ``torch.distributed.tensor.parallel`` style, applied to every block of the model.
 
 The plans, head-count checks and fused-weight reorderings are the model families' (:mod:`disttrain.parallel.families`:
-the HF Llama family, GPT-2, BERT-style encoders, timm's VisionTransformer); any other HF model whose config declares
-its own plan (``base_model_tp_plan``) is sharded by transformers' own styles (:mod:`~disttrain.parallel.families.hf_plans`); a user can pass their own plan (paths
+the HF Llama family, GPT-2, BERT-style encoders, timm's VisionTransformer and DeiT); any other HF model whose config
+declares its own plan (``base_model_tp_plan``) is sharded by transformers' own styles
+(:mod:`~disttrain.parallel.families.hf_plans`); a user can pass their own plan (paths
 relative to one repeated block: it applies to the blocks that contain them). Embeddings, norms and the output head
 stay replicated over the tensor-parallel group (FSDP shards them over the data-parallel one). Encoder-decoder models
 (T5, BART) are refused.

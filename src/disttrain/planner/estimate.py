@@ -44,7 +44,8 @@ class Estimate:
 
     ``comm`` holds per-rank bytes per step: ``dp`` (data-parallel collectives, overlapped with compute), ``tp``
     (tensor-parallel all-reduces, on the critical path), ``pp`` (pipeline sends), ``a2a`` (embedding all-to-all),
-    ``cp`` (context-parallel all-to-all), ``ep`` (MoE tokens to their experts and back), ``pcie`` (offload copies) and ``host_optimizer`` (state a CPU optimizer sweeps).
+    ``cp`` (context-parallel all-to-all), ``ep`` (MoE tokens to their experts and back), ``pcie`` (offload copies)
+    and ``host_optimizer`` (state a CPU optimizer sweeps).
     """
 
     strategy: str

@@ -104,9 +104,17 @@ def export_formats() -> dict[str, ExportFormat]:
     return {fmt.name: fmt for fmt in formats}
 
 
+# timm models whose blocks the ViT family's plan cannot split, and why.
+TIMM_REFUSED = {"Eva": "EVA-02's blocks apply rotary embeddings with their head count and normalise the SwiGLU MLP's"
+                       " hidden features with a LayerNorm over all of them, which a split across ranks would change"}
+
+
 def unsupported_reason(model: nn.Module) -> Optional[str]:
-    """Why tensor/pipeline parallelism refuses a model found inside ``model`` (encoder-decoders), or None."""
+    """Why tensor/pipeline parallelism refuses a model found inside ``model`` (encoder-decoders, EVA-02), or None."""
     for name, module in model.named_modules():
+        if type(module).__module__.startswith("timm.") and type(module).__name__ in TIMM_REFUSED:
+            return (f"timm {type(module).__name__} is not split: {TIMM_REFUSED[type(module).__name__]}; train it with"
+                    " disttrain_fsdp or disttrain_zero3")
         config = getattr(module, "config", None)
         if getattr(config, "is_encoder_decoder", False):
             where = f" (at {name!r})" if name else ""

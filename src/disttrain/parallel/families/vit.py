@@ -128,7 +128,9 @@ class ViTFamily(Family):
     export_format = TIMM_EXPORT
 
     def matches(self, model: nn.Module) -> bool:
-        return type(model).__name__ == "VisionTransformer" and type(model).__module__.startswith("timm.")
+        # DeiT's distilled ViT has the same blocks (tensor parallel); its pipeline stages are refused in split
+        return type(model).__name__ in ("VisionTransformer", "VisionTransformerDistilled") and \
+            type(model).__module__.startswith("timm.")
 
     def reads_config(self, mapping: Mapping[str, Any]) -> bool:
         return "model_type" not in mapping and ("patch_size" in mapping or "embed_dim" in mapping)
@@ -163,13 +165,20 @@ class ViTFamily(Family):
         return {"attn.qkv": Reorder(order)}
 
     # -- pipeline: the loss function comes from the caller ----------------------------------------------------
+    def _check_pp(self, model: nn.Module) -> None:
+        if getattr(model, "dist_token", None) is not None:
+            raise ValueError(f"pipeline parallelism does not split {type(model).__name__} (DeiT's distillation token"
+                             " and second head); use tensor parallelism, disttrain_fsdp or disttrain_zero3 for it")
+
     def pipeline_sizes(self, model: nn.Module) -> tuple[list[int], int, int]:
+        self._check_pp(model)
         tokens = ("cls_token", "pos_embed", "reg_token")
         first = count(model.patch_embed) + sum(getattr(model, n).numel() for n in tokens
                                                if getattr(model, n, None) is not None)
         return [count(b) for b in model.blocks], first, count(model.norm) + count(model.head)
 
     def split(self, model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
+        self._check_pp(model)
         stages, keep, first, last = keep_blocks(plan, pp_rank)
         model.blocks = nn.ModuleDict({str(i): block for i, block in enumerate(model.blocks) if i in keep})
         if not first:
