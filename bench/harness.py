@@ -126,6 +126,16 @@ def run_variants(script: str, variants: list[str], flag: str, devices: int, roun
     return results
 
 
+def write_ranks(path: str, value: object) -> None:
+    """Every rank's ``value``, gathered, written as a JSON list (rank order) by rank 0: what a child of
+    :func:`run_variants` leaves in its ``--result`` file."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(everyone, f)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,28 +12,26 @@ experts whole on each rank and sends every token to its experts' rank and back w
 
 Printed per strategy: the median optimizer step (forward, backward, AdamW), the whole job's tokens per second, the
 ratio to FSDP, and on the busiest rank the parameters it stores, the expert weights it computes with (FSDP: all of
-them, gathered), the bytes one forward saves for backward, and on CUDA the peak of the bytes it allocates.
+them, gathered), the bytes one forward saves for backward, and the peak of the bytes it allocates (CUDA) or of its
+resident set (CPU). Each strategy runs in fresh processes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
+import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import free_port  # noqa: E402
+from harness import run_variants, write_ranks  # noqa: E402
 from tables import write_table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "nlp" / "dialogue_moe_tiny.yaml"
@@ -49,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
     p.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default=None, choices=list(STRATEGIES), help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -101,7 +99,8 @@ def measure(args, device: torch.device, name: str, options: dict) -> dict:
         if ".experts." in pname:
             ep = [param.device_mesh.size(i) for i, n in enumerate(param.device_mesh.mesh_dim_names) if n == "ep"]
             computed += param.numel() // (ep[0] if ep else 1) * local.element_size()
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step_s = statistics.median(times)
     return {"step_s": step_s, "tokens_per_s": 2 * args.rows * args.seq / step_s, "stored": stored,
             "experts": computed, "saved": saved, "peak": peak}
@@ -111,32 +110,22 @@ def child(args) -> None:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    results = {name: measure(args, device, name, options) for name, options in STRATEGIES.items()}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, results)
-    if dist.get_rank() == 0:
-        with open(args.result, "w") as f:
-            json.dump(everyone, f)
+    write_ranks(args.result, measure(args, device, args.variant, STRATEGIES[args.variant]))
 
 
 def main() -> None:
     args = parse_args()
-    if args.child:
+    if args.variant:
         return child(args)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "r.json")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                        f"--master_port={free_port()}", os.path.abspath(__file__), *sys.argv[1:], "--child",
-                        "--result", result], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        ranks = json.loads(Path(result).read_text())
+    # each strategy in fresh processes: one's allocations never count in the other's peak
+    runs = run_variants(__file__, list(STRATEGIES), "--variant", 2, rounds=1, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = [{name: runs[name][0][rank] for name in STRATEGIES} for rank in range(2)]
     mib = 2**20
     setup = (f"dialogue_moe_tiny's model with {args.experts} experts per layer (2 per token), {args.rows} rows x"
              f" {args.seq} tokens per rank, {args.device}, {args.precision}, 2 processes")
     print(setup)
-    cuda = args.device == "cuda"  # a process's peak resident set does not reset between the two runs: CUDA only
-    header = ["strategy", "step s", "tokens/s", "x fsdp", "stored MiB", "experts MiB", "saved MiB"] + \
-        (["peak MiB"] if cuda else [])
+    header = ["strategy", "step s", "tokens/s", "x fsdp", "stored MiB", "experts MiB", "saved MiB", "peak MiB"]
     print(f"{header[0]:<26}" + "".join(f"{h:>12}" for h in header[1:]))
     base = ranks[0]["disttrain_fsdp"]["tokens_per_s"]
     rows = []
@@ -144,14 +133,15 @@ def main() -> None:
         first = ranks[0][name]
         busiest = {k: max(r[name][k] for r in ranks) for k in ("stored", "experts", "saved", "peak")}
         values = [first["step_s"], first["tokens_per_s"], first["tokens_per_s"] / base, busiest["stored"] / mib,
-                  busiest["experts"] / mib, busiest["saved"] / mib] + ([busiest["peak"] / mib] if cuda else [])
+                  busiest["experts"] / mib, busiest["saved"] / mib, busiest["peak"] / mib]
         print(f"{name:<26}" + "".join(f"{v:>12.3f}" if i in (0, 2) else f"{v:>12,.1f}" for i, v in enumerate(values)))
         rows.append([name, *values])
     notes = ["stored: parameters a rank keeps between steps (its FSDP shards; under ep its experts' shards);"
              " experts: the expert weights a rank computes with (FSDP gathers all of a layer's experts, ep=2 keeps"
              " half of them whole)",
              "saved: what one forward saves for backward on the busiest rank (each storage once, parameters left out);"
-             " peak (CUDA): the peak of allocated bytes",
+             " peak: the peak of allocated bytes (CUDA) or of the process's resident set (CPU: Python, torch and"
+             " transformers included), each strategy in its own processes",
              "tokens/s: the whole job's (both strategies train the same 2 x rows per step)"]
     for note in notes:
         print(f"- {note}")

@@ -152,3 +152,18 @@ def test_the_planner_and_the_simulator_count_experts_by_expert_parallel_size():
     assert tp.params >= experts_per_rank
     with pytest.raises(ValueError, match=r"expert_parallel_size=2: a llama model has no experts"):
         estimate(model_spec("configs/nlp/dialogue_tiny.yaml"), "disttrain_megatron", 2, expert_parallel_size=2)
+
+
+def test_mfu_counts_the_active_parameters_of_an_moe_model():
+    import transformers as tf
+
+    from disttrain.callbacks import hf_transformer_dims
+
+    config = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                              num_experts_per_tok=2, tie_word_embeddings=False)
+    model = tf.MixtralForCausalLM(config)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    total = sum(p.numel() for p in model.parameters())
+    # the input embedding is a lookup; of each layer's 8 experts a token meets 2
+    assert hf_transformer_dims(model).n_params == total - 64 * 32 - experts * 6 // 8

@@ -34,7 +34,8 @@ class MegatronOptions(FSDPOptions):
     tensor_parallel_size: ranks that split each block's heads and MLP (Megatron TP); must divide the head counts.
     pipeline_parallel_size: pipeline stages over ranks; each rank keeps only its stages' parameters.
     tp_plan: your own plan, ``{"path.in.block": ColwiseParallel(), ...}`` relative to one block; default: the plan of
-        the model's family (HF Llama family, GPT-2, BERT-style encoders, timm ViT).
+        the model's family (HF Llama family, GPT-2, BERT-style encoders, timm ViT and DeiT) or the one an HF model's
+        config declares (``base_model_tp_plan``: Phi-3, Gemma-2, GPT-NeoX, the MoE families and most HF decoders).
     pipeline_schedule: "gpipe", "1f1b" or "interleaved_1f1b" (virtual stages: ``virtual_stages`` per rank, >= 2).
     virtual_stages: stages per rank under "interleaved_1f1b" (1 means 2, the least it needs); other schedules: 1.
     microbatches: microbatches per batch under PP (default ``2 * pipeline_parallel_size``); divides the batch.
