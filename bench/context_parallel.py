@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ import torch.distributed as dist
 import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import free_port  # noqa: E402
+from harness import fabric_steps, free_port  # noqa: E402
 from tables import write_table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "nlp" / "dialogue_tiny.yaml"
@@ -71,7 +70,6 @@ def measure(args, device: torch.device, cp: int, dialogue: int) -> dict:
 
     import disttrain
     from disttrain.planner import estimate
-    from disttrain.planner.measure import SavedActivations
 
     fabric = L.Fabric(accelerator=device.type, devices=2, precision=args.precision,
                       strategy=disttrain.fabric.MegatronStrategy(context_parallel_size=cp))
@@ -82,21 +80,7 @@ def measure(args, device: torch.device, cp: int, dialogue: int) -> dict:
     model, optimizer = fabric.setup(model, optimizer)
     dp_rank = fabric.strategy.distributed_sampler_kwargs["rank"]  # cp=2: both ranks read the same row
     inputs = row(args, dialogue, seed=dp_rank, device=fabric.device)
-    times, saved = [], 0
-    for step in range(args.steps + 1):
-        fabric.barrier()
-        start = time.perf_counter()
-        with SavedActivations(model) as activations:
-            loss = model(**inputs).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        fabric.barrier()
-        if step:
-            times.append(time.perf_counter() - start)
-        saved = activations.bytes()
+    times, saved = fabric_steps(fabric, model, optimizer, inputs, args.steps)
     planned = estimate(dict(model_config(args), attn_implementation="sdpa"), "disttrain_megatron", 2, seq_len=args.seq,
                        precision=args.precision, **({"context_parallel_size": cp} if cp > 1 else {}))
     step_s = statistics.median(times)

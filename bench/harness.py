@@ -126,6 +126,28 @@ def run_variants(script: str, variants: list[str], flag: str, devices: int, roun
     return results
 
 
+def fabric_steps(fabric, model, optimizer, inputs: dict, steps: int, warmup: int = 1) -> tuple[list[float], int]:
+    """``warmup + steps`` optimizer steps of ``model(**inputs).loss`` under Fabric: the timed steps' seconds (every
+    rank between barriers) and the bytes the last forward saved for backward (``SavedActivations``)."""
+    from disttrain.planner.measure import SavedActivations
+
+    times, saved = [], 0
+    for step in range(warmup + steps):
+        fabric.barrier()
+        start = time.perf_counter()
+        with SavedActivations(model) as activations:
+            loss = model(**inputs).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        sync(fabric.device)
+        fabric.barrier()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+        saved = activations.bytes()
+    return times, saved
+
+
 def write_ranks(path: str, value: object) -> None:
     """Every rank's ``value``, gathered, written as a JSON list (rank order) by rank 0: what a child of
     :func:`run_variants` leaves in its ``--result`` file."""

@@ -24,14 +24,13 @@ import os
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import run_variants, write_ranks  # noqa: E402
+from harness import fabric_steps, run_variants, write_ranks  # noqa: E402
 from tables import write_table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "nlp" / "dialogue_moe_tiny.yaml"
@@ -63,7 +62,6 @@ def measure(args, device: torch.device, name: str, options: dict) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import disttrain
-    from disttrain.planner.measure import SavedActivations
 
     strategy = disttrain.fabric.MegatronStrategy(**options) if options else disttrain.fabric.FSDPStrategy()
     fabric = L.Fabric(accelerator=device.type, devices=2, precision=args.precision, strategy=strategy)
@@ -77,21 +75,7 @@ def measure(args, device: torch.device, name: str, options: dict) -> dict:
     ids = torch.randint(0, config.vocab_size, (args.rows, args.seq), generator=g).to(fabric.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, saved = [], 0
-    for step in range(args.steps + 2):
-        fabric.barrier()
-        start = time.perf_counter()
-        with SavedActivations(model) as activations:
-            loss = model(input_ids=ids, labels=ids).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        fabric.barrier()
-        if step >= 2:
-            times.append(time.perf_counter() - start)
-        saved = activations.bytes()
+    times, saved = fabric_steps(fabric, model, optimizer, {"input_ids": ids, "labels": ids}, args.steps, warmup=2)
     stored = computed = 0
     for pname, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
