@@ -144,15 +144,28 @@ class Recipe:
         if self.model_schema is None:
             return read_config(source, self.schema(), self.required, self.example)
         config = read_config(source, {**self.sections(), "model": None}, self.required, self.example)
-        check_keys(config["model"], self.schema(config["model"])["model"], str(source), "model")
+        self._check_model(config["model"], str(source))
         return config
+
+    def _check_model(self, model: Mapping[str, Any], source: str) -> None:
+        """``model:`` against the schema its own ``model_type`` selects; a misspelt ``model_type`` is named first
+        (without it the keys are checked against the default class, whose first complaint would mislead)."""
+        schema = self.schema(model)["model"]
+        if "model_type" not in model:
+            for key in model:
+                if key not in schema and did_you_mean(key, ["model_type"]):
+                    check_keys({key: None}, schema, source, "model")
+        check_keys(model, schema, source, "model")
 
     def model(self, source: ConfigSource) -> dict[str, Any]:
         """The ``model:`` section of a recipe: a YAML path, the whole recipe as a dict, or the ``model:`` mapping
         itself; checked either way."""
         if isinstance(source, Mapping):
             model = dict(source["model"] if isinstance(source.get("model"), Mapping) else source)
-            check_keys(model, self.schema(model)["model"], DICT_SOURCE, "model")
+            if self.model_schema is not None:
+                self._check_model(model, DICT_SOURCE)
+            else:
+                check_keys(model, self.schema(model)["model"], DICT_SOURCE, "model")
             return model
         return dict(self.read(source)["model"])
 
