@@ -157,6 +157,19 @@ def pytest_sessionfinish(session) -> None:
     shutil.rmtree(_launcher.log_dir, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A test that starts a process group in this process (a one-device Fabric or Trainer under a disttrain strategy)
+    leaves none for the next: the simulator's fake groups need a process without one. Groups a module- or
+    session-scoped fixture started (there before the test) are left alone."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # Runs shared by several test modules: each launches 2 processes once per session (reused across modules).
 def launch(tmp_path_factory, script: str, *args: str) -> list[dict]:
     return run_dist(script, tmp_path_factory.mktemp(script.split(".")[0]), *args, nproc=2)
