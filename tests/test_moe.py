@@ -18,14 +18,16 @@ REL = 1e-5
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """ep=2 on Mixtral, Qwen2-MoE and Qwen3-MoE; FSDP on Mixtral (its auxiliary loss); the Trainer at ep=2."""
-    return run_dist("moe_run.py", tmp_path_factory.mktemp("moe2"), "disttrain_fsdp", EP, "--", "mixtral",
+    return run_dist("moe_run.py", tmp_path_factory.mktemp("moe2"), "disttrain_fsdp@mixtral", EP, "--", "mixtral",
                     "qwen2-moe", "qwen3-moe")
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    """ep=2 x FSDP over 4 data-parallel ranks, and ep=2 x tp=2; the Trainer at ep=2 x tp=2."""
-    return run_dist("moe_run.py", tmp_path_factory.mktemp("moe4"), EP, EP_TP, "--", "mixtral", "qwen2-moe", nproc=4)
+    """ep=2 x FSDP over 4 data-parallel ranks (Mixtral), and ep=2 x tp=2 (Qwen2-MoE, its shared expert split too);
+    the Trainer at ep=2 x tp=2 (Mixtral)."""
+    return run_dist("moe_run.py", tmp_path_factory.mktemp("moe4"), f"{EP}@mixtral", f"{EP_TP}@qwen2-moe", "--",
+                    "mixtral", nproc=4)
 
 
 def check(result: dict) -> None:
@@ -61,8 +63,7 @@ def test_expert_parallel_trains_through_the_trainer(two_ranks, four_ranks, ranks
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [EP, EP_TP])
-@pytest.mark.parametrize("model", ["mixtral", "qwen2-moe"])
+@pytest.mark.parametrize(("spec", "model"), [(EP, "mixtral"), (EP_TP, "qwen2-moe")])
 def test_expert_parallel_composes_with_fsdp_and_tensor_parallel(four_ranks, spec, model):
     check(four_ranks[0][spec][model])
     assert four_ranks[0][spec][model]["export_diff"][0] <= REL

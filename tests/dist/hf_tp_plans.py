@@ -9,7 +9,6 @@ with the reason (it is not a disttrain matter); otherwise 2 SGD steps on the sam
 losses are recorded, or the one-line refusal of the strategy.
 """
 
-import copy
 import os
 import sys
 
@@ -83,13 +82,23 @@ def train(fabric, model, optimizer, steps: int) -> list[float]:
     return losses
 
 
-def check(fabric: L.Fabric, model_type: str) -> dict:
+def reference(model_type: str) -> dict:
+    """One process's losses, or why the model does not run tiny on one CPU process (then it is only counted)."""
     try:
         model = build(model_type)
-        reference = copy.deepcopy(model)
-        ref_losses = train(None, reference, torch.optim.SGD(reference.parameters(), lr=0.1), STEPS)
+        return {"ref_losses": train(None, model, torch.optim.SGD(model.parameters(), lr=0.1), STEPS)}
     except Exception as e:  # noqa: BLE001  the model itself does not run tiny on one CPU process
         return {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+
+
+def check(fabric: L.Fabric, model_type: str) -> dict:
+    # rank 0 runs the reference and tells the other rank (the two would compute the same, on shared cores)
+    ref = [reference(model_type) if fabric.global_rank == 0 else None]
+    torch.distributed.broadcast_object_list(ref, src=0)
+    if "skipped" in ref[0]:
+        return ref[0]
+    ref_losses = ref[0]["ref_losses"]
+    model = build(model_type)
     try:
         model = fabric.setup_module(model)
     except ValueError as e:

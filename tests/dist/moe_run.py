@@ -1,6 +1,7 @@
 """Expert parallelism (disttrain_megatron expert_parallel_size) on HF MoE models, against one process in this script.
 
-Usage: moe_run.py OUT SPEC [SPEC ...] -- MODEL [MODEL ...]    (MODEL: mixtral, qwen2-moe, qwen3-moe)
+Usage: moe_run.py OUT SPEC [SPEC ...] -- MODEL [MODEL ...]    (MODEL: mixtral, qwen2-moe, qwen3-moe;
+SPEC@MODEL+MODEL runs that spec on those models only)
 
 For each SPEC (Fabric) and model: 5 optimizer steps with the router's auxiliary loss on; each data-parallel rank
 trains on its share of the global batch (ranks of one tensor-parallel group on the same share). The one-process
@@ -157,10 +158,11 @@ def trainer_run(spec: str, name: str) -> dict:
 
 
 results = {}
-for spec in specs:
+for given in specs:
+    spec, _, only = given.partition("@")  # "SPEC@mixtral": that model only
     fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy_from_spec(spec,
                                                                                                            "fabric"))
     fabric.launch()
-    results[spec] = {name: fabric_run(fabric, name) for name in names}
-results["trainer"] = trainer_run(specs[-1], names[0])
+    results[spec] = {name: fabric_run(fabric, name) for name in (only.split("+") if only else names)}
+results["trainer"] = trainer_run(specs[-1].partition("@")[0], names[0])
 write_result(results)
