@@ -101,7 +101,6 @@ class MegatronEngine(FSDPEngine):
         super().__init__(options, name)
         self.pipeline: Optional[Pipeline] = None
         self.tp_result = TPResult()
-        self.expert_modules: list[nn.Module] = []
         self._target_prefix = ""
 
     @classmethod
@@ -223,7 +222,6 @@ class MegatronEngine(FSDPEngine):
                              f" models whose config declares an expert plan (Mixtral, Qwen2-MoE, Qwen3-MoE, ...), not"
                              f" {name}; use expert_parallel_size=1")
         experts = HF_PLANS.apply_ep(found[1], self.meshes.ep, self.meshes.ep_tokens, self.dims.tp)
-        self.expert_modules = experts
         unit_options = replace(self.options, activation_checkpointing=False)
         for module in experts:
             shard_blocks(module, [module], self.meshes.expert_fsdp, unit_options, precision, device)
