@@ -174,9 +174,6 @@ class GPT2Family(HFFamily):
             model.lm_head = None
         return [GPT2Stage(model, range(*plan.bounds[s]), s == 0, s == plan.num_stages - 1) for s in stages]
 
-    def loss(self, model: nn.Module, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return model.loss_function(logits=output, labels=labels, vocab_size=model.config.vocab_size)
-
     # -- planner ----------------------------------------------------------------------------------------------
     def widths(self, config: Any) -> dict[str, int]:
         h = config.n_embd

@@ -84,6 +84,11 @@ class HFFamily(Family):
     def reads_model_type(self, model_type: Optional[str]) -> bool:
         return model_type in self.model_types
 
+    def loss(self, model: nn.Module, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """HF's own causal-LM loss: shift by one, mean over the tokens whose label is not -100."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return model.loss_function(logits=output, labels=labels, vocab_size=config.vocab_size)
+
     def wrap_output(self, loss: Optional[torch.Tensor], output: Optional[torch.Tensor]) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 

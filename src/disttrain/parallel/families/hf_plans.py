@@ -194,9 +194,6 @@ class HFPlansFamily(HFFamily):
         return False  # planned as measured HF models (disttrain.planner.generic)
 
     # -- tensor and expert parallel ---------------------------------------------------------------------------
-    def has_tp_plan(self, model: nn.Module) -> bool:
-        return bool(declared_plans(model)[0])
-
     def check_tp(self, model: nn.Module, tp: int, plan: Any) -> None:
         from disttrain.parallel.families.base import check_heads
 
@@ -313,12 +310,9 @@ class HFPlansFamily(HFFamily):
             setattr(base, embed, None)
         if not last:
             setattr(base, norm, nn.Identity())
-            model.set_output_embeddings(None) if hasattr(model, "set_output_embeddings") else None
+            if hasattr(model, "set_output_embeddings"):
+                model.set_output_embeddings(None)
         return modules
-
-    def loss(self, model: nn.Module, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """HF's own causal-LM loss: shift by one, mean over the tokens whose label is not -100."""
-        return model.loss_function(logits=output, labels=labels, vocab_size=_text_config(model).vocab_size)
 
 
 HF_PLANS = HFPlansFamily()

@@ -157,10 +157,6 @@ class LlamaFamily(HFFamily):
             model.lm_head = None
         return [LlamaStage(model, range(*plan.bounds[s]), s == 0, s == plan.num_stages - 1) for s in stages]
 
-    def loss(self, model: nn.Module, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """HF's own causal-LM loss: shift by one, mean over the tokens whose label is not -100."""
-        return model.loss_function(logits=output, labels=labels, vocab_size=model.config.vocab_size)
-
     # -- planner ----------------------------------------------------------------------------------------------
     def config_schema(self, mapping: Mapping[str, Any]) -> Schema:
         """``LlamaConfig`` arguments and attributes (those of the config class of ``model_type``, when given)."""
