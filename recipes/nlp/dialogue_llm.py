@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=str(ROOT / "configs/nlp/dialogue_tiny.yaml"), help="recipe YAML")
     p.add_argument("--data", default=None, help="chat JSONL (default: the config's data.train, else the demo)")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer folder (default: config, else demo)")
+    p.add_argument("--pretrained", default=None,
+                   help="local HF causal-LM folder to fine-tune (config.json + *.safetensors; any family): its config"
+                        " replaces the YAML's model:, its tokenizer and chat template are used when it has one, and"
+                        " each process reads only its own slices of the weights")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSONL lines")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: train.steps)")
     p.add_argument("--eval-every", type=int, default=None, help="default: train.eval_every")
@@ -104,7 +108,17 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     data = dict(config.get("data", {}))
     data["train"] = args.data or data.get("train")
     data["tokenizer"] = args.tokenizer or data.get("tokenizer")
-    return {"model": config["model"], "data": data, "train": train}
+    model = config["model"]
+    if args.pretrained:
+        from transformers import AutoConfig
+
+        from disttrain.parallel.pretrained import check_pretrained
+
+        folder = check_pretrained(args.pretrained)
+        model = AutoConfig.from_pretrained(str(folder)).to_dict()
+        if not args.tokenizer and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            data["tokenizer"] = str(folder)
+    return {"model": model, "data": data, "train": train}
 
 
 def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str, Any]]:
@@ -166,6 +180,12 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     # a torch LR scheduler bound to the optimizer before setup would no longer match its param groups.
     optimizer = module.configure_optimizers()["optimizer"]
     model, optimizer = fabric.setup(module, optimizer)
+    if args.pretrained:  # the model was built empty: each process reads its own slices of the weights into its shards
+        if not hasattr(fabric.strategy, "load_pretrained"):
+            raise ValueError(f"--pretrained needs a disttrain strategy (disttrain_fsdp, disttrain_zero3, ...), not"
+                             f" {type(fabric.strategy).__name__}")
+        fabric.strategy.load_pretrained(model, args.pretrained, prefix="model.")
+        fabric.print(f"fine-tuning {args.pretrained} ({type(module.model).__name__})")
 
     sampler_kwargs = _sampler_kwargs(fabric)
     sampler = ResumableSampler(train_set, seed=int(data.get("seed", 0)), **sampler_kwargs)

@@ -78,13 +78,16 @@ def count_parameters(config: Any) -> int:
 
 
 class DialogueLM(L.LightningModule):
-    """Chat supervised fine-tuning of a Llama-family causal LM.
+    """Chat supervised fine-tuning of a causal LM (Llama by default; any HF family).
 
     Pass ``config=`` (a recipe YAML such as ``configs/nlp/dialogue_1b.yaml``, or a dict of ``LlamaConfig``
-    arguments) for a model with fresh weights, or ``pretrained=`` (a local Hugging Face folder) to fine-tune one.
-    The model is built in ``configure_model``, so under ``disttrain_fsdp(empty_init=True)``, ``disttrain_zero3`` or
-    ``fabric.init_module(empty_init=True)`` a fresh model is created on the meta device / partitioned and no
-    rank ever holds it whole. A pretrained folder is loaded whole on every rank, then sharded.
+    arguments, or of the HF config class its ``model_type`` names) for a model with fresh weights, or ``pretrained=``
+    (a local Hugging Face folder of any causal-LM family) to fine-tune one. The model is built in
+    ``configure_model``, so under ``disttrain_fsdp(empty_init=True)``, ``disttrain_zero3`` or
+    ``fabric.init_module(empty_init=True)`` it is created on the meta device / partitioned and no rank ever holds it
+    whole. Under a disttrain strategy a pretrained folder is then read sharded at the start of fitting (each rank
+    reads only its own slices of the safetensors files: ``strategy.load_pretrained``); under another strategy it is
+    loaded whole on every rank, then sharded.
 
     Batches are ``{"input_ids", "labels", "position_ids"}`` of packed dialogues (``disttrain.nlp.data``).
     Logs ``train/loss`` per step and, after each validation, ``val/loss`` and ``val/ppl`` (token-weighted over
@@ -106,6 +109,7 @@ class DialogueLM(L.LightningModule):
         self.save_hyperparameters()
         self.config = llama_config(pretrained if pretrained is not None else config)
         self.pretrained = pretrained
+        self._pretrained_loaded = False
         self.model: Optional[nn.Module] = None
         self._val_loss_sum = torch.zeros(())
         self._val_tokens = torch.zeros(())
@@ -115,14 +119,24 @@ class DialogueLM(L.LightningModule):
         if self.model is not None:
             return
         attn = self.hparams.attn_implementation
-        if self.pretrained is None:
-            self.model = build_model(self.config, attn)
+        if self.pretrained is None or self._loads_sharded():
+            self.model = build_model(self.config, attn)  # a pretrained folder's weights follow in on_fit_start
             return
         from transformers import AutoModelForCausalLM
 
         # Real weights: leave any meta-device context the strategy opened, load, then let it shard.
         with torch.device("cpu"):
             self.model = AutoModelForCausalLM.from_pretrained(self.pretrained, attn_implementation=attn)
+
+    def _loads_sharded(self) -> bool:
+        """Whether the Trainer's strategy reads a pretrained folder into its shards (the disttrain strategies)."""
+        trainer = self._trainer
+        return trainer is not None and hasattr(trainer.strategy, "load_pretrained")
+
+    def on_fit_start(self) -> None:
+        if self.pretrained is not None and self._loads_sharded() and not self._pretrained_loaded:
+            self.trainer.strategy.load_pretrained(self.pretrained, prefix="model.")
+            self._pretrained_loaded = True
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # No attention_mask: transformers then reads the restarting position_ids as packed dialogues and keeps

@@ -334,6 +334,41 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
     return metadata
 
 
+def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = "",
+                    layout: StorageLayout | None = None) -> list[str]:
+    """Collective: the weights of an HF folder into ``module``'s (sharded) parameters, each rank reading only its own
+    slices (:mod:`disttrain.parallel.pretrained`); ``prefix``: the model's path inside ``module`` (``"model."`` for
+    a LightningModule's ``self.model``). Returns the parameters the folder has no tensor for that are tied to one it
+    has (an LM head sharing the embedding); any other missing tensor is one error naming them."""
+    from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, stored_names
+
+    layout = layout or StorageLayout()
+    stored = stored_names(folder)
+    state = model_state(module)
+    mine = {k: v for k, v in state.items() if k.startswith(prefix)}
+    loaded = {k: v for k, v in mine.items() if k[len(prefix):] in stored}
+    tied = _tied_aliases(module, set(loaded))
+    missing = sorted(k[len(prefix):] for k in mine if k not in loaded and k not in tied)
+    if missing or not loaded:
+        raise CheckpointError(f"pretrained folder {str(folder)!r} does not match the model: it has no"
+                              f" {missing[:5] or sorted(mine)[:5]}{' ...' if len(missing) > 5 else ''}; pass the"
+                              " folder of the same architecture (its config.json builds the model)")
+    tensors = {MODEL_KEY: loaded}
+    layout.before_load(tensors)
+    load_into(folder, tensors, reader=PretrainedReader(folder, f"{MODEL_KEY}."))
+    layout.after_load(tensors)
+    set_model_state_dict(module, tensors[MODEL_KEY], options=StateDictOptions(strict=False))
+    return sorted(tied)
+
+
+def _tied_aliases(module: nn.Module, loaded: set[str]) -> set[str]:
+    """Names of parameters that share their tensor with a loaded one under another name (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return {name for names in by_id.values() if loaded & set(names) for name in names if name not in loaded}
+
+
 def load_full(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
               strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """Load a single-file checkpoint (``save_distributed_checkpoint=False``) on every rank."""
@@ -538,12 +573,13 @@ def stored_entries(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_into(path: str | os.PathLike, targets: dict[str, Any], strict: bool = True,
-              weights_only: bool = True) -> None:
+              weights_only: bool = True, reader: Any = None) -> None:
     """Collective ``dcp.load`` of a checkpoint folder into ``targets`` (nested dicts of tensors, DTensors or
     ShardedTensors, filled in place; other values are replaced by the stored ones): each rank reads only the
-    stored chunks that overlap its targets, each verified before it is used."""
+    stored chunks that overlap its targets, each verified before it is used. ``reader``: another storage (a
+    pretrained folder's :class:`~disttrain.parallel.pretrained.PretrainedReader`)."""
     try:
-        dcp.load(targets, storage_reader=storage_reader(path, weights_only),
+        dcp.load(targets, storage_reader=reader or storage_reader(path, weights_only),
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
         raise unwrap_dcp_error(e) or CheckpointError(

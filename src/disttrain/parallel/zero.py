@@ -526,15 +526,17 @@ def _scalar_target(stored: Any) -> Any:
 
 @torch.no_grad()
 def load_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, optimizer: Any, model_key: str,
-                     optim_key: Optional[str], strict: bool = True) -> None:
+                     optim_key: Optional[str], strict: bool = True, reader: Any = None,
+                     stored: Optional[set[str]] = None) -> None:
     """Load a disttrain checkpoint folder of any strategy and world size into a ZeRO-3 model (and, with
     ``optim_key``, the optimizer state): every rank reads only the stored chunks that overlap its partitions,
     directly into DeepSpeed's memory. ``optimizer``: the ZeRO-3 optimizer holding the fp32 master weights (None for
-    a model without one). Collective."""
+    a model without one). ``reader``/``stored``: another storage and its tensor names (a pretrained folder).
+    Collective."""
     from disttrain.parallel.checkpoint import CheckpointError, load_into, stored_entries
 
     path = Path(path)
-    stored = stored_entries(path)
+    stored = stored if stored is not None else stored_entries(path)
     layout = _ZeroLayout(module, optimizer)
     for key in filter(None, (model_key, optim_key)):
         if not any(k.startswith(f"{key}.") for k in stored):
@@ -557,7 +559,7 @@ def load_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, opt
                             " fabric.setup returned")
         targets[optim_key], apply_optimizer = _optimizer_targets(layout, optim_key, stored, path)
     with _partitions_only(module, layout.zero), _sharded_tensors_allowed():
-        load_into(path, targets, strict=strict)
+        load_into(path, targets, strict=strict, reader=reader)
         for commit in layout.pending:
             commit()
         apply_optimizer()
