@@ -7,6 +7,8 @@ import atexit
 import os
 import sys
 import time
+from collections.abc import Generator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -24,7 +26,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from disttrain.parallel.engine import Engine
 from disttrain.parallel import registry
-from disttrain.parallel.zero import skip_inference_comm_op
+from disttrain.parallel.zero import hf_init_after_partitioning, skip_inference_comm_op
 
 DEFAULT_TIMEOUT: timedelta = default_pg_timeout
 # Methods the Trainer and Fabric call on a LightningModule instead of ``forward``: engines that gather parameters
@@ -95,6 +97,19 @@ class DeepSpeedPlumbing(EngineAdapter):
     @property
     def root_device(self) -> torch.device:
         return self.engine.device_for(super().root_device, self.local_rank)  # type: ignore[misc]
+
+    # Lightning's zero.Init contexts (Fabric's module_sharded_context, the Trainer's model_sharded_context), with Hugging
+    # Face models initialised as transformers does under ZeRO-3 (parallel/zero.py explains why)
+    def module_sharded_context(self) -> AbstractContextManager:
+        stack = ExitStack()
+        stack.enter_context(hf_init_after_partitioning())  # initialises after zero.Init has closed
+        stack.enter_context(super().module_sharded_context())  # type: ignore[misc]
+        return stack
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with hf_init_after_partitioning(), super().model_sharded_context():  # type: ignore[misc]
+            yield
 
     def _start_deepspeed(self, set_world_ranks: Any) -> None:
         """Lightning's DeepSpeed start-up (seed, ranks, DeepSpeed's process group) on CPU as on CUDA."""

@@ -194,6 +194,41 @@ def skip_inference_comm_op() -> None:
         deepspeed.ops.__compatible_ops__[get_accelerator().get_op_builder("ShareMemCommBuilder").NAME] = False
 
 
+@contextmanager
+def hf_init_after_partitioning() -> Iterator[None]:
+    """Around ``deepspeed.zero.Init``: Hugging Face models built inside get their weights initialised the way
+    transformers does under its own ZeRO-3 integration, once the model is complete (each module's parameters gathered
+    in turn, initialised by ``_init_weights`` on rank 0, broadcast; then the tied weights tied).
+
+    Needed because zero.Init partitions each module as its constructor returns, so the ``post_init`` of the whole
+    model would initialise empty partitions: a no-op, except for an embedding's ``padding_idx`` row, whose indexing
+    fails (``IndexError: index 0 is out of bounds``) for every config with a ``pad_token_id`` (Phi-3, Mistral, ...).
+    transformers only takes its own zero3 path when it holds the DeepSpeed config (``HfDeepSpeedConfig``), which
+    the strategy keeps to itself."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.integrations.deepspeed import initialize_weights_zero3
+    except ImportError:  # no transformers: nothing to defer
+        yield
+        return
+    built: list[PreTrainedModel] = []
+    original = PreTrainedModel.initialize_weights
+
+    def defer(model: PreTrainedModel) -> None:
+        built.append(model)
+
+    PreTrainedModel.initialize_weights = defer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = original  # type: ignore[method-assign]
+    inner = {id(sub) for model in built for sub in model.modules() if sub is not model}
+    for model in built:
+        if id(model) not in inner:  # a model's sub-models are initialised with it
+            initialize_weights_zero3(model)
+            model.tie_weights()
+
+
 def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The same Adam/AdamW (groups and hyper-parameters) as DeepSpeedCPUAdam, the fast optimizer for an
     offloaded optimizer state. Other optimizers are returned unchanged."""
