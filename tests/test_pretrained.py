@@ -13,12 +13,15 @@ from disttrain.parallel.pretrained import check_pretrained, stored_names
 
 SPECS = ["disttrain_fsdp", "disttrain_zero3", "disttrain_megatron:tensor_parallel_size=2"]
 MODELS = ["llama", "qwen2", "gemma2", "phi3"]
+LORA_SPECS = ["disttrain_ddp", *SPECS]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One launch: each strategy loads each family's bfloat16 folder sharded, then trains 5 steps."""
-    return run_dist("pretrained_run.py", tmp_path_factory.mktemp("pretrained"), *SPECS, "--", *MODELS)
+    """One launch: each strategy loads each family's bfloat16 folder sharded, then trains 5 steps; then LoRA
+    fine-tuning of the Llama folder under each strategy, resumed and exported."""
+    return run_dist("pretrained_run.py", tmp_path_factory.mktemp("pretrained"), *SPECS, "--", *MODELS,
+                    "--lora", *LORA_SPECS)
 
 
 @pytest.mark.slow
@@ -29,6 +32,19 @@ def test_fine_tuning_from_a_pretrained_folder_matches_one_process(runs, spec, mo
     assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
     # Gemma-2 ties its head to the embedding: the folder holds it once, under the embedding's name
     assert result["tied"] == (["lm_head.weight"] if model == "gemma2" else [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", LORA_SPECS)
+def test_lora_fine_tuning_matches_peft_in_one_process_resumes_and_exports(runs, spec):
+    result = runs[0][f"lora {spec}"]
+    assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
+    # B starts at zero: the first loss is the pretrained model's own (full fine-tuning's first loss, same batch)
+    assert result["losses"][0] == pytest.approx(runs[0]["disttrain_fsdp"]["llama"]["losses"][0], rel=1e-6)
+    assert result["resumed"] == pytest.approx(result["losses"][3:], rel=1e-6)  # the checkpoint holds the adapters
+    assert result["base_unchanged"]  # only the adapters were in the optimizer
+    assert result["adapter_logits_err"] < 1e-5  # peft's PeftModel.from_pretrained of the exported adapter folder
+    assert result["merged_logits_err"] < 1e-5  # the merged export, into the plain HF model
 
 
 def tiny_llama(seed: int):
@@ -63,3 +79,52 @@ def test_a_folder_without_safetensors_is_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"has no \*.safetensors weights \(it holds pytorch_model.bin\);"
                                                 r" save them with model.save_pretrained"):
         stored_names(tmp_path / "bin")
+
+
+def test_lora_export_merges_like_peft_also_for_gpt2_conv1d_layers(tmp_path):
+    """One process, GPT-2 (Conv1D layers store their weight transposed: peft's fan_in_fan_out): the adapter folder
+    loads in peft and the merged state equals peft's merge_and_unload."""
+    from peft import PeftModel, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from disttrain.parallel.lora import LoraSettings, adapter_layers, add_lora, split_export, write_adapter
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32))
+    settings = LoraSettings(rank=4, alpha=16, target_modules=["c_attn", "c_proj"])
+    model = add_lora(GPT2LMHeadModel(base.config), settings).eval()
+    with torch.no_grad():  # base weights as `base`, adapters non-zero (as after training)
+        for name, param in model.named_parameters():
+            param.copy_(base.state_dict()[name.replace(".base_layer.", ".")] if "lora_" not in name
+                        else torch.randn_like(param) * 0.1)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] and all(
+        "lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    state, layers = model.state_dict(), adapter_layers(model)
+    folder = write_adapter(tmp_path / "adapter", split_export(state, layers, merge=False), settings)
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(GPT2LMHeadModel(base.config).eval(), str(folder))
+        wrapped = {k.replace(".base_layer.", "."): k for k in state}  # the base weights under peft's names
+        loaded.base_model.model.load_state_dict({wrapped.get(k, k): v for k, v in base.state_dict().items()},
+                                                strict=False)
+        assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-5)
+        merged = GPT2LMHeadModel(base.config).eval()
+        merged.load_state_dict(split_export(state, layers, merge=True))
+        assert torch.allclose(merged(input_ids=ids).logits, expected, atol=1e-5)
+    peft_merged = get_peft_model(GPT2LMHeadModel(base.config), settings.peft_config())
+    peft_merged.load_state_dict({f"base_model.model.{k}": v for k, v in state.items()}, strict=False)
+    unloaded = peft_merged.merge_and_unload().state_dict()
+    mine = split_export(state, layers, merge=True)
+    assert all(torch.allclose(mine[k], unloaded[k], atol=1e-6) for k in unloaded), "merge differs from peft's"
+
+
+def test_lora_settings_name_the_bad_value():
+    from disttrain.parallel.lora import LoraSettings
+
+    with pytest.raises(ValueError, match=r"lora: unknown key\(s\) \['rnak'\]; known:"):
+        LoraSettings.from_dict({"rnak": 8})
+    with pytest.raises(ValueError, match=r"lora rank=-1 is not a rank"):
+        LoraSettings(rank=-1)
+    assert LoraSettings.from_dict({"rank": 8, "target_modules": ["q_proj"]}).scaling == 2.0

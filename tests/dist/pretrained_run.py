@@ -1,12 +1,20 @@
 """Fine-tuning from a pretrained Hugging Face folder under each strategy (Fabric), against one process in this script.
 
-Usage: pretrained_run.py OUT SPEC [SPEC ...] -- MODEL [MODEL ...]    (MODEL: llama, qwen2, gemma2 (tied), phi3)
+Usage: pretrained_run.py OUT SPEC [SPEC ...] -- MODEL [MODEL ...] [--lora SPEC ...]
+       (MODEL: llama, qwen2, gemma2 (tied), phi3)
 
 Rank 0 saves a tiny model of each family in bfloat16 (``save_pretrained``: config.json + model.safetensors) into a
 shared folder. Per SPEC and model: the model is built empty (``fabric.init_module(empty_init=True)``), set up by the
 strategy, and loaded with ``fabric.strategy.load_pretrained`` (each rank reading its own slices, converted to float32
 slice by slice); then 5 SGD steps on the same batches as a one-process ``from_pretrained(dtype=float32)`` of the same
 folder. Records both runs' losses and the tied parameters the folder held under another name.
+
+Per ``--lora`` SPEC, on the Llama folder: LoRA adapters (rank 4, every Linear) added to the empty model, the base
+loaded sharded, the adapters' first values set (``init_adapters``), 3 SGD steps on the adapters only, a checkpoint,
+2 more steps; then a fresh model resumed from the checkpoint repeats those 2 steps. Against one process with
+peft's ``get_peft_model`` given the same first adapter values. Rank 0 then checks the exports: the base weights
+untouched (equal to the folder's), peft's ``PeftModel.from_pretrained`` of the exported adapter folder and the
+merged model both giving the trained model's logits.
 """
 
 import os
@@ -16,12 +24,15 @@ import lightning as L
 import torch
 
 import disttrain  # noqa: F401  (registers the strategy names)
+from disttrain.parallel.lora import (LoraSettings, adapter_layers, add_lora, init_adapters, initial_adapters,
+                                     split_export, write_adapter)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import strategy_from_spec, tmpdir, write_result  # noqa: E402
 
 split = sys.argv.index("--")
-specs, names = sys.argv[2:split], sys.argv[split + 1:]
+lora_at = sys.argv.index("--lora") if "--lora" in sys.argv else len(sys.argv)
+specs, names, lora_specs = sys.argv[2:split], sys.argv[split + 1:lora_at], sys.argv[lora_at + 1:]
 VOCAB, SEQ, BATCH, STEPS = 96, 16, 4, 5
 
 
@@ -48,9 +59,9 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(2, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(50 + step))
 
 
-def train(fabric, model, optimizer) -> list[float]:
+def train(fabric, model, optimizer, steps=range(STEPS)) -> list[float]:
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         ids = batch(step)
         loss = model(input_ids=ids, labels=ids).loss
         fabric.backward(loss, model=model) if fabric is not None else loss.backward()
@@ -74,8 +85,82 @@ def check(fabric: L.Fabric, name: str) -> dict:
     return {"losses": train(fabric, model, optimizer), "ref_losses": ref_losses, "tied": tied}
 
 
+LORA = LoraSettings(rank=4, alpha=8, seed=3)
+
+
+def lora_reference() -> tuple[list[float], torch.Tensor]:
+    """One process, peft's own wrapper, the same first adapter values: (5 losses, logits after them)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder_of("llama"), dtype=torch.float32),
+                           LORA.peft_config())
+    first = initial_adapters(model.base_model.model, LORA.seed)
+    with torch.no_grad():
+        for name, param in model.base_model.model.named_parameters():
+            if name in first:
+                param.copy_(first[name])
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    losses = train(None, model, optimizer)
+    with torch.no_grad():
+        return losses, model(input_ids=batch(99)).logits
+
+
+def lora_model(fabric: L.Fabric):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with fabric.init_module(empty_init=True):
+        model = add_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder_of("llama")),
+                                                          dtype=torch.float32), LORA)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5,
+                                                        momentum=0.9))
+    return model, optimizer
+
+
+def check_lora(fabric: L.Fabric, spec: str) -> dict:
+    from safetensors.torch import load_file
+
+    ref_losses, ref_logits = lora_reference()
+    model, optimizer = lora_model(fabric)
+    tied = fabric.strategy.load_pretrained(model, folder_of("llama"))
+    init_adapters(model.module, LORA.seed, lambda f: fabric.strategy.load_pretrained(model, f, partial=True))
+    losses = train(fabric, model, optimizer, range(3))
+    checkpoint = os.path.join(tmpdir(), f"lora-ckpt-{spec.replace(':', '_')}")
+    fabric.save(checkpoint, {"model": model, "optimizer": optimizer})
+    losses += train(fabric, model, optimizer, range(3, STEPS))
+    full = os.path.join(tmpdir(), f"lora-full-{spec.replace(':', '_')}.safetensors")
+    layers = adapter_layers(model.module)
+    fabric.strategy.export_full(model, full)
+    resumed, resumed_optimizer = lora_model(fabric)
+    fabric.load(checkpoint, {"model": resumed, "optimizer": resumed_optimizer})
+    result = {"losses": losses, "ref_losses": ref_losses, "tied": tied,
+              "resumed": train(fabric, resumed, resumed_optimizer, range(3, STEPS))}
+    if fabric.global_rank == 0:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        state = load_file(full)
+        stored = load_file(os.path.join(folder_of("llama"), "model.safetensors"))
+        result["base_unchanged"] = all(torch.equal(state[k.replace(".weight", ".base_layer.weight")]
+                                                   if k.replace(".weight", ".base_layer.weight") in state
+                                                   else state[k], v.float()) for k, v in stored.items())
+        adapter_dir = write_adapter(os.path.join(tmpdir(), f"lora-adapter-{spec.replace(':', '_')}"),
+                                    split_export(state, layers, merge=False), LORA)
+        base = AutoModelForCausalLM.from_pretrained(folder_of("llama"), dtype=torch.float32)
+        with torch.no_grad():
+            peft_logits = PeftModel.from_pretrained(base, str(adapter_dir))(input_ids=batch(99)).logits
+            merged = AutoModelForCausalLM.from_pretrained(folder_of("llama"), dtype=torch.float32)
+            merged.load_state_dict(split_export(state, layers, merge=True))
+            merged_logits = merged(input_ids=batch(99)).logits
+        scale = ref_logits.abs().max().item()
+        result["adapter_logits_err"] = (peft_logits - ref_logits).abs().max().item() / scale
+        result["merged_logits_err"] = (merged_logits - ref_logits).abs().max().item() / scale
+    return result
+
+
 if int(os.environ.get("RANK", "0")) == 0:
-    for name in names:
+    for name in set(names) | ({"llama"} if lora_specs else set()):
         build(name).to(torch.bfloat16).save_pretrained(folder_of(name))
 results = {}
 for spec in specs:
@@ -84,4 +169,10 @@ for spec in specs:
     fabric.launch()
     fabric.barrier()  # rank 0 wrote the folders
     results[spec] = {name: check(fabric, name) for name in names}
+for spec in lora_specs:
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                      strategy=strategy_from_spec(spec, "fabric"))
+    fabric.launch()
+    fabric.barrier()
+    results[f"lora {spec}"] = check_lora(fabric, spec)
 write_result(results)

@@ -335,30 +335,23 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
 
 
 def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = "",
-                    layout: StorageLayout | None = None) -> list[str]:
+                    layout: StorageLayout | None = None, partial: bool = False) -> list[str]:
     """Collective: the weights of an HF folder into ``module``'s (sharded) parameters, each rank reading only its own
     slices (:mod:`disttrain.parallel.pretrained`); ``prefix``: the model's path inside ``module`` (``"model."`` for
-    a LightningModule's ``self.model``). Returns the parameters the folder has no tensor for that are tied to one it
-    has (an LM head sharing the embedding); any other missing tensor is one error naming them."""
-    from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, stored_names
+    a LightningModule's ``self.model``); ``partial``: load only the tensors the folder has (LoRA adapters' first
+    values). Returns the parameters the folder has no tensor for that are tied to one it has (an LM head sharing
+    the embedding); any other missing tensor is one error naming them."""
+    from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
 
     layout = layout or StorageLayout()
-    stored = stored_names(folder)
     state = model_state(module)
-    mine = {k: v for k, v in state.items() if k.startswith(prefix)}
-    loaded = {k: v for k, v in mine.items() if k[len(prefix):] in stored}
-    tied = _tied_aliases(module, set(loaded))
-    missing = sorted(k[len(prefix):] for k in mine if k not in loaded and k not in tied)
-    if missing or not loaded:
-        raise CheckpointError(f"pretrained folder {str(folder)!r} does not match the model: it has no"
-                              f" {missing[:5] or sorted(mine)[:5]}{' ...' if len(missing) > 5 else ''}; pass the"
-                              " folder of the same architecture (its config.json builds the model)")
-    tensors = {MODEL_KEY: loaded}
+    names, tied = pretrained_names(folder, state, prefix, lambda loaded: _tied_aliases(module, loaded), partial)
+    tensors = {MODEL_KEY: {k: state[k] for k in names}}
     layout.before_load(tensors)
-    load_into(folder, tensors, reader=PretrainedReader(folder, f"{MODEL_KEY}."))
+    load_into(folder, tensors, reader=PretrainedReader(folder, {f"{MODEL_KEY}.{k}": s for k, s in names.items()}))
     layout.after_load(tensors)
     set_model_state_dict(module, tensors[MODEL_KEY], options=StateDictOptions(strict=False))
-    return sorted(tied)
+    return tied
 
 
 def _tied_aliases(module: nn.Module, loaded: set[str]) -> set[str]:

@@ -283,12 +283,14 @@ class Engine:
         unless the caller explicitly passes ``weights_only=False``."""
         return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False)
 
-    def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "") -> list[str]:
+    def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
+                        partial: bool = False) -> list[str]:
         """Collective: an HF folder's weights into the set-up ``module``, each rank reading only its own slices of
         the safetensors files (:mod:`disttrain.parallel.pretrained`); ``prefix``: the model's path inside
-        ``module``. Returns the tied parameters the folder holds under their other name."""
+        ``module``; ``partial``: only the tensors the folder has. Returns the tied parameters the folder holds
+        under their other name."""
         layout = self.storage_layout() if hasattr(self, "storage_layout") else None
-        return ckpt.load_pretrained(folder, module, prefix, layout=layout)
+        return ckpt.load_pretrained(folder, module, prefix, layout=layout, partial=partial)
 
     # -- the full model ---------------------------------------------------------------------------------------
     def full_model(self, module: nn.Module) -> AbstractContextManager[nn.Module]:

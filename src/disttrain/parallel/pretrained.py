@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -57,23 +58,69 @@ def stored_names(folder: str | os.PathLike) -> set[str]:
 
 
 class PretrainedReader(HuggingFaceStorageReader):
-    """torch's reader of an HF safetensors folder, its tensor ``name`` seen as ``prefix + name``."""
+    """torch's reader of an HF safetensors folder, its tensors seen under the names of the state being filled:
+    ``names`` maps each target (``model.`` + the parameter's path) to the folder's tensor name. Tensors no target
+    names are not read."""
 
-    def __init__(self, folder: str | os.PathLike, prefix: str) -> None:
+    def __init__(self, folder: str | os.PathLike, names: Mapping[str, str]) -> None:
         super().__init__(str(check_pretrained(folder)))
-        self.prefix = prefix
+        self.names = dict(names)
 
     def read_metadata(self) -> Metadata:
         metadata = super().read_metadata()
-        renamed = {self.prefix + k: v for k, v in metadata.state_dict_metadata.items()}
-        storage = {dataclasses.replace(index, fqn=self.prefix + index.fqn): info
-                   for index, info in (metadata.storage_data or {}).items()}
+        by_stored: dict[str, list[str]] = {}
+        for target, stored in self.names.items():
+            by_stored.setdefault(stored, []).append(target)
+        renamed = {target: metadata.state_dict_metadata[stored] for target, stored in self.names.items()}
+        storage = {dataclasses.replace(index, fqn=target): info
+                   for index, info in (metadata.storage_data or {}).items() for target in by_stored.get(index.fqn, ())}
         self.storage_data = storage
         return dataclasses.replace(metadata, state_dict_metadata=renamed, storage_data=storage)
 
     def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
-        stored = dataclasses.replace(req.storage_index, fqn=req.storage_index.fqn[len(self.prefix):])
+        stored = dataclasses.replace(req.storage_index, fqn=self.names[req.storage_index.fqn])
         super()._process_read_request(f, dataclasses.replace(req, storage_index=stored), planner)
 
 
-__all__ = ["MODEL_KEY", "PretrainedReader", "check_pretrained", "stored_names"]
+def stored_name(name: str) -> str:
+    """The folder's name of a model parameter: LoRA (peft) moves a wrapped layer's own weight to
+    ``<layer>.base_layer.weight``; the pretrained folder has it as ``<layer>.weight``."""
+    return name.replace(".base_layer.", ".")
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter's parameter (peft's ``lora_A`` / ``lora_B`` / magnitude vectors): not in a base model's folder."""
+    return any(f".{part}." in name for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                                                  "lora_magnitude_vector"))
+
+
+def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], prefix: str, tied: Callable[[set[str]], set[str]],
+                     partial: bool = False) -> tuple[dict[str, str], list[str]]:
+    """Which of the model's parameters (``model_names``, with ``prefix``) the folder fills, and from which of its
+    tensors: ``({model name: folder tensor name}, tied names)``. Every parameter under ``prefix`` must be in the
+    folder, except LoRA adapters and parameters tied to a loaded one (``tied(loaded)`` returns those); with
+    ``partial`` only the folder's tensors are loaded, and each must be a parameter of the model. A mismatch is one
+    error naming the first names and the fix."""
+    from disttrain.parallel.checkpoint import CheckpointError
+
+    stored = stored_names(folder)
+    mine = [k for k in model_names if k.startswith(prefix)]
+    names = {k: stored_name(k[len(prefix):]) for k in mine}
+    loaded = {k: s for k, s in names.items() if s in stored}
+    if partial:
+        unknown = sorted(stored - set(loaded.values()))
+        if unknown:
+            raise CheckpointError(f"{str(folder)!r} holds {unknown[:5]}, which the model has no parameter for; pass"
+                                  " weights saved from the same architecture")
+        return loaded, []
+    tied_names = tied(set(loaded))
+    missing = sorted(s for k, s in names.items() if k not in loaded and k not in tied_names and not is_adapter(k))
+    if missing or not loaded:
+        raise CheckpointError(f"pretrained folder {str(folder)!r} does not match the model: it has no"
+                              f" {missing[:5] or sorted(names.values())[:5]}{' ...' if len(missing) > 5 else ''};"
+                              " pass the folder of the same architecture (its config.json builds the model)")
+    return loaded, sorted(tied_names)
+
+
+__all__ = ["MODEL_KEY", "PretrainedReader", "check_pretrained", "is_adapter", "pretrained_names", "stored_name",
+           "stored_names"]

@@ -12,6 +12,7 @@ stay replicated over the tensor-parallel group (FSDP shards them over the data-p
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -75,6 +76,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
         raise ValueError(f"tensor parallelism: {reason}")
     family: Family | None = found[2] if found else None
     if plan is None and family is not None and hasattr(family, "apply_tp"):  # the model's own declared plan
+        if any(_lora_layer(m) for m in model.modules()):
+            raise ValueError(f"LoRA under tensor parallelism needs one of disttrain's own plans (Llama-family"
+                             f" models, GPT-2, BERT-style encoders, timm ViT); {type(found[1]).__name__} is split by"
+                             " its config's declared plan, which has no adapter split: train it with disttrain_fsdp"
+                             " or disttrain_zero3")
         family.check_tp(found[1], tp, None)
         family.apply_tp(found[1], tp_mesh, ep=ep)
         result.record_strided(model)
@@ -93,9 +99,51 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None,
         block_plan = plan
         if family is not None:
             block_plan = family.adapt_plan(block, plan)
-            result.record(prefix[id(block)], family.prepare_block(block, tp, block_plan))
-        parallelize_module(block, tp_mesh, block_plan)
+            reorders = family.prepare_block(block, tp, block_plan)
+            result.record(prefix[id(block)], reorders)
+            refuse_reordered_adapters(block, reorders)
+        parallelize_module(block, tp_mesh, with_adapters(block, block_plan))
     return result
+
+
+def _lora_layer(module: nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
+
+
+def with_adapters(block: nn.Module, plan: Plan) -> Plan:
+    """The plan for a block whose layers carry LoRA adapters (peft, :mod:`disttrain.parallel.lora`): the layer's
+    style goes to its own weight (``base_layer``) and to the adapter on the same side of the split, as Megatron
+    splits LoRA: a column-parallel layer's B is split by output columns like the layer (A, on the replicated input,
+    stays whole), a row-parallel layer's A by input rows like the layer, its all-reduce giving B (whole) the full
+    input. Every adapter ends in the layout the layer's output has, so the two add up."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    adapted: dict = {}
+    for path, style in plan.items():
+        layer = block.get_submodule(path)
+        if not _lora_layer(layer):
+            adapted[path] = style
+            continue
+        adapted[f"{path}.base_layer"] = style
+        for adapter in layer.lora_A:
+            if isinstance(style, ColwiseParallel):
+                adapted[f"{path}.lora_B.{adapter}"] = copy.deepcopy(style)
+            elif isinstance(style, RowwiseParallel):
+                adapted[f"{path}.lora_A.{adapter}"] = copy.deepcopy(style)
+            else:
+                raise ValueError(f"LoRA on {path} under tensor parallelism: its style {type(style).__name__} has no"
+                                 " adapter split; leave the layer out of lora target_modules")
+    return adapted
+
+
+def refuse_reordered_adapters(block: nn.Module, reorders: dict[str, Reorder]) -> None:
+    """A fused weight whose rows tensor parallelism reorders (GPT-2's c_attn, Phi-3's qkv_proj) would need its
+    adapter's rows reordered alike: refused with the fix."""
+    fused = sorted(path for path in reorders if _lora_layer(block.get_submodule(path)))
+    if fused:
+        raise ValueError(f"LoRA on the fused layer(s) {fused} under tensor parallelism is not supported (their rows"
+                         " are reordered for the split); leave them out of lora target_modules, or train with"
+                         " disttrain_fsdp / disttrain_zero3")
 
 
 def plan_blocks(model: nn.Module, plan: Plan, wrap_classes: BlockSpec = None) -> list[nn.Module]:

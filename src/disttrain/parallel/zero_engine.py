@@ -164,24 +164,20 @@ class ZeroEngine(Engine):
         return load_zero3_checkpoint(path, dict(targets), strict=strict, weights_only=weights_only is not False,
                                      master=_master(module))
 
-    def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "") -> list[str]:
+    def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
+                        partial: bool = False) -> list[str]:
         """An HF folder's weights into the partitions (and the fp32 master weights), each rank reading only the
         rows its partitions cover."""
-        from disttrain.parallel.checkpoint import CheckpointError, _tied_aliases
-        from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, stored_names
+        from disttrain.parallel.checkpoint import _tied_aliases
+        from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
 
         user = _user_module(module)
-        names = {prefix + name for name in stored_names(folder)}
-        mine = {k for k in user.state_dict() if k.startswith(prefix)}
-        tied = _tied_aliases(user, mine & names)
-        missing = sorted(k[len(prefix):] for k in mine - names - tied)
-        if missing or not mine & names:
-            raise CheckpointError(f"pretrained folder {str(folder)!r} does not match the model: it has no"
-                                  f" {missing[:5] or sorted(mine)[:5]}; pass the folder of the same architecture")
+        names, tied = pretrained_names(folder, user.state_dict(), prefix, lambda loaded: _tied_aliases(user, loaded),
+                                       partial)
+        targets = {f"{MODEL_KEY}.{k}": s for k, s in names.items()}
         load_zero3_state(folder, user, _master(module), MODEL_KEY, None, strict=False,
-                         reader=PretrainedReader(folder, f"{MODEL_KEY}.{prefix}"),
-                         stored={f"{MODEL_KEY}.{name}" for name in names})
-        return sorted(tied)
+                         reader=PretrainedReader(folder, targets), stored=set(targets))
+        return tied
 
     def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         """The full model in its training dtype (for the fp32 master weights of a checkpoint: ``disttrain export``)."""

@@ -96,11 +96,11 @@ class TrainerAdapter(EngineAdapter):
         ``self.model`` of the LightningModule, without the prefix, so they load into that plain module."""
         return self.engine.export(self.lightning_module, path, prefix=prefix)
 
-    def load_pretrained(self, folder: Any, prefix: str = "model.") -> list[str]:
+    def load_pretrained(self, folder: Any, prefix: str = "model.", partial: bool = False) -> list[str]:
         """Collective, after setup (e.g. in ``on_fit_start``): a Hugging Face folder's weights into the
         LightningModule's model at ``prefix`` (``self.model``), each rank reading only its own slices of the
         safetensors files into its shards (:mod:`disttrain.parallel.pretrained`)."""
-        return self.engine.load_pretrained(self.model, folder, prefix=prefix)
+        return self.engine.load_pretrained(self.model, folder, prefix=prefix, partial=partial)
 
     # -- checkpoints: the one layout (DCP folders by parameter name), which every disttrain strategy loads -------
     @property
