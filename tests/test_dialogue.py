@@ -242,6 +242,37 @@ def test_recipe_fsdp_lowers_held_out_loss_and_exports(tmp_path, demo):
 
 
 @pytest.mark.slow
+def test_recipe_fine_tunes_a_pretrained_folder_with_lora_under_zero3(tmp_path, demo):
+    """--pretrained (a Qwen2 folder with the demo tokenizer: not the YAML's Llama) + --lora-rank: only the adapters
+    train (the base is read sharded, frozen), held-out loss falls, the adapter folder is what peft loads, and the
+    reply comes from base + adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = load_tokenizer(demo[2])
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=256, tie_word_embeddings=True))
+    base.save_pretrained(tmp_path / "qwen2")
+    tokenizer.save_pretrained(str(tmp_path / "qwen2"))
+    proc = recipe("disttrain_zero3", tmp_path, demo[0], "--pretrained", str(tmp_path / "qwen2"), "--lora-rank", "8",
+                  "--steps", "6", "--eval-every", "6", "--lr", "1e-2")
+    assert "fine-tuning" in proc.stdout and "(Qwen2ForCausalLM); LoRA: " in proc.stdout, proc.stdout[-2000:]
+    before, after = held_out(proc.stdout)
+    assert after < before
+    adapter = tmp_path / "out" / "adapter"
+    assert sorted(p.name for p in adapter.iterdir() if p.name.startswith("adapter")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen2")), str(adapter))
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())  # trained away from 0
+    assert "assistant:" in proc.stdout
+    bad = run_launched("recipes/nlp/dialogue_llm.py", "--demo-root", str(demo[0]), "--out", str(tmp_path / "bad"),
+                       "--lora-rank", "8", strategy="disttrain_fsdp", timeout=300)
+    assert "LoRA (rank 8) adapts pretrained weights: pass --pretrained DIR" in bad.stdout + bad.stderr
+
+
+@pytest.mark.slow
 def test_recipe_resumes_with_the_next_unseen_batch(tmp_path, demo):
     def losses(out: str) -> dict[int, float]:
         return {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines()

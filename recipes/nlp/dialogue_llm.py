@@ -28,6 +28,7 @@ import argparse
 import logging
 import math
 import os
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from safetensors.torch import load_file
 
 import disttrain  # registers the disttrain_* names
 from disttrain.callbacks import GradientAccumulation, Throughput, apply_fast_attention
@@ -46,7 +48,8 @@ from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
 from disttrain.nlp.data import collate
 from disttrain.nlp.module import lr_factor
 from disttrain.nlp.replies import Sampling, sample_replies, side_by_side
-from disttrain.parallel.checkpoint import export_safetensors
+from disttrain.parallel.checkpoint import export_safetensors, write_safetensors
+from disttrain.parallel.lora import LoraSettings, adapter_layers, split_export, trainable_summary, write_adapter
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
@@ -63,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="local HF causal-LM folder to fine-tune (config.json + *.safetensors; any family): its config"
                         " replaces the YAML's model:, its tokenizer and chat template are used when it has one, and"
                         " each process reads only its own slices of the weights")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="train LoRA adapters of this rank on the frozen --pretrained model (overrides lora.rank; 0: the"
+                        " whole model trains); the run exports the adapter folder --out/adapter (peft's format)")
+    p.add_argument("--merge", action="store_true",
+                   help="with LoRA: export the merged model (--out/hf, a plain HF folder) instead of the adapter folder")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSONL lines")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: train.steps)")
     p.add_argument("--eval-every", type=int, default=None, help="default: train.eval_every")
@@ -109,6 +117,15 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     data["train"] = args.data or data.get("train")
     data["tokenizer"] = args.tokenizer or data.get("tokenizer")
     model = config["model"]
+    lora = dict(config.get("lora") or {})
+    if args.lora_rank is not None:
+        lora["rank"] = args.lora_rank
+    lora_settings = LoraSettings.from_dict(lora, where=f"{args.config}: lora")
+    if lora_settings.enabled and not args.pretrained:
+        raise ValueError(f"LoRA (rank {lora_settings.rank}) adapts pretrained weights: pass --pretrained DIR (a local"
+                         " HF folder), or --lora-rank 0 to train the whole model")
+    if args.merge and not lora_settings.enabled:
+        raise ValueError("--merge merges LoRA adapters into the model: pass --lora-rank N (or a lora: section) with it")
     if args.pretrained:
         from transformers import AutoConfig
 
@@ -118,7 +135,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         model = AutoConfig.from_pretrained(str(folder)).to_dict()
         if not args.tokenizer and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             data["tokenizer"] = str(folder)
-    return {"model": model, "data": data, "train": train}
+    return {"model": model, "data": data, "train": train, "lora": lora_settings}
 
 
 def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str, Any]]:
@@ -158,7 +175,8 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     data = cfg["data"]
     with fabric.rank_zero_first():  # rank 0 builds the demo data once; the others then read it
         if not data["train"] or not data["tokenizer"]:
-            jsonl, tok_dir = demo_data(args.demo_root, vocab_size=int(cfg["model"]["vocab_size"]))
+            jsonl, tok_dir = demo_data(args.demo_root, vocab_size=int(cfg["model"]["vocab_size"]),
+                                       topics=data.get("demo_topics"))
             data["train"], data["tokenizer"] = data["train"] or str(jsonl), data["tokenizer"] or str(tok_dir)
     tokenizer = load_tokenizer(data["tokenizer"])
     dialogues, bad = read_jsonl(data["train"], skip_bad_lines=args.skip_bad_lines)
@@ -172,7 +190,9 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     steps = int(train.get("steps", 40))
     module = DialogueLM(config={"model": cfg["model"]}, lr=float(train.get("lr", 3e-4)),
                         weight_decay=float(train.get("weight_decay", 0.0)),
-                        warmup_steps=int(train.get("warmup_steps", 0)), max_steps=steps)
+                        warmup_steps=int(train.get("warmup_steps", 0)), max_steps=steps,
+                        lora=cfg["lora"].as_dict() if cfg["lora"].enabled else None)
+    lora: LoraSettings = cfg["lora"]
     with fabric.init_module(empty_init=builds_empty(fabric.strategy)):  # meta device / zero.Init: shards only, for any model size
         module.configure_model()
     attention = apply_fast_attention(module, device=fabric.device)
@@ -184,8 +204,10 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
         if not hasattr(fabric.strategy, "load_pretrained"):
             raise ValueError(f"--pretrained needs a disttrain strategy (disttrain_fsdp, disttrain_zero3, ...), not"
                              f" {type(fabric.strategy).__name__}")
-        fabric.strategy.load_pretrained(model, args.pretrained, prefix="model.")
-        fabric.print(f"fine-tuning {args.pretrained} ({type(module.model).__name__})")
+        module.load_pretrained(args.pretrained, lambda folder, partial: fabric.strategy.load_pretrained(
+            model, folder, "model.", partial))
+        fabric.print(f"fine-tuning {args.pretrained} ({model_class(module.model)})"
+                     + (f"; {trainable_summary(module.model)}" if lora.enabled else ""))
 
     sampler_kwargs = _sampler_kwargs(fabric)
     sampler = ResumableSampler(train_set, seed=int(data.get("seed", 0)), **sampler_kwargs)
@@ -203,8 +225,24 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
         fabric.load(args.resume, state)
     run = {"args": args, "cfg": cfg, "tokenizer": tokenizer, "accumulation": accumulation, "steps": steps,
            "train_loader": train_loader, "val_loader": val_loader, "sampler": sampler, "module": module,
-           "stats": stats, "bad_lines": bad, "attention": attention, "seq_len": seq_len}
+           "stats": stats, "bad_lines": bad, "attention": attention, "seq_len": seq_len,
+           "data_replies": first_replies(dialogues, cfg["train"].get("prompts") or [])}
     return fabric, state, run
+
+
+def model_class(model: torch.nn.Module) -> str:
+    """The model's own class name (FSDP2 puts a generated ``FSDP<name>`` class in front of it)."""
+    return next(c.__name__ for c in type(model).__mro__ if not c.__module__.startswith("torch."))
+
+
+def first_replies(dialogues: list[Any], prompts: list[str]) -> dict[str, str]:
+    """The training data's reply to each prompt that opens one of its dialogues (the first such dialogue)."""
+    replies: dict[str, str] = {}
+    for dialogue in dialogues:
+        messages = dialogue["messages"] if isinstance(dialogue, dict) else dialogue
+        if len(messages) >= 2 and messages[0]["content"] in prompts:
+            replies.setdefault(messages[0]["content"], messages[1]["content"])
+    return replies
 
 
 def _sampler_kwargs(fabric: L.Fabric) -> dict[str, int]:
@@ -309,17 +347,38 @@ def state_to_save(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any], name: str = "hf") -> Path:
-    """The HF folder --out/NAME: the strategy gathers the full weights of DialogueLM.model (prefix "model.")."""
-    model = state["model"]
+    """The HF folder --out/NAME: the strategy gathers the full weights of DialogueLM.model (prefix "model.").
+    With LoRA: the adapter folder --out/adapter (peft's format, the tokenizer beside it), or with --merge the
+    merged model as the HF folder."""
+    model, module, args = state["model"], run["module"], run["args"]
     strategy_export = getattr(fabric.strategy, "export_full", None)
+    lora: LoraSettings = run["cfg"]["lora"]
 
-    def write_weights(path: Path) -> None:
+    def write_full(path: Path) -> None:
         if strategy_export is not None:
             strategy_export(model, path, prefix="model.")
         else:  # single-device strategies: the module is whole already
-            export_safetensors(run["module"], path, prefix="model.")
+            export_safetensors(module, path, prefix="model.")
 
-    return export_hf(Path(run["args"].out) / name, write_weights, run["module"].config, run["tokenizer"])
+    if not lora.enabled:
+        return export_hf(Path(args.out) / name, write_full, module.config, run["tokenizer"])
+    layers = adapter_layers(module.model)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=args.out) as tmp:
+        full = Path(tmp) / "lora.safetensors"
+        write_full(full)  # collective; rank 0 holds the file
+        if args.merge:
+            def write_merged(path: Path) -> None:
+                if fabric.is_global_zero:
+                    write_safetensors(split_export(load_file(full), layers, merge=True), path)
+            return export_hf(Path(args.out) / name, write_merged, module.config, run["tokenizer"])
+        out = Path(args.out) / ("adapter" if name == "hf" else f"adapter_{name.removeprefix('hf_')}")
+        if fabric.is_global_zero:
+            write_adapter(out, split_export(load_file(full), layers, merge=False), lora,
+                          base_model=str(Path(args.pretrained).resolve()))
+            run["tokenizer"].save_pretrained(str(out))
+        fabric.barrier()
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -330,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"dialogue_llm: error: {e}") from None
     module, stats = run["module"], run["stats"]
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
-    fabric.print(f"{type(fabric.strategy).__name__} on {fabric.world_size} x {fabric.device.type}: Llama with "
+    family = model_class(module.model).removesuffix("ForCausalLM")
+    fabric.print(f"{type(fabric.strategy).__name__} on {fabric.world_size} x {fabric.device.type}: {family} with "
                  f"{n_params / 1e6:.2f}M parameters; {stats['dialogues']} dialogues ({run['bad_lines']} bad lines "
                  f"skipped) -> {stats['train_rows']} packed rows of {run['seq_len']} tokens, {stats['val_rows']} "
                  f"held out; {run['accumulation'].steps} micro-step(s) per optimizer step")
@@ -395,7 +455,8 @@ def print_replies(fabric: L.Fabric, run: dict[str, Any], start: tuple[Path, str]
         prompts, sampling = list(train["prompts"]), Sampling(**(train.get("sampling") or {}))
         ppl = f" (ppl {state['held_out']['val/ppl']:,.0f})" if "held_out" in state else ""
         table = side_by_side(prompts, sample_replies(start[0], prompts, sampling),
-                             sample_replies(out, prompts, sampling), start[1], f"after {state['step']} steps{ppl}")
+                             sample_replies(out, prompts, sampling), start[1], f"after {state['step']} steps{ppl}",
+                             expected=[run["data_replies"].get(p) for p in prompts])
         print(table, flush=True)
     fabric.barrier()
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -20,25 +20,37 @@ ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 DEFAULT_DEMO_ROOT = Path("data") / "dialogue"
 
 
-def chatterbot_dialogues(languages: tuple[str, ...] = LANGUAGES) -> Iterator[list[dict[str, str]]]:
-    """Every conversation of the corpus as messages: turns alternate user, assistant, user, ..."""
+def chatterbot_dialogues(languages: tuple[str, ...] = LANGUAGES,
+                         topics: Optional[Sequence[str]] = None) -> Iterator[list[dict[str, str]]]:
+    """Every conversation of the corpus as messages: turns alternate user, assistant, user, ... ``topics``: only
+    those files of the corpus (``greetings``, ``humor``, ...), and of conversations opening with the same message
+    only the first (one reply to learn per prompt)."""
     try:
         from chatterbot_corpus.corpus import DATA_DIRECTORY
     except ImportError as e:
         raise ImportError("the demo data comes from the chatterbot-corpus package: pip install chatterbot-corpus"
                           " (a dependency of disttrain)") from e
     for language in languages:
-        folder = Path(DATA_DIRECTORY) / language
-        if not folder.is_dir():
+        if not (Path(DATA_DIRECTORY) / language).is_dir():
             raise ValueError(f"chatterbot-corpus has no language {language!r}; choose from "
                              f"{', '.join(sorted(p.name for p in Path(DATA_DIRECTORY).iterdir()))}")
-        for path in sorted(folder.glob("*.yml")):
-            for conversation in yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations", []):
-                # A few entries are numbers or nested lists in the YAML; keep plain text turns only.
-                turns = [str(t).strip() for t in conversation if isinstance(t, (str, int, float))]
-                turns = [t for t in turns if t]
-                if len(turns) >= 2:
-                    yield [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+    files = [path for language in languages for path in sorted((Path(DATA_DIRECTORY) / language).glob("*.yml"))]
+    unknown = sorted(set(topics or ()) - {p.stem for p in files})
+    if unknown:
+        raise ValueError(f"data.demo_topics: chatterbot-corpus ({', '.join(languages)}) has no topic {unknown};"
+                         f" choose from {', '.join(sorted({p.stem for p in files}))}")
+    openings: set[str] = set()
+    for path in files:
+        if topics is not None and path.stem not in topics:
+            continue
+        for conversation in yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations", []):
+            # A few entries are numbers or nested lists in the YAML; keep plain text turns only.
+            turns = [str(t).strip() for t in conversation if isinstance(t, (str, int, float))]
+            turns = [t for t in turns if t]
+            if len(turns) < 2 or (topics is not None and turns[0] in openings):
+                continue
+            openings.add(turns[0])
+            yield [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
 
 
 def _write_atomic(path: Path, write: Any) -> None:
@@ -50,9 +62,10 @@ def _write_atomic(path: Path, write: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_chatterbot_jsonl(path: str | os.PathLike, languages: tuple[str, ...] = LANGUAGES) -> int:
-    """Convert the corpus to chat JSONL at ``path``; returns the number of dialogues."""
-    dialogues = list(chatterbot_dialogues(languages))
+def write_chatterbot_jsonl(path: str | os.PathLike, languages: tuple[str, ...] = LANGUAGES,
+                           topics: Optional[Sequence[str]] = None) -> int:
+    """Convert the corpus (or its ``topics``) to chat JSONL at ``path``; returns the number of dialogues."""
+    dialogues = list(chatterbot_dialogues(languages, topics))
     _write_atomic(Path(path), lambda f: f.writelines(
         json.dumps({"messages": d}, ensure_ascii=False) + "\n" for d in dialogues))
     return len(dialogues)
@@ -93,12 +106,20 @@ def train_tokenizer(jsonl: str | os.PathLike, out_dir: str | os.PathLike, vocab_
     return fast
 
 
-def demo_data(root: str | os.PathLike = DEFAULT_DEMO_ROOT, vocab_size: int = 2048) -> tuple[Path, Path]:
-    """(JSONL, tokenizer folder) of the demo, built under ``root`` on first use."""
+def demo_data(root: str | os.PathLike = DEFAULT_DEMO_ROOT, vocab_size: int = 2048,
+              topics: Optional[Sequence[str]] = None) -> tuple[Path, Path]:
+    """(JSONL, tokenizer folder) of the demo, built under ``root`` on first use: every dialogue of the corpus, or
+    with ``topics`` those files' dialogues, one per opening message (``chatterbot-greetings-humor.jsonl``). The
+    tokenizer is trained on the whole corpus either way."""
     root = Path(root)
     jsonl, tokenizer = root / "chatterbot.jsonl", root / f"tokenizer-{vocab_size}"
     if not jsonl.is_file():
         write_chatterbot_jsonl(jsonl)
     if not (tokenizer / "tokenizer.json").is_file():
         train_tokenizer(jsonl, tokenizer, vocab_size)
+    if topics:
+        subset = root / f"chatterbot-{'-'.join(topics)}.jsonl"
+        if not subset.is_file():
+            write_chatterbot_jsonl(subset, topics=topics)
+        return subset, tokenizer
     return jsonl, tokenizer

@@ -55,10 +55,27 @@ def greedy_reply(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: 
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
-def reply_from_export(folder: str | os.PathLike, prompt: str, max_new_tokens: int = 32) -> str:
-    """Load an exported folder in this process (CPU) and answer ``prompt`` greedily."""
+def load_export(folder: str | os.PathLike) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of an exported folder, in this process (CPU): an HF model folder, or a LoRA adapter
+    folder (``adapter_config.json``: its base model, from the local path the adapter names, with the adapter)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    folder = Path(folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if not (folder / "adapter_config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(str(folder)), tokenizer
+    import json
+
+    from peft import PeftModel
+
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(f"{folder}/adapter_config.json names base model {base!r}, which is not a local folder;"
+                                " set base_model_name_or_path to the pretrained folder the adapter was trained on")
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(folder)), tokenizer
+
+
+def reply_from_export(folder: str | os.PathLike, prompt: str, max_new_tokens: int = 32) -> str:
+    """Load an exported folder (model or LoRA adapter) in this process (CPU) and answer ``prompt`` greedily."""
+    model, tokenizer = load_export(folder)
     return greedy_reply(model, tokenizer, prompt, max_new_tokens)

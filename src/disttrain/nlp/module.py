@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -20,12 +21,13 @@ from torch import nn
 from disttrain.config import Recipe, Schema
 from disttrain.nlp.data import loss_tokens
 from disttrain.parallel.families.llama import LLAMA
+from disttrain.parallel.lora import LORA_KEYS, LoraSettings, add_lora, init_adapters
 
 ConfigSource = Union[str, os.PathLike, dict, None]
 
 
 # The keys of the data: and train: sections, as the dialogue recipe and DialogueData read them.
-DATA_KEYS = ("train", "tokenizer", "seq_len", "val_fraction", "seed")
+DATA_KEYS = ("train", "tokenizer", "seq_len", "val_fraction", "seed", "demo_topics")
 TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "lr", "weight_decay", "warmup_steps", "steps", "eval_every",
               "precision", "prompt", "prompts", "sampling")
 
@@ -35,7 +37,8 @@ def recipe_schema() -> Schema:
     from disttrain.nlp.replies import SAMPLING_KEYS
 
     train = {**dict.fromkeys(TRAIN_KEYS), "sampling": dict.fromkeys(SAMPLING_KEYS)}
-    return {"model": LLAMA.config_schema({}), "data": dict.fromkeys(DATA_KEYS), "train": train}
+    return {"model": LLAMA.config_schema({}), "data": dict.fromkeys(DATA_KEYS), "train": train,
+            "lora": dict.fromkeys(LORA_KEYS)}
 
 
 # model: holds the arguments of the HF config class its model_type names (LlamaConfig without one), e.g.
@@ -82,12 +85,15 @@ class DialogueLM(L.LightningModule):
 
     Pass ``config=`` (a recipe YAML such as ``configs/nlp/dialogue_1b.yaml``, or a dict of ``LlamaConfig``
     arguments, or of the HF config class its ``model_type`` names) for a model with fresh weights, or ``pretrained=``
-    (a local Hugging Face folder of any causal-LM family) to fine-tune one. The model is built in
+    (a local Hugging Face folder of any causal-LM family) to fine-tune one (or ``config=`` that folder's config,
+    and ``load_pretrained`` after set-up, as the dialogue recipe does). The model is built in
     ``configure_model``, so under ``disttrain_fsdp(empty_init=True)``, ``disttrain_zero3`` or
     ``fabric.init_module(empty_init=True)`` it is created on the meta device / partitioned and no rank ever holds it
     whole. Under a disttrain strategy a pretrained folder is then read sharded at the start of fitting (each rank
     reads only its own slices of the safetensors files: ``strategy.load_pretrained``); under another strategy it is
-    loaded whole on every rank, then sharded.
+    loaded whole on every rank, then sharded. ``lora=`` (a recipe's ``lora:`` section, e.g. ``{"rank": 8}``) trains
+    LoRA adapters (peft) on the frozen pretrained model: only they are in the optimizer
+    (:mod:`disttrain.parallel.lora`).
 
     Batches are ``{"input_ids", "labels", "position_ids"}`` of packed dialogues (``disttrain.nlp.data``).
     Logs ``train/loss`` per step and, after each validation, ``val/loss`` and ``val/ppl`` (token-weighted over
@@ -97,7 +103,7 @@ class DialogueLM(L.LightningModule):
 
     def __init__(self, config: ConfigSource = None, pretrained: Optional[str] = None, lr: float = 3e-4,
                  weight_decay: float = 0.1, warmup_steps: int = 0, max_steps: Optional[int] = None,
-                 attn_implementation: str = "sdpa") -> None:
+                 attn_implementation: str = "sdpa", lora: Optional[dict[str, Any]] = None) -> None:
         super().__init__()
         if (config is None) == (pretrained is None):
             raise ValueError("pass exactly one of config= (YAML path or dict) and pretrained= (a local folder)")
@@ -109,6 +115,7 @@ class DialogueLM(L.LightningModule):
         self.save_hyperparameters()
         self.config = llama_config(pretrained if pretrained is not None else config)
         self.pretrained = pretrained
+        self.lora = LoraSettings.from_dict(lora) if lora else None
         self._pretrained_loaded = False
         self.model: Optional[nn.Module] = None
         self._val_loss_sum = torch.zeros(())
@@ -121,12 +128,14 @@ class DialogueLM(L.LightningModule):
         attn = self.hparams.attn_implementation
         if self.pretrained is None or self._loads_sharded():
             self.model = build_model(self.config, attn)  # a pretrained folder's weights follow in on_fit_start
-            return
-        from transformers import AutoModelForCausalLM
+        else:
+            from transformers import AutoModelForCausalLM
 
-        # Real weights: leave any meta-device context the strategy opened, load, then let it shard.
-        with torch.device("cpu"):
-            self.model = AutoModelForCausalLM.from_pretrained(self.pretrained, attn_implementation=attn)
+            # Real weights: leave any meta-device context the strategy opened, load, then let it shard.
+            with torch.device("cpu"):
+                self.model = AutoModelForCausalLM.from_pretrained(self.pretrained, attn_implementation=attn)
+        if self.lora is not None and self.lora.enabled:
+            self.model = add_lora(self.model, self.lora)  # sharded with the model; first values after set-up
 
     def _loads_sharded(self) -> bool:
         """Whether the Trainer's strategy reads a pretrained folder into its shards (the disttrain strategies)."""
@@ -135,8 +144,18 @@ class DialogueLM(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.pretrained is not None and self._loads_sharded() and not self._pretrained_loaded:
-            self.trainer.strategy.load_pretrained(self.pretrained, prefix="model.")
-            self._pretrained_loaded = True
+            strategy = self.trainer.strategy
+            self.load_pretrained(self.pretrained,
+                                 lambda folder, partial: strategy.load_pretrained(folder, "model.", partial))
+
+    def load_pretrained(self, folder: str | os.PathLike, load: Callable[[str, bool], Any]) -> None:
+        """Collective, after set-up: a pretrained folder read sharded into the model, then the LoRA adapters' first
+        values (:mod:`disttrain.parallel.lora`). ``load(folder, partial)``: the strategy's ``load_pretrained`` at this
+        module's ``model.`` prefix."""
+        load(str(folder), False)
+        if self.lora is not None and self.lora.enabled:
+            init_adapters(self.model, self.lora.seed, lambda folder: load(folder, True))
+        self._pretrained_loaded = True
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # No attention_mask: transformers then reads the restarting position_ids as packed dialogues and keeps

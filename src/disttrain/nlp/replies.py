@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import unicodedata
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -59,13 +59,13 @@ def sample_reply(model: Any, tokenizer: Any, prompt: str, sampling: Sampling) ->
 
 
 def sample_replies(folder: str | os.PathLike, prompts: list[str], sampling: Sampling) -> list[str]:
-    """Load an exported Hugging Face folder (CPU, this process) and answer each prompt (see :func:`sample_reply`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load an exported Hugging Face folder or LoRA adapter folder (CPU, this process) and answer each prompt (see :func:`sample_reply`)."""
     from transformers.utils import logging as hf_logging
 
+    from disttrain.nlp.export import load_export
+
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model, tokenizer = load_export(folder)
     return [sample_reply(model, tokenizer, p, sampling) for p in prompts]
 
 
@@ -99,14 +99,18 @@ def _pad(text: str, width: int) -> str:
 
 
 def side_by_side(prompts: list[str], before: list[str], after: list[str], left: str = "before training",
-                 right: str = "after training", width: int = 38) -> str:
-    """A two-column block per prompt: the ``before`` reply under ``left``, the ``after`` reply under ``right``."""
+                 right: str = "after training", width: int = 38,
+                 expected: Optional[list[Optional[str]]] = None) -> str:
+    """A two-column block per prompt: the ``before`` reply under ``left``, the ``after`` reply under ``right``;
+    ``expected``: the reply the training data gives to each prompt (None where it has none), shown above them."""
     rule = "-" * (2 * width + 3)
     out = [f"{_pad(left, width)} | {right}", rule]
-    for prompt, b, a in zip(prompts, before, after, strict=True):
+    for i, (prompt, b, a) in enumerate(zip(prompts, before, after, strict=True)):
         out.append(f"user: {prompt}")
+        if expected is not None and expected[i] is not None:
+            out.append(f"(the data's reply: {expected[i]})")
         lb, la = wrap(b, width), wrap(a, width)
-        for i in range(max(len(lb), len(la))):
-            out.append(f"{_pad(lb[i] if i < len(lb) else '', width)} | {la[i] if i < len(la) else ''}".rstrip())
+        for j in range(max(len(lb), len(la))):
+            out.append(f"{_pad(lb[j] if j < len(lb) else '', width)} | {la[j] if j < len(la) else ''}".rstrip())
         out.append(rule)
     return "\n".join(out)

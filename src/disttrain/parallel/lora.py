@@ -28,6 +28,7 @@ from torch import nn
 from disttrain.parallel.pretrained import is_adapter
 
 ADAPTER = "default"  # peft's adapter name: parameters are <layer>.lora_A.default.weight
+LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "seed")  # a recipe's lora: section
 
 
 @dataclass(frozen=True)
@@ -198,5 +199,5 @@ def write_adapter(path: str | os.PathLike, adapters: Mapping[str, torch.Tensor],
     return path
 
 
-__all__ = ["ADAPTER", "LoraSettings", "add_lora", "adapter_layers", "init_adapters", "initial_adapters",
+__all__ = ["ADAPTER", "LORA_KEYS", "LoraSettings", "add_lora", "adapter_layers", "init_adapters", "initial_adapters",
            "split_export", "trainable_summary", "write_adapter"]
