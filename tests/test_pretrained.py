@@ -46,6 +46,9 @@ def test_one_process_loads_a_bfloat16_folder_into_float32_and_refuses_another_ar
     assert load_pretrained(tmp_path / "llama", model) == []
     for name, tensor in saved.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor.float()), name
+    holder = torch.nn.ModuleDict({"model": tiny_llama(1)})  # as a LightningModule holds it: prefix "model."
+    load_pretrained(tmp_path / "llama", holder, prefix="model.")
+    assert torch.equal(holder["model"].lm_head.weight, saved.lm_head.weight.float())
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,

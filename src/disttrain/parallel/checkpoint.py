@@ -355,7 +355,7 @@ def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = 
                               " folder of the same architecture (its config.json builds the model)")
     tensors = {MODEL_KEY: loaded}
     layout.before_load(tensors)
-    load_into(folder, tensors, reader=PretrainedReader(folder, f"{MODEL_KEY}."))
+    load_into(folder, tensors, reader=PretrainedReader(folder, f"{MODEL_KEY}.{prefix}"))  # stored names lack prefix
     layout.after_load(tensors)
     set_model_state_dict(module, tensors[MODEL_KEY], options=StateDictOptions(strict=False))
     return sorted(tied)
