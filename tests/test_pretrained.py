@@ -58,6 +58,20 @@ def test_one_process_loads_a_bfloat16_folder_into_float32_and_refuses_another_ar
         load_pretrained(tmp_path / "qwen2", tiny_llama(1))
 
 
+def test_one_safetensors_file_is_read_alone_and_excluded_names_are_left_as_they_are(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(tiny_llama(2).to(torch.bfloat16).state_dict(), str(tmp_path / "other.safetensors"))  # not read
+    saved = {k: v.to(torch.bfloat16) for k, v in tiny_llama(0).state_dict().items()}
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    model = tiny_llama(1)
+    head = model.lm_head.weight.detach().clone()
+    assert stored_names(tmp_path / "model.safetensors") == set(saved)
+    load_pretrained(tmp_path / "model.safetensors", model, exclude={"lm_head.weight"})
+    assert torch.equal(model.lm_head.weight, head)
+    assert torch.equal(model.model.embed_tokens.weight, saved["model.embed_tokens.weight"].float())
+
+
 def test_a_folder_without_safetensors_is_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"pretrained folder .*nothing-here' does not exist; pass a local"):
         check_pretrained(tmp_path / "nothing-here")
@@ -66,3 +80,5 @@ def test_a_folder_without_safetensors_is_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"has no \*.safetensors weights \(it holds pytorch_model.bin\);"
                                                 r" save them with model.save_pretrained"):
         stored_names(tmp_path / "bin")
+    with pytest.raises(FileNotFoundError, match=r"pretrained file .*pytorch_model.bin' is not a \*.safetensors file"):
+        check_pretrained(tmp_path / "bin" / "pytorch_model.bin")

@@ -14,7 +14,7 @@ import pickle
 import warnings
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -335,17 +335,19 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
 
 
 def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = "",
-                    layout: StorageLayout | None = None) -> list[str]:
-    """Collective: the weights of an HF folder into ``module``'s (sharded) parameters, each rank reading only its own
-    slices (:mod:`disttrain.parallel.pretrained`); ``prefix``: the model's path inside ``module`` (``"model."`` for
-    a LightningModule's ``self.model``). Returns the parameters the folder has no tensor for that are tied to one it
-    has (an LM head sharing the embedding); any other missing tensor is one error naming them."""
+                    layout: StorageLayout | None = None, exclude: Collection[str] = ()) -> list[str]:
+    """Collective: the weights of an HF folder (or one safetensors file) into ``module``'s (sharded) parameters, each
+    rank reading only its own slices (:mod:`disttrain.parallel.pretrained`); ``prefix``: the model's path inside
+    ``module`` (``"model."`` for a LightningModule's ``self.model``). ``exclude``: tensor names (as the folder names
+    them) left as they are, e.g. a classifier head fine-tuned for another class count. Returns the parameters the
+    folder has no tensor for that are tied to one it has (an LM head sharing the embedding); any other missing tensor
+    is one error naming them."""
     from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, stored_names
 
     layout = layout or StorageLayout()
-    stored = stored_names(folder)
+    stored = stored_names(folder) - set(exclude)
     state = model_state(module)
-    mine = {k: v for k, v in state.items() if k.startswith(prefix)}
+    mine = {k: v for k, v in state.items() if k.startswith(prefix) and k[len(prefix):] not in exclude}
     loaded = {k: v for k, v in mine.items() if k[len(prefix):] in stored}
     tied = _tied_aliases(module, set(loaded))
     missing = sorted(k[len(prefix):] for k in mine if k not in loaded and k not in tied)

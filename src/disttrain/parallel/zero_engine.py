@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, Optional
 
 import torch
 from torch import nn
@@ -164,15 +164,16 @@ class ZeroEngine(Engine):
         return load_zero3_checkpoint(path, dict(targets), strict=strict, weights_only=weights_only is not False,
                                      master=_master(module))
 
-    def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "") -> list[str]:
-        """An HF folder's weights into the partitions (and the fp32 master weights), each rank reading only the
-        rows its partitions cover."""
+    def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
+                        exclude: Collection[str] = ()) -> list[str]:
+        """An HF folder's (or one safetensors file's) weights into the partitions (and the fp32 master weights), each
+        rank reading only the rows its partitions cover; ``exclude``: tensor names (as stored) left as they are."""
         from disttrain.parallel.checkpoint import CheckpointError, _tied_aliases
         from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, stored_names
 
         user = _user_module(module)
-        names = {prefix + name for name in stored_names(folder)}
-        mine = {k for k in user.state_dict() if k.startswith(prefix)}
+        names = {prefix + name for name in stored_names(folder) - set(exclude)}
+        mine = {k for k in user.state_dict() if k.startswith(prefix) and k[len(prefix):] not in exclude}
         tied = _tied_aliases(user, mine & names)
         missing = sorted(k[len(prefix):] for k in mine - names - tied)
         if missing or not mine & names:
