@@ -62,6 +62,9 @@ def test_one_process_loads_a_bfloat16_folder_into_float32_and_refuses_another_ar
     assert load_pretrained(tmp_path / "llama", model) == []
     for name, tensor in saved.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor.float()), name
+    holder = torch.nn.ModuleDict({"model": tiny_llama(1)})  # as a LightningModule holds it: prefix "model."
+    load_pretrained(tmp_path / "llama", holder, prefix="model.")
+    assert torch.equal(holder["model"].lm_head.weight, saved.lm_head.weight.float())
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
@@ -69,6 +72,20 @@ def test_one_process_loads_a_bfloat16_folder_into_float32_and_refuses_another_ar
     with pytest.raises(CheckpointError, match=r"pretrained folder .*qwen2' does not match the model: it has no"
                                               r" \['model.layers.1"):
         load_pretrained(tmp_path / "qwen2", tiny_llama(1))
+
+
+def test_one_safetensors_file_is_read_alone_and_excluded_names_are_left_as_they_are(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(tiny_llama(2).to(torch.bfloat16).state_dict(), str(tmp_path / "other.safetensors"))  # not read
+    saved = {k: v.to(torch.bfloat16) for k, v in tiny_llama(0).state_dict().items()}
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    model = tiny_llama(1)
+    head = model.lm_head.weight.detach().clone()
+    assert stored_names(tmp_path / "model.safetensors") == set(saved)
+    load_pretrained(tmp_path / "model.safetensors", model, exclude={"lm_head.weight"})
+    assert torch.equal(model.lm_head.weight, head)
+    assert torch.equal(model.model.embed_tokens.weight, saved["model.embed_tokens.weight"].float())
 
 
 def test_a_folder_without_safetensors_is_one_line(tmp_path):
@@ -79,6 +96,8 @@ def test_a_folder_without_safetensors_is_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"has no \*.safetensors weights \(it holds pytorch_model.bin\);"
                                                 r" save them with model.save_pretrained"):
         stored_names(tmp_path / "bin")
+    with pytest.raises(FileNotFoundError, match=r"pretrained file .*pytorch_model.bin' is not a \*.safetensors file"):
+        check_pretrained(tmp_path / "bin" / "pytorch_model.bin")
 
 
 def test_lora_export_merges_like_peft_also_for_gpt2_conv1d_layers(tmp_path):

@@ -4,6 +4,7 @@
     lightning run model recipes/vision/vit2b.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
     lightning run model recipes/vision/vit2b.py --accelerator gpu --devices 8 --strategy disttrain_megatron
     python recipes/vision/vit2b.py --config configs/vision/vit_tiny.yaml      # launches its own processes
+    python recipes/vision/vit2b.py --config configs/vision/vit_tiny.yaml --pretrained PATH   # fine-tunes a timm ViT
 
 Defaults: the largest configs/vision/vit*.yaml whose training state fits this machine's devices (the tiny config
 on CPU; the planner decides what fits), and the source document's set-up for the 2B ViT,
@@ -15,6 +16,9 @@ continues from the next epoch, so a run stopped by --max-steps counts its last e
 (model.safetensors + config.json: ``timm.create_model("local-dir:OUT/export", pretrained=True)``), ``logs``
 (TensorBoard and CSV, ``--logger``) and ``report.png`` + ``report.md`` at the end (``disttrain report OUT``).
 A progress bar follows training on rank 0 in a terminal; logs get plain periodic lines.
+
+``--pretrained PATH`` starts from a timm checkpoint of the config's architecture (``disttrain.vision.pretrained``):
+each process reads only its own slices of its safetensors into its shards; a new class count re-initialises the head.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from disttrain.callbacks import Throughput
 from disttrain.fabric import builds_empty
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 from disttrain.vision import (ImageFolderData, ViTClassifier, count_parameters, default_config, default_strategy,
-                              export_timm, read_yaml)
+                              export_timm, load_timm_checkpoint, read_yaml, timm_checkpoint)
 from disttrain.vision.defaults import cuda_memory
 from disttrain.vision.export import PREFIX
 
@@ -55,6 +59,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--logger", default="tensorboard,csv", help="tensorboard,csv | csv | tensorboard | none")
     p.add_argument("--no-report", action="store_true", help="do not draw --out/report.png at the end")
     p.add_argument("--resume", default=None, help="a checkpoint folder written by this recipe (e.g. runs/vit/ckpt)")
+    p.add_argument("--pretrained", default=None,
+                   help="a local timm checkpoint to fine-tune, of the config's architecture: a folder (config.json +"
+                        " model.safetensors, as timm saves for the hub) or a .safetensors file, read sharded (each"
+                        " process only its own slices); a .pth/.bin state dict is read whole once per machine. A"
+                        " checkpoint with another class count leaves the head freshly initialised. Ignored with"
+                        " --resume (the checkpoint holds the fine-tuned weights)")
     # Used when started with plain `python`; under `lightning run model` the launcher's own options decide.
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--devices", type=int, default=None, help="default: every GPU, or 2 CPU processes")
@@ -110,6 +120,9 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict, dict]:
     for key in ("epochs", "max_steps"):
         if getattr(args, key) is not None:
             setattr(vit.train_config, key, getattr(args, key))
+    # Checked against the config before any process starts or any weight is built (safetensors headers only).
+    pretrained = timm_checkpoint(args.pretrained, vit.model_args, str(config_path)) \
+        if args.pretrained and not args.resume else None
 
     fabric = make_fabric(args, accelerator, vit.train_config.precision, devices)
     if not os.environ.get("LT_CLI_USED"):
@@ -132,6 +145,11 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict, dict]:
     model, optimizer = fabric.setup(vit, optim["optimizer"])
     state = {"model": model, "optimizer": optimizer, "scheduler": optim["lr_scheduler"]["scheduler"],
              "step": 0, "epoch": 0}
+    if pretrained is not None:  # after setup: under disttrain strategies each process reads its own slices only
+        load_timm_checkpoint(fabric, model, pretrained)
+        fabric.print(f"fine-tuning {pretrained.path}")
+        if pretrained.note:
+            fabric.print(pretrained.note)
     if args.resume:
         fabric.load(args.resume, state)
         fabric.print(f"resumed from {args.resume} at epoch {state['epoch']}, step {state['step']}")

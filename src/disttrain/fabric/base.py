@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Collection, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
@@ -56,12 +56,15 @@ class FabricAdapter(EngineAdapter):
         """Write the full model as one safetensors file (rank 0) that loads into the unwrapped model."""
         return self.engine.export(getattr(module, "module", module), path, prefix=prefix)  # Fabric's wrapper off
 
-    def load_pretrained(self, module: nn.Module, folder: Any, prefix: str = "", partial: bool = False) -> list[str]:
-        """Collective: a Hugging Face folder's weights into the model ``fabric.setup`` returned (built empty:
-        ``fabric.init_module(empty_init=True)``), each rank reading only its own slices of the safetensors files
-        into its shards (:mod:`disttrain.parallel.pretrained`). ``prefix``: the HF model's path inside ``module``."""
+    def load_pretrained(self, module: nn.Module, folder: Any, prefix: str = "", partial: bool = False,
+                        exclude: Collection[str] = ()) -> list[str]:
+        """Collective: a Hugging Face folder's (or one safetensors file's) weights into the model ``fabric.setup``
+        returned (built empty: ``fabric.init_module(empty_init=True)``), each rank reading only its own slices of the
+        safetensors files into its shards (:mod:`disttrain.parallel.pretrained`). ``prefix``: the HF model's path
+        inside ``module``; ``partial``: only the tensors the folder has (LoRA adapters' first values); ``exclude``:
+        stored tensor names left at their initialisation (a new classifier head)."""
         return self.engine.load_pretrained(getattr(module, "_forward_module", module), folder, prefix=prefix,
-                                           partial=partial)
+                                           partial=partial, exclude=exclude)
 
     # -- checkpoints: the one layout, from Fabric's state dict ----------------------------------------------------
     def _is_tensor_state(self, value: Any) -> bool:

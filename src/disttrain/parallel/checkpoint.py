@@ -14,7 +14,7 @@ import pickle
 import warnings
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -335,17 +335,21 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
 
 
 def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = "",
-                    layout: StorageLayout | None = None, partial: bool = False) -> list[str]:
+                    layout: StorageLayout | None = None, partial: bool = False,
+                    exclude: Collection[str] = ()) -> list[str]:
     """Collective: the weights of an HF folder into ``module``'s (sharded) parameters, each rank reading only its own
     slices (:mod:`disttrain.parallel.pretrained`); ``prefix``: the model's path inside ``module`` (``"model."`` for
     a LightningModule's ``self.model``); ``partial``: load only the tensors the folder has (LoRA adapters' first
-    values). Returns the parameters the folder has no tensor for that are tied to one it has (an LM head sharing
-    the embedding); any other missing tensor is one error naming them."""
+    values); ``exclude``: tensor names (as the folder names them) left as they are, e.g. a classifier head
+    fine-tuned for another class count. ``folder`` may also be one safetensors file. Returns the parameters the
+    folder has no tensor for that are tied to one it has (an LM head sharing the embedding); any other missing
+    tensor is one error naming them."""
     from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
 
     layout = layout or StorageLayout()
     state = model_state(module)
-    names, tied = pretrained_names(folder, state, prefix, lambda loaded: _tied_aliases(module, loaded), partial)
+    names, tied = pretrained_names(folder, state, prefix, lambda loaded: _tied_aliases(module, loaded), partial,
+                                   exclude)
     tensors = {MODEL_KEY: {k: state[k] for k in names}}
     layout.before_load(tensors)
     load_into(folder, tensors, reader=PretrainedReader(folder, {f"{MODEL_KEY}.{k}": s for k, s in names.items()}))

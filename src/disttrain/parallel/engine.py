@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Optional
+from typing import Any, Callable, ClassVar, Collection, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -284,13 +284,13 @@ class Engine:
         return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False)
 
     def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
-                        partial: bool = False) -> list[str]:
-        """Collective: an HF folder's weights into the set-up ``module``, each rank reading only its own slices of
-        the safetensors files (:mod:`disttrain.parallel.pretrained`); ``prefix``: the model's path inside
-        ``module``; ``partial``: only the tensors the folder has. Returns the tied parameters the folder holds
-        under their other name."""
+                        partial: bool = False, exclude: Collection[str] = ()) -> list[str]:
+        """Collective: an HF folder's (or one safetensors file's) weights into the set-up ``module``, each rank
+        reading only its own slices of the safetensors files (:mod:`disttrain.parallel.pretrained`); ``prefix``: the
+        model's path inside ``module``; ``partial``: only the tensors the folder has; ``exclude``: tensor names (as
+        stored) left as they are. Returns the tied parameters the folder holds under their other name."""
         layout = self.storage_layout() if hasattr(self, "storage_layout") else None
-        return ckpt.load_pretrained(folder, module, prefix, layout=layout, partial=partial)
+        return ckpt.load_pretrained(folder, module, prefix, layout=layout, partial=partial, exclude=exclude)
 
     # -- the full model ---------------------------------------------------------------------------------------
     def full_model(self, module: nn.Module) -> AbstractContextManager[nn.Module]:

@@ -8,7 +8,8 @@ safetensors files as one stored chunk and reads each rank's requests with ``safe
 into the state's (``model.`` + the model's path inside the module) so that every engine's own load path (the storage
 layout of fused weights under TP, ZeRO-3's partition boxes) runs unchanged. Per rank, host memory holds its shards
 plus the slice being copied; no rank reads the whole file. The model is built empty (meta device / ``zero.Init``),
-set up by the strategy, then loaded: ``strategy.load_pretrained(model, folder)``.
+set up by the strategy, then loaded: ``strategy.load_pretrained(model, folder)``. A single ``*.safetensors`` file
+(a timm checkpoint) is read the same way: in place of the folder, only that file is read.
 """
 
 from __future__ import annotations
@@ -17,53 +18,81 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 # The key a model's tensors sit under in the state a load path fills (as in disttrain's checkpoints).
 MODEL_KEY = "model"
 
 
-def check_pretrained(folder: str | os.PathLike) -> Path:
-    """The folder, if it holds a model's safetensors weights; else one line naming what is missing and the fix."""
-    path = Path(folder)
+def check_pretrained(path: str | os.PathLike) -> Path:
+    """The path, if it is a folder holding a model's safetensors weights or one ``*.safetensors`` file; else one line
+    naming what is missing and the fix."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise FileNotFoundError(f"pretrained file {str(path)!r} is not a *.safetensors file; pass a safetensors"
+                                    " file or a folder of them (save_pretrained writes safetensors by default)")
+        return path
     if not path.is_dir():
-        raise FileNotFoundError(f"pretrained folder {str(folder)!r} does not exist; pass a local Hugging Face model"
+        raise FileNotFoundError(f"pretrained folder {str(path)!r} does not exist; pass a local Hugging Face model"
                                 " folder (config.json + *.safetensors); nothing is downloaded")
     if not any(path.glob("*.safetensors")):
         found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
         raise FileNotFoundError(
-            f"pretrained folder {str(folder)!r} has no *.safetensors weights (it holds {found}); save them with"
+            f"pretrained folder {str(path)!r} has no *.safetensors weights (it holds {found}); save them with"
             " model.save_pretrained(folder) (safetensors is its default), or convert a pytorch_model.bin once with"
             " transformers")
     return path
 
 
-def stored_names(folder: str | os.PathLike) -> set[str]:
-    """The tensor names of a folder's safetensors files (its index when sharded, else each file's header)."""
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files a pretrained folder (or the one file) holds."""
+    path = check_pretrained(path)
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def stored_names(path: str | os.PathLike) -> set[str]:
+    """The tensor names of a folder's safetensors files (its index when sharded, else each file's header), or of
+    the one file."""
     from safetensors import safe_open
 
-    path = check_pretrained(folder)
+    path = check_pretrained(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return set(json.loads(index.read_text())["weight_map"])
     names: set[str] = set()
-    for file in sorted(path.glob("*.safetensors")):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             names.update(f.keys())
     return names
 
 
-class PretrainedReader(HuggingFaceStorageReader):
-    """torch's reader of an HF safetensors folder, its tensors seen under the names of the state being filled:
-    ``names`` maps each target (``model.`` + the parameter's path) to the folder's tensor name. Tensors no target
-    names are not read."""
+class _OneFile(FileSystem):
+    """The file system as the reader sees it when it reads one file: listing the folder yields only that file."""
 
-    def __init__(self, folder: str | os.PathLike, names: Mapping[str, str]) -> None:
-        super().__init__(str(check_pretrained(folder)))
+    def __init__(self, file: Path) -> None:
+        super().__init__()
+        self.file = file
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return [str(self.file)]
+
+
+class PretrainedReader(HuggingFaceStorageReader):
+    """torch's reader of an HF safetensors folder (or of one safetensors file), its tensors seen under the names of
+    the state being filled: ``names`` maps each target (``model.`` + the parameter's path) to the folder's tensor
+    name. Tensors no target names are not read."""
+
+    def __init__(self, path: str | os.PathLike, names: Mapping[str, str]) -> None:
+        path = check_pretrained(path)
+        super().__init__(str(path.parent if path.is_file() else path))
+        if path.is_file():  # torch's reader lists every *.safetensors of its folder: this one file only
+            self.fs = _OneFile(path)
         self.names = dict(names)
 
     def read_metadata(self) -> Metadata:
@@ -94,17 +123,19 @@ def is_adapter(name: str) -> bool:
                                                   "lora_magnitude_vector"))
 
 
-def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], prefix: str, tied: Callable[[set[str]], set[str]],
-                     partial: bool = False) -> tuple[dict[str, str], list[str]]:
+def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], prefix: str,
+                     tied: Callable[[set[str]], set[str]], partial: bool = False,
+                     exclude: Collection[str] = ()) -> tuple[dict[str, str], list[str]]:
     """Which of the model's parameters (``model_names``, with ``prefix``) the folder fills, and from which of its
     tensors: ``({model name: folder tensor name}, tied names)``. Every parameter under ``prefix`` must be in the
-    folder, except LoRA adapters and parameters tied to a loaded one (``tied(loaded)`` returns those); with
-    ``partial`` only the folder's tensors are loaded, and each must be a parameter of the model. A mismatch is one
-    error naming the first names and the fix."""
+    folder, except LoRA adapters, parameters tied to a loaded one (``tied(loaded)`` returns those) and ``exclude``
+    (folder names left at their initialisation: a classifier head for a new class count); with ``partial`` only the
+    folder's tensors are loaded, and each must be a parameter of the model. A mismatch is one error naming the first
+    names and the fix."""
     from disttrain.parallel.checkpoint import CheckpointError
 
-    stored = stored_names(folder)
-    mine = [k for k in model_names if k.startswith(prefix)]
+    stored = stored_names(folder) - set(exclude)
+    mine = [k for k in model_names if k.startswith(prefix) and stored_name(k[len(prefix):]) not in exclude]
     names = {k: stored_name(k[len(prefix):]) for k in mine}
     loaded = {k: s for k, s in names.items() if s in stored}
     if partial:
@@ -122,5 +153,5 @@ def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], pref
     return loaded, sorted(tied_names)
 
 
-__all__ = ["MODEL_KEY", "PretrainedReader", "check_pretrained", "is_adapter", "pretrained_names", "stored_name",
-           "stored_names"]
+__all__ = ["MODEL_KEY", "PretrainedReader", "check_pretrained", "is_adapter", "pretrained_names", "safetensors_files",
+           "stored_name", "stored_names"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, Optional
 
 import torch
 from torch import nn
@@ -165,15 +165,15 @@ class ZeroEngine(Engine):
                                      master=_master(module))
 
     def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
-                        partial: bool = False) -> list[str]:
-        """An HF folder's weights into the partitions (and the fp32 master weights), each rank reading only the
-        rows its partitions cover."""
+                        partial: bool = False, exclude: Collection[str] = ()) -> list[str]:
+        """An HF folder's (or one safetensors file's) weights into the partitions (and the fp32 master weights), each
+        rank reading only the rows its partitions cover; ``exclude``: tensor names (as stored) left as they are."""
         from disttrain.parallel.checkpoint import _tied_aliases
         from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
 
         user = _user_module(module)
         names, tied = pretrained_names(folder, user.state_dict(), prefix, lambda loaded: _tied_aliases(user, loaded),
-                                       partial)
+                                       partial, exclude)
         targets = {f"{MODEL_KEY}.{k}": s for k, s in names.items()}
         load_zero3_state(folder, user, _master(module), MODEL_KEY, None, strict=False,
                          reader=PretrainedReader(folder, targets), stored=set(targets))

@@ -14,7 +14,7 @@ that set models up themselves. DDP and ZeRO-3 put it over Lightning's own strate
 from __future__ import annotations
 
 import shutil
-from collections.abc import Generator, Mapping
+from collections.abc import Collection, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -96,11 +96,13 @@ class TrainerAdapter(EngineAdapter):
         ``self.model`` of the LightningModule, without the prefix, so they load into that plain module."""
         return self.engine.export(self.lightning_module, path, prefix=prefix)
 
-    def load_pretrained(self, folder: Any, prefix: str = "model.", partial: bool = False) -> list[str]:
-        """Collective, after setup (e.g. in ``on_fit_start``): a Hugging Face folder's weights into the
-        LightningModule's model at ``prefix`` (``self.model``), each rank reading only its own slices of the
-        safetensors files into its shards (:mod:`disttrain.parallel.pretrained`)."""
-        return self.engine.load_pretrained(self.model, folder, prefix=prefix, partial=partial)
+    def load_pretrained(self, folder: Any, prefix: str = "model.", partial: bool = False,
+                        exclude: Collection[str] = ()) -> list[str]:
+        """Collective, after setup (e.g. in ``on_fit_start``): a Hugging Face folder's (or one safetensors file's)
+        weights into the LightningModule's model at ``prefix`` (``self.model``), each rank reading only its own slices
+        of the safetensors files into its shards (:mod:`disttrain.parallel.pretrained`); ``partial``: only the tensors
+        the folder has; ``exclude``: stored tensor names left at their initialisation (a new classifier head)."""
+        return self.engine.load_pretrained(self.model, folder, prefix=prefix, partial=partial, exclude=exclude)
 
     # -- checkpoints: the one layout (DCP folders by parameter name), which every disttrain strategy loads -------
     @property
