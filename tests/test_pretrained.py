@@ -21,7 +21,7 @@ def runs(tmp_path_factory):
     """One launch: each strategy loads each family's bfloat16 folder sharded, then trains 5 steps; then LoRA
     fine-tuning of the Llama folder under each strategy, resumed and exported."""
     return run_dist("pretrained_run.py", tmp_path_factory.mktemp("pretrained"), *SPECS, "--", *MODELS,
-                    "--lora", *LORA_SPECS)
+                    "--lora", *LORA_SPECS, "--trainer", "disttrain_fsdp")
 
 
 @pytest.mark.slow
@@ -32,6 +32,9 @@ def test_fine_tuning_from_a_pretrained_folder_matches_one_process(runs, spec, mo
     assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
     # Gemma-2 ties its head to the embedding: the folder holds it once, under the embedding's name
     assert result["tied"] == (["lm_head.weight"] if model == "gemma2" else [])
+    # the empty model was initialised as transformers does (std 0.02, the padding row zero), also under zero.Init
+    assert 0.015 < result["init_std"] < 0.025
+    assert result["pad_row"] in (None, 0.0)
 
 
 @pytest.mark.slow
@@ -45,6 +48,17 @@ def test_lora_fine_tuning_matches_peft_in_one_process_resumes_and_exports(runs, 
     assert result["base_unchanged"]  # only the adapters were in the optimizer
     assert result["adapter_logits_err"] < 1e-5  # peft's PeftModel.from_pretrained of the exported adapter folder
     assert result["merged_logits_err"] < 1e-5  # the merged export, into the plain HF model
+
+
+@pytest.mark.slow
+def test_dialogue_module_fine_tunes_a_pretrained_folder_with_lora_under_the_trainer(runs):
+    """DialogueLM(pretrained=..., lora=...) under lightning.Trainer: the folder is read sharded in on_fit_start."""
+    result = runs[0]["trainer lora disttrain_fsdp"]
+    assert result["losses"][0] == pytest.approx(result["base_loss"], rel=1e-4)  # adapters start at B = 0
+    assert result["losses"][-1] < result["losses"][0]
+    assert result["trainable"] == ["lora_A", "lora_B"]
+    assert result["base_equal"]  # the folder's weights, loaded and left frozen
+    assert result["lora_B_max"] > 0  # the adapters trained
 
 
 def tiny_llama(seed: int):

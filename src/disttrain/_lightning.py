@@ -26,7 +26,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from disttrain.parallel.engine import Engine
 from disttrain.parallel import registry
-from disttrain.parallel.zero import hf_init_after_partitioning, skip_inference_comm_op
+from disttrain.parallel.zero import hf_init_after_partitioning, skip_inference_comm_op, trim_while_partitioning
 
 DEFAULT_TIMEOUT: timedelta = default_pg_timeout
 # Methods the Trainer and Fabric call on a LightningModule instead of ``forward``: engines that gather parameters
@@ -99,16 +99,18 @@ class DeepSpeedPlumbing(EngineAdapter):
         return self.engine.device_for(super().root_device, self.local_rank)  # type: ignore[misc]
 
     # Lightning's zero.Init contexts (Fabric's module_sharded_context, the Trainer's model_sharded_context), with Hugging
-    # Face models initialised as transformers does under ZeRO-3 (parallel/zero.py explains why)
+    # Face models initialised as transformers does under ZeRO-3, and memory freed by partitioning given back as it goes
+    # (parallel/zero.py explains both)
     def module_sharded_context(self) -> AbstractContextManager:
         stack = ExitStack()
         stack.enter_context(hf_init_after_partitioning())  # initialises after zero.Init has closed
+        stack.enter_context(trim_while_partitioning())
         stack.enter_context(super().module_sharded_context())  # type: ignore[misc]
         return stack
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with hf_init_after_partitioning(), super().model_sharded_context():  # type: ignore[misc]
+        with hf_init_after_partitioning(), trim_while_partitioning(), super().model_sharded_context():  # type: ignore[misc]
             yield
 
     def _start_deepspeed(self, set_world_ranks: Any) -> None:

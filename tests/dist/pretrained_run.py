@@ -1,6 +1,6 @@
 """Fine-tuning from a pretrained Hugging Face folder under each strategy (Fabric), against one process in this script.
 
-Usage: pretrained_run.py OUT SPEC [SPEC ...] -- MODEL [MODEL ...] [--lora SPEC ...]
+Usage: pretrained_run.py OUT SPEC [SPEC ...] -- MODEL [MODEL ...] [--lora SPEC ...] [--trainer SPEC ...]
        (MODEL: llama, qwen2, gemma2 (tied), phi3)
 
 Rank 0 saves a tiny model of each family in bfloat16 (``save_pretrained``: config.json + model.safetensors) into a
@@ -15,6 +15,10 @@ loaded sharded, the adapters' first values set (``init_adapters``), 3 SGD steps 
 peft's ``get_peft_model`` given the same first adapter values. Rank 0 then checks the exports: the base weights
 untouched (equal to the folder's), peft's ``PeftModel.from_pretrained`` of the exported adapter folder and the
 merged model both giving the trained model's logits.
+
+Per ``--trainer`` SPEC: ``DialogueLM(pretrained=<Llama folder>, lora=...)`` under ``lightning.Trainer`` (the folder
+read sharded in ``on_fit_start``), 3 steps: its first loss is the pretrained model's own (weights loaded, B zero),
+the loss then falls, and only adapters changed.
 """
 
 import os
@@ -31,8 +35,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import strategy_from_spec, tmpdir, write_result  # noqa: E402
 
 split = sys.argv.index("--")
-lora_at = sys.argv.index("--lora") if "--lora" in sys.argv else len(sys.argv)
-specs, names, lora_specs = sys.argv[2:split], sys.argv[split + 1:lora_at], sys.argv[lora_at + 1:]
+trainer_at = sys.argv.index("--trainer") if "--trainer" in sys.argv else len(sys.argv)
+lora_at = sys.argv.index("--lora") if "--lora" in sys.argv else trainer_at
+specs, names = sys.argv[2:split], sys.argv[split + 1:lora_at]
+lora_specs, trainer_specs = sys.argv[lora_at + 1:trainer_at], sys.argv[trainer_at + 1:]
 VOCAB, SEQ, BATCH, STEPS = 96, 16, 4, 5
 
 
@@ -71,7 +77,8 @@ def train(fabric, model, optimizer, steps=range(STEPS)) -> list[float]:
     return losses
 
 
-def check(fabric: L.Fabric, name: str) -> dict:
+def check(fabric: L.Fabric, spec: str, name: str) -> dict:
+    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = folder_of(name)
@@ -80,9 +87,15 @@ def check(fabric: L.Fabric, name: str) -> dict:
     with fabric.init_module(empty_init=True):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     model = fabric.setup_module(model)
+    fresh = os.path.join(tmpdir(), f"fresh-{spec.replace(':', '_')}-{name}.safetensors")
+    fabric.strategy.export_full(model, fresh)  # the weights before the load: transformers' own initialisation?
+    fabric.barrier()
+    embedding = load_file(fresh)["model.embed_tokens.weight"]
+    pad = AutoConfig.from_pretrained(folder).pad_token_id
+    init = {"init_std": embedding.std().item(), "pad_row": embedding[pad].abs().max().item() if pad is not None else None}
     tied = fabric.strategy.load_pretrained(model, folder)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
-    return {"losses": train(fabric, model, optimizer), "ref_losses": ref_losses, "tied": tied}
+    return {"losses": train(fabric, model, optimizer), "ref_losses": ref_losses, "tied": tied, **init}
 
 
 LORA = LoraSettings(rank=4, alpha=8, seed=3)
@@ -159,8 +172,48 @@ def check_lora(fabric: L.Fabric, spec: str) -> dict:
     return result
 
 
+def check_trainer_lora(spec: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.nlp import DialogueLM
+
+    positions = torch.arange(SEQ)
+    rows = [{"input_ids": row, "labels": row, "position_ids": positions} for step in range(3) for row in batch(step)]
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(folder_of("llama"), dtype=torch.float32)
+        base_loss = base(input_ids=batch(0), labels=batch(0), position_ids=positions.expand(BATCH, -1)).loss.item()
+
+    class Losses(L.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.losses.append(outputs["loss"].item())
+
+    losses = Losses()
+    module = DialogueLM(pretrained=folder_of("llama"), lora=LORA.as_dict(), lr=5e-2, weight_decay=0.0)
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=3,
+                        strategy=strategy_from_spec(spec, "trainer"), callbacks=[losses], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, limit_val_batches=0)
+    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=BATCH))
+    trainable = sorted({n.split(".")[-3] for n, p in module.named_parameters() if p.requires_grad})
+    exported = os.path.join(tmpdir(), "trainer-lora.safetensors")
+    trainer.strategy.export_full(exported, prefix="model.")
+    trainer.strategy.barrier()
+    from safetensors.torch import load_file
+
+    state, stored = load_file(exported), load_file(os.path.join(folder_of("llama"), "model.safetensors"))
+    base_equal = all(torch.equal(state[k.replace(".weight", ".base_layer.weight")] if
+                                 k.replace(".weight", ".base_layer.weight") in state else state[k], v.float())
+                     for k, v in stored.items())
+    moved = max(state[k].abs().max().item() for k in state if ".lora_B." in k)
+    return {"losses": losses.losses, "base_loss": base_loss, "trainable": trainable, "base_equal": base_equal,
+            "lora_B_max": moved}
+
+
 if int(os.environ.get("RANK", "0")) == 0:
-    for name in set(names) | ({"llama"} if lora_specs else set()):
+    for name in set(names) | ({"llama"} if lora_specs or trainer_specs else set()):
         build(name).to(torch.bfloat16).save_pretrained(folder_of(name))
 results = {}
 for spec in specs:
@@ -168,11 +221,13 @@ for spec in specs:
                       strategy=strategy_from_spec(spec, "fabric"))
     fabric.launch()
     fabric.barrier()  # rank 0 wrote the folders
-    results[spec] = {name: check(fabric, name) for name in names}
+    results[spec] = {name: check(fabric, spec, name) for name in names}
 for spec in lora_specs:
     fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
                       strategy=strategy_from_spec(spec, "fabric"))
     fabric.launch()
     fabric.barrier()
     results[f"lora {spec}"] = check_lora(fabric, spec)
+for spec in trainer_specs:
+    results[f"trainer lora {spec}"] = check_trainer_lora(spec)
 write_result(results)

@@ -24,6 +24,7 @@ def _own_init(module: nn.Module):
                 if hasattr(sub, "_is_hf_initialized"):
                     del sub._is_hf_initialized
             module.initialize_weights()
+            _zero_padding_rows(module)
             if callable(getattr(module, "tie_weights", None)):
                 module.tie_weights()
         return hf_init
@@ -33,6 +34,22 @@ def _own_init(module: nn.Module):
             cls.__module__.startswith("timm.") for cls in type(module).__mro__):
         return module.init_weights
     return None
+
+
+def _zero_padding_rows(module: nn.Module) -> None:
+    """The padding row of each sharded embedding set to zero, as HF's init means it to be: its
+    ``weight[padding_idx].zero_()`` on a DTensor zeroes a gathered copy, not the shard that holds the row."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # no public equivalent
+
+    for sub in module.modules():
+        weight = getattr(sub, "weight", None)
+        if not isinstance(sub, nn.Embedding) or sub.padding_idx is None or not isinstance(weight, DTensor):
+            continue
+        shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        row = sub.padding_idx % weight.shape[0] - offset[0]
+        if 0 <= row < shape[0]:
+            weight.to_local()[row].zero_()
 
 
 @contextmanager

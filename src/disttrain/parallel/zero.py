@@ -194,6 +194,53 @@ def skip_inference_comm_op() -> None:
         deepspeed.ops.__compatible_ops__[get_accelerator().get_op_builder("ShareMemCommBuilder").NAME] = False
 
 
+def _zero_padding_rows(model: torch.nn.Module) -> None:
+    """Each embedding's padding row zero, as one process has it: under ZeRO-3 transformers initialises a head tied
+    to the embedding after the embedding, over its padding row."""
+    import deepspeed
+
+    for sub in model.modules():
+        if isinstance(sub, torch.nn.Embedding) and sub.padding_idx is not None:
+            with deepspeed.zero.GatheredParameters([sub.weight], modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    with torch.no_grad():
+                        sub.weight[sub.padding_idx].zero_()
+
+
+def release_freed_memory() -> None:
+    """Hand memory the process freed back to the system (glibc ``malloc_trim``; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@contextmanager
+def trim_while_partitioning(min_bytes: int = 8 * 2**20) -> Iterator[None]:
+    """Around ``deepspeed.zero.Init``: after each module with at least ``min_bytes`` of its own parameters is
+    partitioned, the whole tensors it was built with (just freed) go back to the system.
+
+    Why: zero.Init builds every module whole, then keeps only this rank's partition. glibc keeps the freed blocks of a
+    big model's construction in its heap (its mmap threshold grows with the first frees), so without this the process
+    ends construction holding about the whole model on a 1B model at 2 processes, where it needs its share."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._post_init_method
+
+    def post_init(self: Any, module: torch.nn.Module) -> None:
+        original(self, module)
+        own = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters(recurse=False))
+        if own >= min_bytes:
+            release_freed_memory()
+
+    Init._post_init_method = post_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Init._post_init_method = original  # type: ignore[method-assign]
+        release_freed_memory()
+
+
 @contextmanager
 def hf_init_after_partitioning() -> Iterator[None]:
     """Around ``deepspeed.zero.Init``: Hugging Face models built inside get their weights initialised the way
@@ -223,10 +270,24 @@ def hf_init_after_partitioning() -> Iterator[None]:
     finally:
         PreTrainedModel.initialize_weights = original  # type: ignore[method-assign]
     inner = {id(sub) for model in built for sub in model.modules() if sub is not model}
-    for model in built:
-        if id(model) not in inner:  # a model's sub-models are initialised with it
-            initialize_weights_zero3(model)
-            model.tie_weights()
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    gathered_exit = GatheredParameters.__exit__
+
+    def exit_and_trim(self: Any, *exc: Any) -> Any:  # each module is gathered whole, then freed: give it back
+        result = gathered_exit(self, *exc)
+        release_freed_memory()
+        return result
+
+    GatheredParameters.__exit__ = exit_and_trim  # type: ignore[method-assign]
+    try:
+        for model in built:
+            if id(model) not in inner:  # a model's sub-models are initialised with it
+                initialize_weights_zero3(model)
+                model.tie_weights()
+                _zero_padding_rows(model)
+    finally:
+        GatheredParameters.__exit__ = gathered_exit  # type: ignore[method-assign]
 
 
 def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
