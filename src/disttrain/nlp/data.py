@@ -222,7 +222,8 @@ class ResumableSampler(DistributedSampler):
 
     The training loop calls ``advance(n)`` after each batch it trains on (a DataLoader prefetches, so counting
     what the sampler handed out would count batches that were never trained on). ``set_epoch`` with a new epoch
-    starts it from the beginning; with the current epoch (as Lightning calls it on resume) it keeps the position.
+    starts it from the beginning; with the current epoch (as Lightning calls it on resume) it keeps the position; an
+    earlier epoch is ignored (Fabric's DataLoader wrapper counts its own epochs from 0 after a resume).
     ``len()`` is the full epoch, which Lightning's epoch loop expects.
     """
 
@@ -237,6 +238,10 @@ class ResumableSampler(DistributedSampler):
         return iter(indices[self.position:])
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch < self.epoch:
+            # Fabric's DataLoader wrapper sets epochs 0, 1, ... by how often it was iterated, not by the epoch a
+            # resumed run is in: going back would restart a resumed run at epoch 0 (and repeat its data).
+            return
         if epoch != self.epoch:
             self.position = 0
         super().set_epoch(epoch)
