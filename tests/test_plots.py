@@ -184,8 +184,8 @@ def test_replies_before_and_after_are_drawn_with_the_same_seed(tiny_exports):
 
 @pytest.mark.slow  # fresh Python processes (imports dominate): kept out of `make test-fast`
 def test_the_recipe_prints_the_demo_prompts_before_and_after_training(tmp_path, demo_root):
-    """The dialogue recipe with the demo config, one process, 2 steps: both prompts answered by the starting and
-    the trained export, labelled with their held-out perplexities."""
+    """The dialogue recipe with the demo config, one process, 2 steps: the prompts answered by the starting and the
+    trained export, labelled with their held-out perplexities, under the data's own reply."""
     import re
 
     proc = run_python(str(ROOT / "recipes/nlp/dialogue_llm.py"), "--devices", "1", "--config",
@@ -198,7 +198,8 @@ def test_the_recipe_prints_the_demo_prompts_before_and_after_training(tmp_path, 
     head = re.search(r"^before training \(ppl ([\d,]+)\) +\| after 2 steps \(ppl ([\d,]+)\)$", out, re.M)
     assert head, out[-3000:]
     assert [int(g.replace(",", "")) for g in head.groups()] == [round(before), round(after)]
-    assert "user: Hello, how are you?" in out and "user: What is your favorite book?" in out
+    assert "user: How are you doing?" in out and "user: Who is your boss" in out
+    assert "(the data's reply: I am doing well, how about you?)" in out  # the demo data's own reply, shown above
     assert (tmp_path / "out/hf_before/model.safetensors").is_file() and (tmp_path / "out/hf").is_dir()
 
 
