@@ -7,7 +7,7 @@ of recipe is a :class:`Recipe` whose schema is built from the classes that consu
 model family's config class, see :mod:`disttrain.parallel.families`; the other sections from the trainer's
 dataclasses and options, :func:`keys_of`), so the check and the consumer cannot disagree:
 
-- ``disttrain.nlp.module.DIALOGUE_RECIPE`` (``configs/nlp``: ``model:`` LlamaConfig, ``data:``, ``train:``),
+- ``disttrain.nlp.module.DIALOGUE_RECIPE`` (``configs/nlp``: ``model:`` LlamaConfig, ``data:``, ``train:``, ``lora:``),
 - ``disttrain.vision.config.VIT_RECIPE`` (``configs/vision``: ``model:`` timm VisionTransformer, ``data:``,
   ``train:``),
 - ``disttrain.recsys.model.DEEPFM_RECIPE`` (``configs/recsys``: ``model:`` DeepFMNet, ``train:``, ``strategy:``,
@@ -33,7 +33,7 @@ Schema = Mapping[str, Optional["Schema"]]
 ConfigSource = Union[str, os.PathLike, Mapping[str, Any]]
 
 # Every section a recipe config may have, whatever its kind.
-SECTIONS = ("model", "data", "train", "strategy", "daily")
+SECTIONS = ("model", "data", "train", "strategy", "daily", "lora")
 # Where the shipped configs live (absent when disttrain is installed without its repository).
 CONFIG_ROOT = Path(__file__).resolve().parents[2]
 DICT_SOURCE = "the config dict"
