@@ -375,8 +375,7 @@ def export(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any], name: s
         out = Path(args.out) / ("adapter" if name == "hf" else f"adapter_{name.removeprefix('hf_')}")
         if fabric.is_global_zero:
             write_adapter(out, split_export(load_file(full), layers, merge=False), lora,
-                          base_model=str(Path(args.pretrained).resolve()))
-            run["tokenizer"].save_pretrained(str(out))
+                          base_model=str(Path(args.pretrained).resolve()), tokenizer=run["tokenizer"])
         fabric.barrier()
     return out
 

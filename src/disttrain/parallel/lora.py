@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -76,14 +77,19 @@ class LoraSettings:
         return self.rank > 0
 
     @property
+    def lora_alpha(self) -> float:
+        """``alpha``, or its default ``2 * rank``."""
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+    @property
     def scaling(self) -> float:
-        return (self.alpha if self.alpha is not None else 2 * self.rank) / self.rank
+        return self.lora_alpha / self.rank
 
     def peft_config(self) -> Any:
         from peft import LoraConfig
 
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha if self.alpha is not None else 2 * self.rank,
+        return LoraConfig(r=self.rank, lora_alpha=self.lora_alpha,
                           lora_dropout=self.dropout, target_modules=targets, bias="none")
 
     def as_dict(self) -> dict[str, Any]:
@@ -178,24 +184,29 @@ def split_export(full: Mapping[str, torch.Tensor], layers: Mapping[str, Mapping[
 
 
 def write_adapter(path: str | os.PathLike, adapters: Mapping[str, torch.Tensor], settings: LoraSettings,
-                  base_model: str | None = None) -> Path:
-    """peft's adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) that
-    ``PeftModel.from_pretrained(base, path)`` loads; written atomically (a temporary folder renamed)."""
+                  base_model: str | None = None, tokenizer: Any = None) -> Path:
+    """peft's adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``, and the ``tokenizer`` when
+    given) that ``PeftModel.from_pretrained(base, path)`` loads; written into a temporary folder and swapped in as
+    checkpoints are (an older folder is removed only after the new one is in place). One process writes it."""
     from safetensors.torch import save_file
+
+    from disttrain.parallel.checkpoint import _replace_atomically, recover_interrupted_save
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    recover_interrupted_save(path)  # a swap killed half-way: the older folder comes back first
+    tmp = path.with_name(f".{path.name}.tmp")
+    if tmp.exists():  # an unfinished earlier write
+        shutil.rmtree(tmp)
+    tmp.mkdir()
     config = settings.peft_config()
     config.base_model_name_or_path = base_model
     config.save_pretrained(str(tmp))
     save_file({k: v.detach().cpu().contiguous() for k, v in adapters.items()}, str(tmp / "adapter_model.safetensors"),
               metadata={"format": "pt"})
-    if path.exists():
-        import shutil
-
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    _replace_atomically(tmp, path)
     return path
 
 
