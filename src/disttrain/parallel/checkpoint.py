@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from disttrain.parallel.diskspace import DiskFullError, ensure_free, remove, tensor_bytes, writing
+from disttrain.parallel.watchdog import phase
 from disttrain.parallel.integrity import (
     MANIFEST_FILE,
     CheckpointError,
@@ -62,12 +64,40 @@ def _all_ranks_ok(error: Exception | None) -> None:
             raise error
         return
     errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         if error is not None:
             raise error
-        raise CheckpointError(f"another rank failed: {first}")
+        if first[0] == DiskFullError.__name__:  # the same one line on every rank
+            raise DiskFullError(first[1])
+        raise CheckpointError(f"another rank failed: {first[0]}: {first[1]}")
+
+
+def _on_rank0(fn: Any, *args: Any) -> None:
+    """Collective: ``fn`` runs on rank 0 and its error is raised on every rank (no rank is left in a collective
+    the failed one never reaches)."""
+    error: Exception | None = None
+    if _rank() == 0:
+        try:
+            fn(*args)
+        except Exception as e:
+            error = e
+    _all_ranks_ok(error)
+
+
+KEPT = "the previous checkpoint is kept until a new one is complete"
+
+
+def check_space(path: str | os.PathLike, state: Any, what: str = "the checkpoint") -> None:
+    """Collective: refuse a save of ``state`` (this rank's part of a DCP save, see ``tensor_bytes``) before any
+    byte is written when the sum over the ranks does not fit where ``path`` goes (one error on every rank)."""
+    mine = tensor_bytes(state, plain=_rank() == 0)
+    sizes = [mine]
+    if dist.is_available() and dist.is_initialized():
+        sizes = [0] * dist.get_world_size()
+        dist.all_gather_object(sizes, mine)
+    _on_rank0(ensure_free, path, sum(sizes), what, f"free space there ({KEPT})")
 
 
 def model_state(model: nn.Module, full: bool = False) -> dict[str, Any]:
@@ -203,7 +233,12 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         tmp.mkdir(parents=True)
     _barrier()
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:
+        if _rank() == 0:
+            remove(tmp)  # what the failed save wrote: a full disk gets its space back
+        raise
     _barrier()
     if _rank() == 0:
         _replace_atomically(tmp, path)
@@ -212,25 +247,37 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
 
 def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
     """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``."""
-    with atomic_folder(path) as tmp:
+    meta = {**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}
+    check_space(path, [tensors, meta if _rank() == 0 else None])
+    with phase(f"saving checkpoint {path}"), atomic_folder(path) as tmp:
         writer = ChecksumWriter(tmp)  # each rank hashes the shard it writes, while writing it
-        dcp.save(tensors, storage_writer=writer)
-        if _rank() == 0:
-            torch.save({**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}, tmp / META_FILE)
-        write_manifest(tmp, writer.digests)
+        with writing(path, "the checkpoint's shards", kept=KEPT):  # DCP raises on every rank
+            dcp.save(tensors, storage_writer=writer)
+
+        def write_meta() -> None:
+            with writing(tmp / META_FILE, "the checkpoint's meta.pt", "metadata", KEPT):
+                torch.save(meta, tmp / META_FILE)
+
+        _on_rank0(write_meta)
+        with writing(tmp / MANIFEST_FILE, "the checkpoint's manifest", kept=KEPT):
+            write_manifest(tmp, writer.digests)  # its error reaches every rank (see write_manifest)
     return Path(path)
 
 
 def save_full(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     """One ``torch.save`` file written by rank 0 (state already gathered there), atomically."""
     path = Path(path)
-    if _rank() == 0:
+
+    def write() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         recover_interrupted_save(path)
         tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(state, tmp)
+        ensure_free(path, tensor_bytes(state), "the checkpoint", f"free space there ({KEPT})")
+        with writing(path, "the checkpoint", "checkpoint", KEPT, cleanup=tmp):
+            torch.save(state, tmp)
         _replace_atomically(tmp, path)
-    _barrier()
+
+    _on_rank0(write)
     return path
 
 
@@ -416,7 +463,7 @@ def write_from_rank0(state: Mapping[str, Any], path: str | os.PathLike, prefix: 
     if _rank() == 0:
         try:
             write_safetensors(select_prefix(state, prefix), path)
-        except ValueError as e:
+        except (ValueError, DiskFullError) as e:
             error = e
     _all_ranks_ok(error)
     return path
@@ -428,10 +475,12 @@ def write_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors that share storage (tied embeddings): store each one on its own.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    ensure_free(path, tensor_bytes(tensors), "the exported weights")
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
         tmp = Path(f.name)
     try:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        with writing(path, "the exported weights", "export"):
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, path)
     finally:
         if tmp.exists():

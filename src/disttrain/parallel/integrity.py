@@ -39,6 +39,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from disttrain.parallel.diskspace import fail_point
+
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = ".metadata"
 HASH = "xxh3_128"  # what new manifests use; HASHES is what verification accepts
@@ -154,6 +156,7 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode or path.suffix != ".distcp":  # .metadata is hashed by write_manifest
                 yield stream
                 return
+            fail_point("shard", path)
             hashing = _HashingStream(stream)
             yield hashing
         self.digests[path.name] = hashing.entry()
@@ -175,9 +178,11 @@ def write_manifest(folder: str | os.PathLike, digests: dict[str, Any]) -> Path:
     checkpoint finished. Call after every file of the checkpoint is written."""
     folder = Path(folder)
     gathered = [digests]
-    if dist.is_available() and dist.is_initialized():
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, digests)
+    error: Optional[Exception] = None
     if _rank() == 0:
         files: dict[str, Any] = {}
         for part in gathered:
@@ -188,8 +193,18 @@ def write_manifest(folder: str | os.PathLike, digests: dict[str, Any]) -> Path:
         manifest = {"format": _FORMAT, "version": 1, "hash": HASH, "chunk_bytes": CHUNK_BYTES,
                     "files": dict(sorted(files.items()))}
         tmp = folder / f".{MANIFEST_FILE}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, folder / MANIFEST_FILE)
+        try:
+            fail_point("manifest", tmp)
+            tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+            os.replace(tmp, folder / MANIFEST_FILE)
+        except OSError as e:  # a full disk: every rank raises it (none waits for the manifest in a collective)
+            error = e
+    if distributed:
+        box = [error]
+        dist.broadcast_object_list(box, 0)
+        error = box[0]
+    if error is not None:
+        raise error
     return folder / MANIFEST_FILE
 
 

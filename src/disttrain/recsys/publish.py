@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
+from disttrain.parallel.diskspace import writing
+
 VERSION_DIGITS = 6
 
 
@@ -58,13 +60,16 @@ def read_json(path: Path, fix: str) -> Any:
         raise StoreError(f"{path} cannot be read ({e}); {fix}") from None
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, what: str = "", point: str = "") -> None:
+    """``data`` as JSON in ``path``, which readers see whole or not at all (a full disk: one line, the old file
+    kept)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    with writing(path, what or path.name, point, cleanup=tmp):
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -140,6 +145,8 @@ class ModelStore:
         names."""
         if not self.versions.is_dir():
             return []
+        for partial in self.versions.glob(".*.partial"):  # a publish that stopped while writing its version
+            shutil.rmtree(partial)
         current = self.current()
         floor = int(current.name) if current is not None and current.name.isdigit() else 0
         published = self.published_versions()
@@ -159,7 +166,7 @@ class ModelStore:
     def finish_version(self, version: Path, info: dict[str, Any]) -> None:
         """Rank 0: the model is in ``partial(version)``; add info.json, fsync, rename to ``version``."""
         partial = self.partial(version)
-        write_json_atomic(partial / "info.json", info)
+        write_json_atomic(partial / "info.json", info, f"version {version.name}'s info.json", "info")
         fsync_tree(partial)
         partial.rename(version)
         fsync_dir(self.versions)
@@ -169,7 +176,8 @@ class ModelStore:
         tmp = self.root / ".current.tmp"
         if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
-        tmp.symlink_to(Path("versions") / version.name)
+        with writing(self.pointer, "the current pointer", "pointer", cleanup=tmp):
+            tmp.symlink_to(Path("versions") / version.name)
         os.replace(tmp, self.pointer)
         fsync_dir(self.root)
 
@@ -203,4 +211,4 @@ class ModelStore:
         return {path.stem: self.record(path.stem) for path in sorted(self.runs.glob("*.json"))}
 
     def write_record(self, day: str, record: dict[str, Any]) -> None:
-        write_json_atomic(self.record_path(day), record)
+        write_json_atomic(self.record_path(day), record, f"the record of {day}", "record")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from disttrain.parallel.diskspace import writing
 from disttrain.report.run import ReportError
 
 HISTORY_METRICS = ("auc", "logloss", "calibration")
@@ -105,8 +106,11 @@ def draw_history(entries: list[DayEntry], path: Path, title: str) -> list[str]:
     fig.suptitle(title)
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
+    try:
+        with writing(path, "the model history report", "report", cleanup=tmp):
+            fig.savefig(tmp, dpi=90)
+    finally:
+        plt.close(fig)
     os.replace(tmp, path)
     return titles
 
@@ -136,6 +140,7 @@ def write_history_report(model_root: str | os.PathLike) -> tuple[Path, Path]:
     png, md = root / "report.png", root / "report.md"
     panels = draw_history(entries, png, f"daily DeepFM: {root}")
     tmp = md.with_suffix(".md.tmp")
-    tmp.write_text(history_markdown(entries, str(root), panels))
+    with writing(md, "the model history report", "report", cleanup=tmp):
+        tmp.write_text(history_markdown(entries, str(root), panels))
     os.replace(tmp, md)
     return png, md

@@ -1,0 +1,262 @@
+"""A heartbeat watchdog: when one rank stops (SIGSTOP, a process stuck in uninterruptible I/O, a wedged driver
+that holds its interpreter, a kill), every live rank ends the run within ``timeout`` with one line naming the rank
+that stopped and what the run was doing, instead of hanging until a collective times out (Lightning's default:
+30 minutes) and then printing a transport error that names neither.
+
+Collectives alone cannot tell a stopped rank from a slow one: a rank waiting in ``all_reduce`` sees only that its
+peer has not arrived. So each rank runs a thread that bumps a counter of its own in the process group's store every
+``timeout / 20`` seconds and reads its peers' counters; a peer whose counter has not moved for ``timeout`` (or a
+store that has not answered that long: under Lightning's launcher rank 0 hosts it) has stopped. The thread prints
+the line and ends its own process (``os._exit``, as a kill would; launchers then end the stopped one). The next run
+resumes from the last checkpoint exactly as after a kill.
+
+A live but stuck rank (a device kernel that never returns) keeps beating; the process group's own timeout, set a
+little above the watchdog's (:func:`collective_timeout`), ends that case with torch's error, which
+:func:`describe_collective_timeout` turns into one line.
+
+Each rank marks itself done when it stops its watchdog (the end of the run, or interpreter exit), so a rank that
+finishes early is not taken for a stopped one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+STALL_EXIT = 4  # the exit status of a rank the watchdog ends
+_KEY = "disttrain/watchdog"
+_phase = ["", ""]  # what the run does (set by the job), and the step within it (set by the strategies)
+_current: list[Optional["Watchdog"]] = [None]
+
+
+def seconds(timeout: Any) -> float:
+    """A timeout given as seconds (int/float/str) or a ``timedelta``, in seconds; anything else is one error."""
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    else:
+        try:
+            value = float(timeout)
+        except (TypeError, ValueError):
+            raise ValueError(f"timeout={timeout!r} is not a number of seconds; pass e.g. timeout=600 or"
+                             " timeout=timedelta(minutes=10)") from None
+    if not value > 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (e.g. 600)")
+    return value
+
+
+def heartbeat_interval(timeout: float) -> float:
+    return min(5.0, max(0.2, timeout / 20))
+
+
+def collective_timeout(timeout: float) -> timedelta:
+    """The process group's timeout for a watchdog ``timeout``: a few heartbeats later, so that a stopped rank is
+    reported by the watchdog (which names it) before a collective gives up with a transport error."""
+    return timedelta(seconds=timeout + max(5.0, 3 * heartbeat_interval(timeout)))
+
+
+def set_phase(text: str) -> None:
+    """What the run is doing now, for the line the watchdog prints (``training day 2026-11-04``)."""
+    _phase[:] = [text, ""]
+
+
+def set_step(text: str) -> None:
+    """The step within the phase (``training step 41``), set by the strategies."""
+    _phase[1] = text
+
+
+@contextmanager
+def phase(text: str) -> Iterator[None]:
+    before = list(_phase)
+    _phase[:] = [text, ""]
+    try:
+        yield
+    finally:
+        _phase[:] = before
+
+
+def current_phase() -> str:
+    return ", ".join(p for p in _phase if p) or "starting"
+
+
+class Watchdog:
+    """Heartbeats of this rank and the check of its peers' (see the module docstring). ``on_stall(line)`` is
+    called with the line when a peer stopped (default: print it on stderr and end the process with
+    :data:`STALL_EXIT`); ``label`` starts the line, ``advice`` ends it."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, label: str = "disttrain",
+                 advice: str = "", on_stall: Optional[Callable[[str], None]] = None) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout, self.interval = timeout, heartbeat_interval(timeout)
+        self.label, self.advice = label, advice
+        self.on_stall = on_stall or _end_process
+        self.prefix = f"{_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.group = dist.group.WORLD if dist.is_initialized() else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="disttrain-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def stop(self) -> None:
+        """Stop watching and mark this rank done (its silence from now on is not a stall)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.store.set(f"{self.prefix}/done/{self.rank}", "1")
+        except Exception:  # the store may be gone at exit: the peers are ending too
+            pass
+
+    def _where(self, rank: int) -> tuple[str, int]:
+        """(host, pid) of a rank, as it announced them (("?", 0) when unknown)."""
+        try:
+            host, pid = self.store.get(f"{self.prefix}/pid/{rank}").decode().rsplit(":", 1)
+            return host, int(pid)
+        except Exception:
+            return "?", 0
+
+    def _loop(self) -> None:
+        try:
+            self.store.set(f"{self.prefix}/pid/{self.rank}", f"{socket.gethostname()}:{os.getpid()}")
+        except Exception:
+            pass
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        seen = {r: -1 for r in peers}
+        changed = {r: time.monotonic() for r in peers}
+        store_ok = time.monotonic()
+        while not self._stop.wait(self.interval):
+            if not dist.is_initialized() or dist.group.WORLD is not self.group:
+                self._stop.set()  # the process group this watchdog was started for is gone
+                return
+            now = time.monotonic()
+            try:
+                self.store.add(f"{self.prefix}/beat/{self.rank}", 1)
+                for r in list(peers):
+                    if self.store.check([f"{self.prefix}/done/{r}"]):
+                        peers.remove(r)
+                        continue
+                    value = self.store.add(f"{self.prefix}/beat/{r}", 0)  # reads without waiting for the key
+                    if value != seen[r]:
+                        seen[r], changed[r] = value, now
+                store_ok = now
+            except Exception:  # the store's host stopped or is gone: judged by how long it has been silent
+                pass
+            if self._stop.is_set():
+                return
+            if not peers:
+                return  # every other rank finished
+            silent = sorted(r for r in peers if now - changed[r] >= self.timeout)
+            host_done = 0 not in peers and self.rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            if now - store_ok >= self.timeout and not host_done:
+                self._stalled(f"the process group's store ({_store_host()}) has not answered for"
+                              f" {now - store_ok:.0f} s")
+                return
+            if silent:
+                where = {r: self._where(r) for r in silent}
+                ranks = ", ".join(f"{r} (pid {pid} on {host})" for r, (host, pid) in where.items())
+                line = (f"rank{'s' if len(silent) > 1 else ''} {ranks} {'have' if len(silent) > 1 else 'has'} not"
+                        f" answered for {now - max(changed[r] for r in silent):.0f} s")
+                # A stopped process on this machine is ended too (SIGKILL reaches a stopped process; a launcher's
+                # SIGTERM waits 30 s for it before it kills), so the whole run ends now.
+                for host, pid in where.values():
+                    if host == socket.gethostname() and pid > 0:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except OSError:
+                            pass
+                self._stalled(line)
+                return
+
+    def _stalled(self, what: str) -> None:
+        line = (f"{self.label}: rank {self.rank}: {what} (timeout {self.timeout:g} s) while {current_phase()}: a"
+                " process stopped, hung or was killed; ending the run"
+                f"{'; ' + self.advice if self.advice else ''}")
+        self.on_stall(line)
+
+
+def _store_host() -> str:
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"torchrun's agent at {where}"
+    return f"rank 0's process at {where}"
+
+
+def _end_process(line: str) -> None:
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    os.write(2, (line + "\n").encode())
+    os._exit(STALL_EXIT)
+
+
+def _store_client(timeout: float) -> Any:
+    """A store connection of the watchdog's own, with a short timeout (the process group's connection waits as
+    long as a collective may, and its thread must not block the main thread's use of it)."""
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=max(2.0, 2 * heartbeat_interval(timeout))),
+                             wait_for_workers=False)
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def start(timeout: float, label: str = "disttrain", advice: str = "",
+          on_stall: Optional[Callable[[str], None]] = None) -> Optional[Watchdog]:
+    """Start this rank's watchdog for the default process group (once per process; a second call returns the
+    running one). None with one process (nothing to wait for)."""
+    if _current[0] is not None and _current[0].group is dist.group.WORLD and _current[0].is_alive():
+        return _current[0]
+    stop()  # one of an earlier process group
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    dog = Watchdog(_store_client(timeout), dist.get_rank(), dist.get_world_size(), timeout, label, advice, on_stall)
+    _current[0] = dog.start()
+    atexit.unregister(stop)  # one registration per process
+    atexit.register(stop)
+    return dog
+
+
+def stop() -> None:
+    """Stop this process's watchdog (at the end of a run; also at interpreter exit)."""
+    dog, _current[0] = _current[0], None
+    if dog is not None:
+        dog.stop()
+
+
+def running() -> Optional[Watchdog]:
+    return _current[0]
+
+
+_TIMEOUT_TEXT = re.compile(r"[Tt]imed out|timeout|Connection closed by peer|Connection reset by peer|"
+                           r"Broken pipe|NCCL communicator was aborted|Watchdog caught collective operation timeout")
+
+
+def describe_collective_timeout(error: BaseException, timeout: Optional[float] = None) -> Optional[str]:
+    """One line for a collective that failed because a peer did not join in time or went away (gloo's "Timed out
+    waiting ... for recv", "Connection closed by peer", NCCL's watchdog abort), or None for any other error."""
+    text = str(error)
+    if not isinstance(error, (RuntimeError, dist.DistBackendError)) or not _TIMEOUT_TEXT.search(text):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]
+    limit = f" within {timeout:g} s" if timeout else ""
+    return (f"a collective did not complete{limit} while {current_phase()} ({first}): a peer stopped, crashed or"
+            " is stuck on its device")
