@@ -15,7 +15,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -25,10 +24,13 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from disttrain.parallel.engine import Engine
-from disttrain.parallel import registry
+from disttrain.parallel import registry, watchdog
 from disttrain.parallel.zero import hf_init_after_partitioning, skip_inference_comm_op, trim_while_partitioning
 
-DEFAULT_TIMEOUT: timedelta = default_pg_timeout
+# Seconds a rank may stay silent (its heartbeat) before every other rank ends the run (parallel/watchdog.py); the
+# process group's collectives wait a few heartbeats longer. Lightning waits 30 minutes, with no word of which rank;
+# a checkpoint save or a step that takes longer needs a larger ``timeout=``.
+DEFAULT_TIMEOUT: float = 600.0
 # Methods the Trainer and Fabric call on a LightningModule instead of ``forward``: engines that gather parameters
 # around ``forward`` (FSDP2) gather around these too.
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -68,6 +70,21 @@ def register_clean_exit() -> None:
     atexit.register(destroy_process_groups_on_clean_exit)
 
 
+def split_timeout(timeout: Any) -> tuple[float, timedelta]:
+    """An adapter's ``timeout=`` (seconds or a timedelta; None: :data:`DEFAULT_TIMEOUT`) as (the watchdog's
+    seconds, the process group's timeout)."""
+    seconds = watchdog.seconds(DEFAULT_TIMEOUT if timeout is None else timeout)
+    return seconds, watchdog.collective_timeout(seconds)
+
+
+def after_process_group(strategy: Any) -> None:
+    """What every adapter does right after its process group exists: the clean exit, and the watchdog that ends
+    the run when a rank stops answering."""
+    register_clean_exit()
+    watchdog.start(getattr(strategy, "_watchdog_timeout", DEFAULT_TIMEOUT), label=strategy.strategy_name,
+                   advice="the checkpoints written so far are intact: resume from the last one")
+
+
 class EngineAdapter:
     """What every adapter (Trainer and Fabric) holds: the strategy's engine, built from the options. A subclass
     names its registered strategy (``strategy_name``) and engine (``engine_cls``); the options dataclass is the
@@ -87,6 +104,11 @@ class DeepSpeedPlumbing(EngineAdapter):
 
     local_rank: int
     parallel_devices: Optional[list[torch.device]]
+
+    def _split_timeout(self, timeout: Any) -> timedelta:
+        """Keep the watchdog's seconds of ``timeout=``; returns DeepSpeed's process-group timeout."""
+        self._watchdog_timeout, collective = split_timeout(timeout)
+        return collective
 
     def _deepspeed_init_kwargs(self, options: dict[str, Any]) -> dict[str, Any]:
         """Build the engine from ``options``; returns the keywords for Lightning's ``DeepSpeedStrategy.__init__``
@@ -120,7 +142,7 @@ class DeepSpeedPlumbing(EngineAdapter):
         set_world_ranks()
         skip_inference_comm_op()
         self._init_deepspeed_distributed()  # type: ignore[attr-defined]
-        register_clean_exit()
+        after_process_group(self)
 
 
 class DistributedPlumbing:
@@ -130,7 +152,7 @@ class DistributedPlumbing:
     engine: Engine
     parallel_devices: Optional[list[torch.device]]
     _process_group_backend: Optional[str] = None
-    _timeout: Optional[timedelta] = DEFAULT_TIMEOUT
+    _timeout: Optional[timedelta] = watchdog.collective_timeout(DEFAULT_TIMEOUT)
     _launcher_cls: type  # the Trainer's or Fabric's _SubprocessScriptLauncher
     _num_nodes: int = 1  # Fabric's connector sets _num_nodes, the Trainer's num_nodes
 
@@ -173,7 +195,7 @@ class DistributedPlumbing:
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id)
-        register_clean_exit()
+        after_process_group(self)
         self.engine.setup_mesh(self.world_size, self.root_device, local_size=self.num_processes)
 
     def set_world_ranks(self) -> None:

@@ -27,7 +27,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from disttrain._lightning import DEFAULT_TIMEOUT, STEP_METHODS, DistributedPlumbing, EngineAdapter
+from disttrain._lightning import DEFAULT_TIMEOUT, STEP_METHODS, DistributedPlumbing, EngineAdapter, split_timeout
+from disttrain.parallel import watchdog
 from disttrain.parallel.checkpoint import restore_rest, the_model
 from disttrain.parallel.engine import Engine
 from disttrain.parallel.precision import sharded_grad_scaler
@@ -143,12 +144,13 @@ class EngineStrategy(FabricAdapter, DistributedPlumbing, ParallelStrategy):
 
     def __init__(self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[Any] = None, precision: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+                 process_group_backend: Optional[str] = None, timeout: Any = DEFAULT_TIMEOUT,
                  **options: Any) -> None:
         self._init_engine(options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
-        self._process_group_backend, self._timeout = process_group_backend, timeout
+        self._process_group_backend = process_group_backend
+        self._watchdog_timeout, self._timeout = split_timeout(timeout)
         self._backward_sync_control = _NoSyncByEngine(self.engine)
 
     @property
@@ -175,8 +177,10 @@ class EngineStrategy(FabricAdapter, DistributedPlumbing, ParallelStrategy):
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         # Fabric has no wrapper to redirect a LightningModule's step methods through forward when the engine shards
         # in place: the engine itself gathers the parameters around them.
+        watchdog.set_phase("setting the model up")
         module, optimizers = self.engine.setup(module, self.root_device, self.precision.precision, optimizers,
                                                forward_methods=STEP_METHODS)
+        watchdog.set_phase("training")
         self.engine.sync_buffers_after_forward(module)  # rank 0's BatchNorm statistics after every forward
         return module, optimizers, scheduler
 

@@ -10,7 +10,7 @@ from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from disttrain._lightning import DeepSpeedPlumbing
+from disttrain._lightning import DEFAULT_TIMEOUT, DeepSpeedPlumbing
 from disttrain.fabric.base import FabricAdapter
 from disttrain.parallel.zero_engine import ZeroEngine
 
@@ -33,10 +33,12 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     engine_cls = ZeroEngine
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
-                 precision: Any = None, process_group_backend: Any = None, **options: Any) -> None:
+                 precision: Any = None, process_group_backend: Any = None, timeout: Any = DEFAULT_TIMEOUT,
+                 **options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision,
-                         process_group_backend=process_group_backend, **self._deepspeed_init_kwargs(options))
+                         process_group_backend=process_group_backend, timeout=self._split_timeout(timeout),
+                         **self._deepspeed_init_kwargs(options))
 
     def setup_environment(self) -> None:
         DDPStrategy.setup_environment(self)  # skips Lightning's "DeepSpeed needs CUDA" check

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import logging
 import math
 import os
@@ -36,9 +37,11 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import ConfigError
-from disttrain.parallel import checkpoint as ckpt
-from disttrain.recsys.data import BadDataError, Day, DayBatches, convert_day, day_stats, list_days, load_day, \
-    parse_date, split_rows
+from disttrain.parallel import checkpoint as ckpt, watchdog
+from disttrain.parallel.watchdog import describe_collective_timeout
+from disttrain.parallel.diskspace import DiskFullError, disk_full_cause, ensure_free, full_disk_error, remove
+from disttrain.recsys.data import BadDataError, Day, DayBatches, cache_size_estimate, cached, convert_day, \
+    day_stats, folder_bytes, list_days, load_day, parse_date, split_rows
 from disttrain.recsys.metrics import ClickMetrics
 from disttrain.recsys.defaults import DAILY_DEFAULTS, TRAIN_DEFAULTS
 from disttrain.recsys.publish import LockedError, ModelStore, StoreError
@@ -77,6 +80,8 @@ class DailyOptions:
     verbose: bool = False
     logger: str = "tensorboard,csv"
     no_report: bool = False
+    timeout: Optional[float] = None
+    prog: str = "deepfm_daily.py"
 
 
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
@@ -119,23 +124,41 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+_rank0_calls = itertools.count()
+
+
 def _rank0(fn: Any, *args: Any) -> Any:
-    """Run ``fn`` on rank 0 only and give every rank its result, or its error (so no rank hangs)."""
+    """Run ``fn`` on rank 0 only and give every rank its result, or its error (so no rank hangs). The others wait
+    for it on the store, not in a collective, so that rank 0's work (converting a large day) may take longer than
+    the collective timeout: a rank 0 that stopped is the watchdog's to report."""
     result, error = None, None
+    key = f"disttrain/daily/rank0/{next(_rank0_calls)}"
     if dist.get_rank() == 0:
         try:
             result = fn(*args)
         except Exception as e:  # re-raised below, on every rank
             error = e
+        if dist.get_world_size() > 1:
+            _store().set(key, "done")
+    else:
+        while not _store().check([key]):
+            time.sleep(0.05)
     result, error = _broadcast((result, error))
     if error is not None:
         raise error
     return result
 
 
-def init_processes(accelerator: str) -> torch.device:
+def _store() -> Any:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def init_processes(accelerator: str, timeout: float = 300, prog: str = "deepfm_daily.py") -> torch.device:
     """One process by default (a gloo or nccl group of size 1, since DMP shards over a process group); under
-    torchrun, the group of all its processes."""
+    torchrun, the group of all its processes, watched by :mod:`disttrain.parallel.watchdog`: a process silent for
+    ``timeout`` seconds ends the run on every rank (exit status 4), and a collective waits a few seconds more."""
     use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise DailyError(f"--accelerator {accelerator} but no CUDA device is visible; use --accelerator cpu")
@@ -145,13 +168,17 @@ def init_processes(accelerator: str) -> torch.device:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
+        collective = watchdog.collective_timeout(timeout)
         if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):  # torchrun
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=collective)
         else:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                    timeout=collective)
+    watchdog.start(timeout, label=f"{prog}: error",
+                   advice="nothing was published; the next run resumes from the last finished day (work/staging)")
     return device
 
 
@@ -187,6 +214,7 @@ class DailyJob:
             if getattr(options, key) is not None:
                 self.daily[key] = getattr(options, key)
         self.train = {**TRAIN_DEFAULTS, **(self.recipe.get("train") or {})}
+        self.timeout = watchdog.seconds(options.timeout if options.timeout is not None else self.daily["timeout"])
         self.strategy_options = {k: v for k, v in (self.recipe.get("strategy") or {}).items() if v is not None}
         self.store = ModelStore(options.model_root)
         self.cache = self.store.root / "cache"
@@ -196,14 +224,35 @@ class DailyJob:
 
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        self.device = init_processes(self.options.accelerator)
+        self.device = init_processes(self.options.accelerator, self.timeout, self.options.prog)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         with ExitStack() as stack:
             _rank0(stack.enter_context, self.store.lock())  # rank 0 holds it; every rank gets its error
-            result = self._run_locked()
-            if result["status"] in ("published", "rejected") and not self.options.no_report:
-                _rank0(self._history_report)
+            before = self.store.current()
+            try:
+                result = self._run_locked()
+            except DiskFullError as e:  # where the models stand, after the write that failed
+                after = self.store.current()
+                state = f"version {after.name} was published; the next run writes what is missing" \
+                    if after != before else \
+                    f"nothing was published ({before.name + ' stays current' if before else 'no model is current'})"
+                raise DiskFullError(f"{e.message}; {state}", e.filename) from e
+            if not self.options.no_report and (result["status"] in ("published", "rejected") or self._report_stale()):
+                try:
+                    _rank0(self._history_report)
+                except DiskFullError as e:
+                    done = f"version {result['version']} was published" if result.get("version") else \
+                        f"the run {result['status']}"
+                    raise DiskFullError(f"{done}, but {e.message} (the next run draws it again)", e.filename) from e
             return result
+
+    def _report_stale(self) -> bool:
+        """Whether ``report.md`` is missing or older than a run record (a run that could not draw it)."""
+        report = self.store.root / "report.md"
+        records = list(self.store.runs.glob("*.json")) if self.store.runs.is_dir() else []
+        if not records:
+            return False
+        return not report.is_file() or report.stat().st_mtime < max(r.stat().st_mtime for r in records)
 
     def _history_report(self) -> None:
         from disttrain.report.daily import write_history_report
@@ -234,6 +283,8 @@ class DailyJob:
                     **plan.notes()}
         _log(f"run {run_date}: days {plan.days}" + (f" (resuming; trained: {plan.trained})" if plan.resume else ""))
 
+        _rank0(self._check_space, [days[d] for d in plan.days], current)
+        watchdog.set_phase(f"converting the day files of {', '.join(plan.days)}")
         _rank0(lambda: [convert_day(days[d], self.cache) for d in plan.days])  # once, by one process
         loaded = {d: load_day(days[d], self.cache, self.daily["max_bad_fraction"]) for d in plan.days}
         for d in plan.days:
@@ -404,6 +455,17 @@ class DailyJob:
             accepted.add(d)
         return summary
 
+    def _check_space(self, files: list[Path], current: Optional[Path]) -> None:
+        """Before any work: the model root must hold the caches of the days still to convert and two models the size
+        of the current one (the run's work/staging and the new version; the current one stays until the swap)."""
+        caches = sum(cache_size_estimate(f) for f in files if not cached(f, self.cache))
+        model = folder_bytes(current) if current is not None else 0
+        parts = [f"the caches of {len(files)} day(s)"] if caches else []
+        parts += ["work/staging and a new version as large as the current one"] if model else []
+        if parts:
+            ensure_free(self.store.root, caches + 2 * model, " and ".join(parts),
+                        f"free space there or move --model-root to a larger disk; nothing was published")
+
     def _day_stats(self, plan: list[str], baseline: list[str], days: dict[str, Path]) -> dict[str, dict]:
         """Statistics of the plan's days and of the baseline days; a baseline day whose file can no longer be read
         is left out of the baseline (it was trained on already) rather than stopping the run."""
@@ -417,6 +479,7 @@ class DailyJob:
 
     def _warm_start(self, engine: Any, module: Any, path: Path, fix: str) -> None:
         """Load ``path`` into the sharded module and refuse it when it cannot be read or holds non-finite values."""
+        watchdog.set_phase(f"loading {path}")
         try:
             with _quiet_root_logger(not self.options.verbose):
                 metadata = engine.load(path, module)
@@ -443,6 +506,7 @@ class DailyJob:
         for d in plan.days:
             if d in trained:
                 continue
+            watchdog.set_phase(f"training day {d}")
             rows = self._fit_day(module, loaded[d])
             bad = self._nonfinite(module)
             if bad:
@@ -491,6 +555,7 @@ class DailyJob:
         return dataset.rows
 
     def evaluate(self, module: Any, day: Day) -> dict[str, float]:
+        watchdog.set_phase(f"evaluating on {day.date.isoformat()}'s held-out rows")
         return evaluate(module, day, float(self.daily["eval_fraction"]), int(self.train["batch_size"]), self.device)
 
     def _publish(self, engine: Any, module: Any, info: dict[str, Any], record: dict[str, Any],
@@ -504,7 +569,11 @@ class DailyJob:
                     {"dense_optimizer": module.configure_optimizers().state_dict(), "info": new_info})
 
         def swap() -> None:
-            self.store.finish_version(version, new_info)
+            try:
+                self.store.finish_version(version, new_info)
+            except BaseException:
+                remove(self.store.partial(version))  # a full model's worth of space, on a disk that may be full
+                raise
             _crash_point("before-pointer")
             self.store.point_at(version)
             pruned = self.store.prune(int(self.daily["keep_versions"]))
@@ -634,18 +703,21 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failure too")
     p.add_argument("--logger", default="tensorboard,csv",
                    help="per-day training logs under MODEL_ROOT/logs/DAY: tensorboard,csv | csv | tensorboard | none")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="a process silent this long (stopped, hung) ends the run on every rank with exit status 4;"
+                   " daily.timeout (300)")
     p.add_argument("--no-report", action="store_true",
                    help="do not redraw MODEL_ROOT/report.png (the model history) after a run")
     return p
 
 
 ERRORS = (DailyError, BadDataError, LockedError, StoreError, ConfigError, FileNotFoundError, ValueError,
-          ckpt.CheckpointError)
+          ckpt.CheckpointError, DiskFullError)
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "deepfm_daily.py") -> int:
     args = parser(prog).parse_args(argv)
-    options = DailyOptions(**vars(args))
+    options = DailyOptions(**vars(args), prog=prog)
     try:
         result = DailyJob(options).run()
     except ERRORS as e:
@@ -653,7 +725,25 @@ def main(argv: Optional[list[str]] = None, prog: str = "deepfm_daily.py") -> int
         if options.verbose:
             traceback.print_exc()
         return EXIT_FAILED
+    except Exception as e:
+        stalled = describe_collective_timeout(e, options.timeout)
+        if stalled is not None:  # every rank alive (else the watchdog ended the run first), a collective stuck
+            print(f"{prog}: error: {stalled}; nothing was published; the next run resumes from the last finished"
+                  " day", file=sys.stderr, flush=True)
+            if options.verbose:
+                traceback.print_exc()
+            return EXIT_FAILED
+        if disk_full_cause(e) is None:
+            raise
+        # A full disk met by a library's own write (a logger's file): one line too.
+        error = full_disk_error(e, options.model_root, "the run's files", "nothing was published unless the log"
+                                " above says so")
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        if options.verbose:
+            traceback.print_exc()
+        return EXIT_FAILED
     finally:
+        watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_REJECTED if result["status"] == "rejected" else 0

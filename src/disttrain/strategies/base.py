@@ -31,7 +31,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from disttrain._lightning import DEFAULT_TIMEOUT, STEP_METHODS, DistributedPlumbing, EngineAdapter, layer_sync_request
+from disttrain._lightning import DEFAULT_TIMEOUT, STEP_METHODS, DistributedPlumbing, EngineAdapter, layer_sync_request, \
+    split_timeout
+from disttrain.parallel import watchdog
 from disttrain.parallel.precision import sharded_grad_scaler
 
 # The checkpoint keys of the one layout for the Trainer: the LightningModule's tensors and each optimizer's.
@@ -76,6 +78,7 @@ class TrainerAdapter(EngineAdapter):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        watchdog.set_step(f"training step {self.lightning_module.global_step}")  # for a stalled rank's report
         self.engine.prepare_step(self.model)
         output = super().training_step(*args, **kwargs)  # type: ignore[misc]
         self.engine.broadcast_buffers(self.model)  # rank 0's BatchNorm statistics, as under ddp
@@ -203,12 +206,13 @@ class EngineStrategy(TrainerAdapter, DistributedPlumbing, ParallelStrategy):
 
     def __init__(self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[Any] = None, precision_plugin: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+                 process_group_backend: Optional[str] = None, timeout: Any = DEFAULT_TIMEOUT,
                  **options: Any) -> None:
         self._init_engine(options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        self._process_group_backend, self._timeout = process_group_backend, timeout
+        self._process_group_backend = process_group_backend
+        self._watchdog_timeout, self._timeout = split_timeout(timeout)
 
     @property
     def precision_plugin(self) -> Precision:

@@ -8,7 +8,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch import nn
 
-from disttrain._lightning import register_clean_exit
+from disttrain._lightning import DEFAULT_TIMEOUT, after_process_group, split_timeout
 from disttrain.parallel.ddp import DDPEngine
 from disttrain.strategies.base import TrainerAdapter
 
@@ -25,15 +25,18 @@ class DDPStrategy(TrainerAdapter, LightningDDPStrategy):
     engine_cls = DDPEngine
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
-                 precision_plugin: Any = None, process_group_backend: Any = None, **options: Any) -> None:
+                 precision_plugin: Any = None, process_group_backend: Any = None, timeout: Any = DEFAULT_TIMEOUT,
+                 **options: Any) -> None:
         self._init_engine(options)
+        self._watchdog_timeout, collective = split_timeout(timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
-                         process_group_backend=process_group_backend, **self.engine.options.ddp_kwargs())
+                         process_group_backend=process_group_backend, timeout=collective,
+                         **self.engine.options.ddp_kwargs())
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        register_clean_exit()
+        after_process_group(self)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return self.engine.setup(model, self.root_device, self.precision_plugin.precision)[0]
