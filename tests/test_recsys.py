@@ -699,6 +699,48 @@ def test_an_invalid_day_waits_until_set_aside_and_then_is_never_trained(publishe
     assert the_error(run_daily(data, models, "--train-late-days")).startswith("day_2026-11-03.tsv: label_rate ")
 
 
+
+def test_on_invalid_day_quarantine_sets_the_day_aside_and_trains_the_later_days(published, tmp_path):
+    """daily.on_invalid_day: quarantine: the job records the flipped day 03 as quarantined itself, warns in one
+    line, trains 04 against a baseline without 03 and publishes (exit 0); a run whose only day is invalid trains
+    nothing and exits 0; a value other than stop or quarantine is one error."""
+    data, models = copy_of(published, tmp_path)
+    make_days(data, 2, 1000, start=_date("2026-11-03"), first_index=2)
+    rewrite_training_labels(data / "day_2026-11-03.tsv", "flip")
+    config = write_config(tmp_path / "quarantine.yaml", daily={"on_invalid_day": "quarantine", "auc_tolerance": 0.1})
+    run = run_daily(data, models, "--config", str(config))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert trained_days(run) == ["2026-11-04"] and run.stderr == ""
+    warnings = [line for line in run.stdout.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[deepfm-daily] WARNING: day_2026-11-03.tsv: label_rate ")
+    assert warnings[0].endswith("; 2026-11-03 is set aside (quarantined: never trained) and later days go on"
+                                " (daily.on_invalid_day: quarantine; --release-day 2026-11-03 releases it)")
+    runs = records(models)
+    aside = runs["2026-11-03"]
+    assert aside["status"] == "quarantined" and aside["by"] == "daily job (daily.on_invalid_day: quarantine)"
+    assert aside["reason"] == warnings[0][len("[deepfm-daily] WARNING: "):].split("; 2026-11-03 is set aside")[0]
+    assert aside["finding"]["statistic"] == "label_rate" and aside["baseline_days"] == ["2026-11-01", "2026-11-02"]
+    assert runs["2026-11-04"]["status"] == "published" and runs["2026-11-04"]["quarantined_days"] == ["2026-11-03"]
+    assert runs["2026-11-04"]["validation"]["2026-11-04"]["baseline_days"] == ["2026-11-01", "2026-11-02"]
+    assert json.loads((models / "current" / "info.json").read_text())["days"] == [
+        "2026-11-01", "2026-11-02", "2026-11-04"]
+
+    # the only new day is invalid: nothing is trained, the current model stays, exit 0
+    make_days(data, 1, 1000, start=_date("2026-11-05"), first_index=4)
+    rewrite_training_labels(data / "day_2026-11-05.tsv", "flip")
+    alone = run_daily(data, models, "--config", str(config))
+    assert alone.returncode == 0 and trained_days(alone) == [], alone.stdout[-2000:] + alone.stderr[-2000:]
+    assert "nothing left to train up to 2026-11-05: 2026-11-05 set aside" in alone.stdout
+    aside = records(models)["2026-11-05"]
+    assert aside["status"] == "quarantined" and aside["baseline_days"] == ["2026-11-01", "2026-11-02", "2026-11-04"]
+    assert os.readlink(models / "current") == "versions/000002"
+
+    wrong = write_config(tmp_path / "wrong.yaml", daily={"on_invalid_day": "skip"})
+    assert the_error(run_daily(data, models, "--config", str(wrong))) == (
+        f"daily.on_invalid_day: 'skip' in {wrong} is not one of stop (the run stops there and later days wait for the"
+        " operator); quarantine (the job sets the day aside itself and trains the later days)")
+
+
 def test_setting_days_aside_fails_in_one_line(published, tmp_path, capsys):
     """--skip-day without --reason, of a trained day (published or rejected), --release-day of a day that is not
     quarantined, a bad date: one line each, and no record is written."""

@@ -56,6 +56,9 @@ TRAINED_STATUSES = ("published", "rejected")
 # A quarantined day was set aside (--skip-day, or daily.on_invalid_day: quarantine): nothing trains it, not even
 # --force, until --release-day records it as released, which counts as unprocessed.
 QUARANTINED, RELEASED = "quarantined", "released"
+# daily.on_invalid_day: what a day that fails validation does to the run.
+ON_INVALID_DAY = {"stop": "the run stops there and later days wait for the operator",
+                  "quarantine": "the job sets the day aside itself and trains the later days"}
 # Who sets a day aside or releases it, when user@host does not say it (e.g. the scheduler's user in a container).
 OPERATOR_ENV = "DISTTRAIN_OPERATOR"
 
@@ -209,7 +212,12 @@ class DailyJob:
         self._check_day_options()
 
     def _check_day_options(self) -> None:
-        """--skip-day needs --reason; --reason goes with a day; no day is both set aside and released."""
+        """daily.on_invalid_day is stop or quarantine; --skip-day needs --reason; --reason goes with a day; no day
+        is both set aside and released."""
+        mode = self.daily["on_invalid_day"]
+        if mode not in ON_INVALID_DAY:
+            raise ConfigError(f"daily.on_invalid_day: {mode!r} in {self.options.config} is not one of "
+                              + "; ".join(f"{k} ({v})" for k, v in ON_INVALID_DAY.items()))
         skip = sorted({d.isoformat() for d in self.options.skip_day})
         release = sorted({d.isoformat() for d in self.options.release_day})
         reason = (self.options.reason or "").strip()
@@ -271,7 +279,14 @@ class DailyJob:
                      f" ({'; '.join(loaded[d].bad_examples)})")
         newest = loaded[plan.days[-1]]
         self._check_held_out(newest, days[plan.days[-1]])
-        validation = self._validate(plan.days, days, run_date, info)
+        validation = self._validate(plan, days, run_date, info)
+        if not plan.days:  # all set aside (daily.on_invalid_day: quarantine)
+            _log(f"nothing left to train up to {run_date}: {', '.join(plan.quarantined)} set aside")
+            return {"status": "up-to-date", "run_date": run_date, "version": current.name if current else None,
+                    **plan.notes()}
+        if loaded[plan.days[-1]] is not newest:  # the newest day was set aside: the gate's data is the newest left
+            newest = loaded[plan.days[-1]]
+            self._check_held_out(newest, days[plan.days[-1]])
 
         from disttrain.parallel.recsys import RecsysEngine, RecsysOptions
         from disttrain.recsys.model import DeepFM
@@ -487,32 +502,50 @@ class DailyJob:
                              " undefined and the gate cannot compare models; is the export complete? Rerun when the"
                              " whole day has arrived, or raise daily.eval_fraction")
 
-    def _validate(self, plan: list[str], days: dict[str, Path], run_date: str,
-                  info: dict[str, Any]) -> dict[str, Any]:
-        """Check each day of ``plan`` against the days before it that went into the model (see
-        :mod:`disttrain.recsys.validate`); the first day out of bounds is recorded as invalid and stops the run."""
+    def _validate(self, plan: Plan, days: dict[str, Path], run_date: str, info: dict[str, Any]) -> dict[str, Any]:
+        """Check each day of ``plan.days`` against the days before it that went into the model (see
+        :mod:`disttrain.recsys.validate`). The first day out of bounds is recorded as invalid and stops the run; with
+        ``daily.on_invalid_day: quarantine`` it is set aside instead (recorded as quarantined, taken out of
+        ``plan.days``, added to ``plan.quarantined``) and the later days are checked without it in their baseline."""
         if self.options.skip_validation:
             _log("data validation skipped (--skip-validation)")
-            return {d: "skipped (--skip-validation)" for d in plan}
+            return {d: "skipped (--skip-validation)" for d in plan.days}
         in_model = set(info.get("days", [])) & set(days)
-        needed = {x for d in plan for x in sorted(x for x in in_model if x < d)[-self.bounds.days:]} - set(plan)
-        stats = _rank0(self._day_stats, plan, sorted(needed), days)
+        needed = {x for d in plan.days for x in sorted(x for x in in_model if x < d)[-self.bounds.days:]} - \
+            set(plan.days)
+        stats = _rank0(self._day_stats, plan.days, sorted(needed), days)
         accepted = set(x for x in in_model if x in stats)
         summary: dict[str, Any] = {}
-        for d in plan:
+        for d in list(plan.days):
             before = sorted(x for x in accepted if x < d)[-self.bounds.days:]
             finding = check_day(stats[d], [stats[x] for x in before], self.bounds)
             if finding is not None:
+                problem = f"{days[d].name}: {finding.statistic} {finding.value:.4f} is beyond its bound {finding.bound}"
+                # A day that a resumed run trained already is in its model: it cannot be set aside, only stop the run.
+                if self.daily["on_invalid_day"] == "quarantine" and d not in plan.trained:
+                    self._quarantine_invalid_day(d, run_date, problem, finding.as_dict(), before)
+                    plan.days.remove(d)
+                    plan.quarantined = sorted(plan.quarantined + [d])
+                    continue
                 # The safe ways out first: setting the day aside keeps its data out of the model for good.
-                message = (f"{days[d].name}: {finding.statistic} {finding.value:.4f} is beyond its bound"
-                           f" {finding.bound}; the day's data changed: fix the export and rerun, or set the day aside"
-                           f" with --skip-day {d} --reason '...' (it is then never trained; later days go on); if the"
+                message = (f"{problem}; the day's data changed: fix the export and rerun, or set the day aside with"
+                           f" --skip-day {d} --reason '...' (it is then never trained; later days go on); if the"
                            " change is real, loosen daily.validation or rerun with --skip-validation (which trains it)")
                 self._write_note(d, run_date, "invalid", message, finding=finding.as_dict(), baseline_days=before)
                 raise DailyError(message)
             summary[d] = {"baseline_days": before, "label_rate": round(stats[d]["label_rate"], 6)}
             accepted.add(d)
         return summary
+
+    def _quarantine_invalid_day(self, day: str, run_date: str, problem: str, finding: dict[str, Any],
+                                baseline_days: list[str]) -> None:
+        """daily.on_invalid_day: quarantine: record the invalid ``day`` as quarantined by the job (the validation
+        finding is the reason) and warn in one line; the run goes on without it."""
+        previous = (self.store.record(day) or {}).get("status")
+        self._write_note(day, run_date, QUARANTINED, problem, by="daily job (daily.on_invalid_day: quarantine)",
+                         at=_now(time.time()), previous_status=previous, finding=finding, baseline_days=baseline_days)
+        _log(f"WARNING: {problem}; {day} is set aside (quarantined: never trained) and later days go on"
+             f" (daily.on_invalid_day: quarantine; --release-day {day} releases it)")
 
     def _day_stats(self, plan: list[str], baseline: list[str], days: dict[str, Path]) -> dict[str, dict]:
         """Statistics of the plan's days and of the baseline days; a baseline day whose file can no longer be read
