@@ -605,8 +605,10 @@ def test_job_stops_on_a_day_that_fails_validation(published, tmp_path):
     error = the_error(run_daily(data, models))
     assert re.fullmatch(r"day_2026-11-03.tsv: label_rate 0\.\d{4} is beyond its bound \d\.\d{4}\.\.\d\.\d{4}"
                         r" \(\d\.\d{4}, the mean of the 2 days before, times or divided by"
-                        r" daily.validation.label_rate_ratio=1.5\); the day's data changed: fix the export, or if the"
-                        r" change is real, loosen daily.validation or rerun with --skip-validation", error), error
+                        r" daily.validation.label_rate_ratio=1.5\); the day's data changed: fix the export and rerun,"
+                        r" or set the day aside with --skip-day 2026-11-03 --reason '...' \(it is then never trained;"
+                        r" later days go on\); if the change is real, loosen daily.validation or rerun with"
+                        r" --skip-validation \(which trains it\)", error), error
     record = records(models)["2026-11-03"]
     assert record["status"] == "invalid" and record["reason"] == error
     assert record["finding"]["statistic"] == "label_rate" and record["baseline_days"] == ["2026-11-01", "2026-11-02"]
@@ -614,6 +616,162 @@ def test_job_stops_on_a_day_that_fails_validation(published, tmp_path):
     run = run_daily(data, models, "--skip-validation")  # the operator knows the change is real
     assert run.returncode in (0, 3) and "2026-11-03: trained on 900 rows" in run.stdout
     assert records(models)["2026-11-03"]["validation"] == {"2026-11-03": "skipped (--skip-validation)"}
+
+
+
+def trained_days(run: subprocess.CompletedProcess) -> list[str]:
+    """The days a run trained, from its log lines."""
+    return re.findall(r"^\[deepfm-daily\] (\d{4}-\d{2}-\d{2}): trained on \d+ rows$", run.stdout, re.M)
+
+
+def test_an_invalid_day_waits_until_set_aside_and_then_is_never_trained(published, tmp_path, monkeypatch):
+    """Day 03 (labels flipped) stops the run and the clean day 04 waits for it (the safe default); set aside with
+    --skip-day, 03 is recorded as quarantined and 04 is trained against a baseline without it; no later run trains
+    03 (catch-up, --force, --skip-validation, --train-late-days) until --release-day, after which it is a late day."""
+    import datetime as dt
+    import getpass
+    import socket
+
+    from disttrain.recsys.daily import OPERATOR_ENV
+
+    monkeypatch.delenv(OPERATOR_ENV, raising=False)
+    data, models = copy_of(published, tmp_path)
+    make_days(data, 1, 1000, start=_date("2026-11-03"), first_index=2)
+    rewrite_training_labels(data / "day_2026-11-03.tsv", "flip")
+    invalid = the_error(run_daily(data, models))
+    make_days(data, 1, 1000, start=_date("2026-11-04"), first_index=3)
+    waits = run_daily(data, models)
+    assert the_error(waits) == invalid and "--skip-day 2026-11-03 --reason '...'" in invalid
+    assert trained_days(waits) == [] and "2026-11-04" not in records(models)
+    finding = records(models)["2026-11-03"]["finding"]
+
+    # (--auc-tolerance: the gate on 100 held-out rows is noisy; here it is about which days are trained)
+    run = run_daily(data, models, "--skip-day", "2026-11-03", "--reason", "labels flipped upstream",
+                    "--auc-tolerance", "0.1")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert trained_days(run) == ["2026-11-04"]
+    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    assert f"set 2026-11-03 aside: quarantined by {by} (labels flipped upstream)" in run.stdout
+    runs = records(models)
+    aside = runs["2026-11-03"]
+    assert (aside["status"], aside["reason"], aside["by"], aside["version"]) == (
+        "quarantined", "labels flipped upstream", by, None)
+    assert aside["previous_status"] == "invalid" and aside["finding"] == finding
+    at = dt.datetime.fromisoformat(aside["at"])
+    assert at.utcoffset() == dt.timedelta(0) and abs(dt.datetime.now(dt.timezone.utc) - at) < dt.timedelta(minutes=5)
+    # 04 went in, validated against the days in the model only: the quarantined day is no part of its baseline
+    assert runs["2026-11-04"]["status"] == "published" and runs["2026-11-04"]["quarantined_days"] == ["2026-11-03"]
+    assert runs["2026-11-04"]["validation"]["2026-11-04"]["baseline_days"] == ["2026-11-01", "2026-11-02"]
+    info = json.loads((models / "current" / "info.json").read_text())
+    assert info["days"] == ["2026-11-01", "2026-11-02", "2026-11-04"]
+    report = (models / "report.md").read_text()
+    assert f"| 2026-11-03 | quarantined | - | 2026-11-04 | - | - | - | - | labels flipped upstream (set aside by {by}" \
+           f" at {aside['at']}) |" in report
+    assert "1 quarantined" in report
+
+    # a day whose file never came can be set aside too: the days after it are then not held up as by a missing day
+    monkeypatch.setenv(OPERATOR_ENV, "oncall: ana")
+    ahead = run_daily(data, models, "--skip-day", "2026-11-05", "--reason", "export lost upstream")
+    assert ahead.returncode == 0 and "it has no data file" in ahead.stdout and trained_days(ahead) == []
+    assert records(models)["2026-11-05"]["by"] == "oncall: ana"
+    make_days(data, 1, 1000, start=_date("2026-11-06"), first_index=5)
+    assert the_error(run_daily(data, models, "--force", "--run-date", "2026-11-03")) == (
+        f"--force would train 2026-11-03, but it is quarantined (set aside by {by} at {aside['at']}: labels flipped"
+        " upstream) and a quarantined day is never trained; --release-day 2026-11-03 releases it (then --force"
+        " --run-date 2026-11-03 trains it)")
+    # the flags that train more days leave the quarantined ones out (--train-late-days would train 03 otherwise)
+    more = run_daily(data, models, "--skip-validation", "--train-late-days", "--auc-tolerance", "0.1")
+    assert more.returncode == 0 and trained_days(more) == ["2026-11-06"], more.stdout[-2000:]
+    runs = records(models)
+    assert runs["2026-11-03"] == aside and runs["2026-11-05"]["status"] == "quarantined"
+    assert runs["2026-11-06"]["quarantined_days"] == ["2026-11-05"]
+
+    # released, 03 counts as unprocessed again: older than the model's newest day, so late
+    released = run_daily(data, models, "--release-day", "2026-11-03", "--reason", "export fixed")
+    assert released.returncode == 0 and trained_days(released) == []
+    assert "not training 2026-11-03: older than 2026-11-06, the newest day in the current model" in released.stdout
+    late = records(models)["2026-11-03"]
+    assert late["status"] == "late" and late["released"]["by"] == "oncall: ana"
+    assert late["released"]["reason"].startswith("released by oncall: ana at ")
+    assert late["released"]["quarantine"]["reason"] == "labels flipped upstream"
+    # asked to train late days, the job now validates 03 again (its labels are still flipped)
+    assert the_error(run_daily(data, models, "--train-late-days")).startswith("day_2026-11-03.tsv: label_rate ")
+
+
+
+def test_on_invalid_day_quarantine_sets_the_day_aside_and_trains_the_later_days(published, tmp_path):
+    """daily.on_invalid_day: quarantine: the job records the flipped day 03 as quarantined itself, warns in one
+    line, trains 04 against a baseline without 03 and publishes (exit 0); a run whose only day is invalid trains
+    nothing and exits 0; a value other than stop or quarantine is one error."""
+    data, models = copy_of(published, tmp_path)
+    make_days(data, 2, 1000, start=_date("2026-11-03"), first_index=2)
+    rewrite_training_labels(data / "day_2026-11-03.tsv", "flip")
+    config = write_config(tmp_path / "quarantine.yaml", daily={"on_invalid_day": "quarantine", "auc_tolerance": 0.1})
+    run = run_daily(data, models, "--config", str(config))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert trained_days(run) == ["2026-11-04"] and run.stderr == ""
+    warnings = [line for line in run.stdout.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[deepfm-daily] WARNING: day_2026-11-03.tsv: label_rate ")
+    assert warnings[0].endswith("; 2026-11-03 is set aside (quarantined: never trained) and later days go on"
+                                " (daily.on_invalid_day: quarantine; --release-day 2026-11-03 releases it)")
+    runs = records(models)
+    aside = runs["2026-11-03"]
+    assert aside["status"] == "quarantined" and aside["by"] == "daily job (daily.on_invalid_day: quarantine)"
+    assert aside["reason"] == warnings[0][len("[deepfm-daily] WARNING: "):].split("; 2026-11-03 is set aside")[0]
+    assert aside["finding"]["statistic"] == "label_rate" and aside["baseline_days"] == ["2026-11-01", "2026-11-02"]
+    assert runs["2026-11-04"]["status"] == "published" and runs["2026-11-04"]["quarantined_days"] == ["2026-11-03"]
+    assert runs["2026-11-04"]["validation"]["2026-11-04"]["baseline_days"] == ["2026-11-01", "2026-11-02"]
+    assert json.loads((models / "current" / "info.json").read_text())["days"] == [
+        "2026-11-01", "2026-11-02", "2026-11-04"]
+
+    # the only new day is invalid: nothing is trained, the current model stays, exit 0
+    make_days(data, 1, 1000, start=_date("2026-11-05"), first_index=4)
+    rewrite_training_labels(data / "day_2026-11-05.tsv", "flip")
+    alone = run_daily(data, models, "--config", str(config))
+    assert alone.returncode == 0 and trained_days(alone) == [], alone.stdout[-2000:] + alone.stderr[-2000:]
+    assert "nothing left to train up to 2026-11-05: 2026-11-05 set aside" in alone.stdout
+    aside = records(models)["2026-11-05"]
+    assert aside["status"] == "quarantined" and aside["baseline_days"] == ["2026-11-01", "2026-11-02", "2026-11-04"]
+    assert os.readlink(models / "current") == "versions/000002"
+
+    wrong = write_config(tmp_path / "wrong.yaml", daily={"on_invalid_day": "skip"})
+    assert the_error(run_daily(data, models, "--config", str(wrong))) == (
+        f"daily.on_invalid_day: 'skip' in {wrong} is not one of stop (the run stops there and later days wait for the"
+        " operator); quarantine (the job sets the day aside itself and trains the later days)")
+
+
+def test_setting_days_aside_fails_in_one_line(published, tmp_path, capsys):
+    """--skip-day without --reason, of a trained day (published or rejected), --release-day of a day that is not
+    quarantined, a bad date: one line each, and no record is written."""
+    data, models = copy_of(published, tmp_path)
+    make_days(data, 1, 1000, start=_date("2026-11-03"), first_index=2)
+    before = records(models)
+    assert the_error(run_daily(data, models, "--skip-day", "2026-11-03")) == (
+        "--skip-day 2026-11-03 needs --reason TEXT: say why the day is set aside (recorded with who and when), e.g."
+        " --reason 'labels flipped upstream'")
+    assert the_error(run_daily(data, models, "--reason", "bad labels")) == (
+        "--reason 'bad labels' says why a day is set aside or released; pass the day too (--skip-day DATE or"
+        " --release-day DATE)")
+    assert the_error(run_daily(data, models, "--skip-day", "2026-11-03", "--skip-day", "2026-11-02", "--reason",
+                               "x")) == (
+        "--skip-day 2026-11-02: the day is trained into version 000001 already; setting it aside would not take it"
+        f" out: point current at a version from before it (ln -sfn versions/NNNNNN {models / 'current'}) to stop"
+        " serving it")
+    assert the_error(run_daily(data, models, "--release-day", "2026-11-03")) == (
+        f"--release-day 2026-11-03: the day is not quarantined ({models / 'runs' / '2026-11-03.json'}: no record);"
+        " only a day set aside is released")
+    assert records(models) == before
+    ModelStore(models).write_record("2026-11-03", {"day": "2026-11-03", "status": "rejected", "version": None,
+                                                   "run_date": "2026-11-03", "previous_version": "000001"})
+    assert the_error(run_daily(data, models, "--skip-day", "2026-11-03", "--reason", "x")) == (
+        "--skip-day 2026-11-03: the day was trained already, in the run of 2026-11-03 that was rejected (version"
+        " 000001 stayed current); it is not trained again unless --force, so there is nothing to set aside")
+
+    from disttrain.recsys.daily import parser
+
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--data-root", str(data), "--model-root", str(models), "--skip-day", "2026-11-31"])
+    assert "argument --skip-day: date '2026-11-31' is not YYYY-MM-DD, e.g. 2026-11-29" in capsys.readouterr().err
 
 
 def test_leftover_versions_are_removed_but_rolled_back_ones_kept(tmp_path):

@@ -14,7 +14,6 @@ engines that set models up themselves. ZeRO-3 puts it over Lightning's DeepSpeed
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Collection, Optional, Union
 

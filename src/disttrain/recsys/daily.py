@@ -7,7 +7,8 @@ GPU), or ``torchrun --nproc_per_node N`` for N processes (the tables are then sh
 
 Guarantees: a lock keeps two runs from overlapping; a finished day is not trained again unless ``--force``; days
 are trained in date order (a missing day stops the run unless it is explicitly skipped, and a day older than the
-model's newest is not trained on top of it unless asked); each day is validated against the days before it; a
+model's newest is not trained on top of it unless asked); each day is validated against the days before it; a day
+set aside (``--skip-day``: quarantined) is never trained until it is released (``--release-day``); a
 restart after a crash resumes from the model saved after the last finished day (``work/staging``), so no day is
 lost or trained twice; a model with non-finite weights or metrics is never published nor warm-started from;
 readers of ``current`` only ever see a complete model.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import getpass
 import itertools
 import logging
 import math
@@ -54,6 +56,14 @@ CRASH_ENV = "DISTTRAIN_DAILY_CRASH_AT"
 EXIT_FAILED, EXIT_REJECTED = 1, 3
 # A day's record status; published and rejected days were trained (so not again without --force), the others not.
 TRAINED_STATUSES = ("published", "rejected")
+# A quarantined day was set aside (--skip-day, or daily.on_invalid_day: quarantine): nothing trains it, not even
+# --force, until --release-day records it as released, which counts as unprocessed.
+QUARANTINED, RELEASED = "quarantined", "released"
+# daily.on_invalid_day: what a day that fails validation does to the run.
+ON_INVALID_DAY = {"stop": "the run stops there and later days wait for the operator",
+                  "quarantine": "the job sets the day aside itself and trains the later days"}
+# Who sets a day aside or releases it, when user@host does not say it (e.g. the scheduler's user in a container).
+OPERATOR_ENV = "DISTTRAIN_OPERATOR"
 
 
 class DailyError(RuntimeError):
@@ -77,6 +87,9 @@ class DailyOptions:
     skip_missing_days: Optional[bool] = None
     train_late_days: Optional[bool] = None
     skip_validation: bool = False
+    skip_day: list[dt.date] = field(default_factory=list)
+    reason: Optional[str] = None
+    release_day: list[dt.date] = field(default_factory=list)
     verbose: bool = False
     logger: str = "tensorboard,csv"
     no_report: bool = False
@@ -186,7 +199,8 @@ def init_processes(accelerator: str, timeout: float = 300, prog: str = "deepfm_d
 class Plan:
     """The days a run trains and what it found on the way: ``days`` in order, the ``trained`` ones of them (a
     resumed run), the current model's metrics (a resumed run measured them before), and the days it skipped
-    (missing), left untrained (late: older than the model's newest day) or whose leftover versions it removed."""
+    (missing), left untrained (late: older than the model's newest day; quarantined: set aside, and passed over by
+    this run) or whose leftover versions it removed."""
 
     days: list[str]
     trained: list[str] = field(default_factory=list)
@@ -195,9 +209,11 @@ class Plan:
     skipped: list[str] = field(default_factory=list)
     late: list[str] = field(default_factory=list)
     removed_versions: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
 
     def notes(self) -> dict[str, Any]:
-        return {"skipped_days": self.skipped, "late_days": self.late, "removed_versions": self.removed_versions}
+        return {"skipped_days": self.skipped, "late_days": self.late, "removed_versions": self.removed_versions,
+                "quarantined_days": self.quarantined}
 
 
 class DailyJob:
@@ -221,6 +237,27 @@ class DailyJob:
         from disttrain.report import parse_logger_spec
 
         parse_logger_spec(options.logger)  # a misspelt --logger fails before any work
+        self._check_day_options()
+
+    def _check_day_options(self) -> None:
+        """daily.on_invalid_day is stop or quarantine; --skip-day needs --reason; --reason goes with a day; no day
+        is both set aside and released."""
+        mode = self.daily["on_invalid_day"]
+        if mode not in ON_INVALID_DAY:
+            raise ConfigError(f"daily.on_invalid_day: {mode!r} in {self.options.config} is not one of "
+                              + "; ".join(f"{k} ({v})" for k, v in ON_INVALID_DAY.items()))
+        skip = sorted({d.isoformat() for d in self.options.skip_day})
+        release = sorted({d.isoformat() for d in self.options.release_day})
+        reason = (self.options.reason or "").strip()
+        if skip and not reason:
+            raise DailyError(f"--skip-day {skip[0]} needs --reason TEXT: say why the day is set aside (recorded with"
+                             " who and when), e.g. --reason 'labels flipped upstream'")
+        if self.options.reason is not None and not skip and not release:
+            raise DailyError(f"--reason {self.options.reason!r} says why a day is set aside or released; pass the day"
+                             " too (--skip-day DATE or --release-day DATE)")
+        both = sorted(set(skip) & set(release))
+        if both:
+            raise DailyError(f"--skip-day and --release-day both name {both[0]}; pass one of them")
 
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -293,7 +330,14 @@ class DailyJob:
                      f" ({'; '.join(loaded[d].bad_examples)})")
         newest = loaded[plan.days[-1]]
         self._check_held_out(newest, days[plan.days[-1]])
-        validation = self._validate(plan.days, days, run_date, info)
+        validation = self._validate(plan, days, run_date, info)
+        if not plan.days:  # all set aside (daily.on_invalid_day: quarantine)
+            _log(f"nothing left to train up to {run_date}: {', '.join(plan.quarantined)} set aside")
+            return {"status": "up-to-date", "run_date": run_date, "version": current.name if current else None,
+                    **plan.notes()}
+        if loaded[plan.days[-1]] is not newest:  # the newest day was set aside: the gate's data is the newest left
+            newest = loaded[plan.days[-1]]
+            self._check_held_out(newest, days[plan.days[-1]])
 
         from disttrain.parallel.recsys import RecsysEngine, RecsysOptions
         from disttrain.recsys.model import DeepFM
@@ -344,14 +388,17 @@ class DailyJob:
     # -- which days --------------------------------------------------------------------------------------------
     def _plan(self, days: dict[str, Path], run_date: str, current: Optional[Path], info: dict[str, Any]) -> Plan:
         """The days to train: those of an unfinished run (resume), else every unprocessed day up to ``run_date``
-        in date order, after refusing (or, when asked, skipping) missing days and leaving out late ones."""
+        in date order, after refusing (or, when asked, skipping) missing days and leaving out late and quarantined
+        ones (--skip-day and --release-day are applied first)."""
         base = current.name if current else None
         progress = self._staging_progress()
+        unfinished = progress if progress is not None and progress["base_version"] == base else None
+        self._set_days_aside(days, run_date, info, unfinished)
         if progress is not None:
-            if progress["base_version"] == base:
+            if unfinished is not None:
                 return Plan(progress["plan"], list(progress["trained"]), progress["current_metrics"], True,
                             progress.get("skipped_days", []), progress.get("late_days", []),
-                            progress.get("removed_versions", []))
+                            progress.get("removed_versions", []), progress.get("quarantined_days", []))
             if info.get("previous") == progress["base_version"] and set(progress["plan"]) <= set(info["days"]):
                 _log(f"the last run published {base} but stopped before its records; writing them")
                 _rank0(self._finish, progress["plan"], {**info["record"], "status": "published", "version": base})
@@ -361,7 +408,12 @@ class DailyJob:
         records = self.store.records()
         in_model = set(info.get("days", []))
         processed = in_model | {d for d, r in records.items() if r.get("status") in TRAINED_STATUSES}
-        plan = Plan([d for d in sorted(days) if d <= run_date and d not in processed])
+        quarantined = {d: r for d, r in records.items() if r.get("status") == QUARANTINED}
+        if self.options.force and run_date in quarantined:
+            raise DailyError(f"--force would train {run_date}, but it is quarantined"
+                             f" ({_set_aside_by(quarantined[run_date])}) and a quarantined day is never trained;"
+                             f" --release-day {run_date} releases it (then --force --run-date {run_date} trains it)")
+        plan = Plan([d for d in sorted(days) if d <= run_date and d not in processed and d not in quarantined])
         plan.skipped = self._missing_days(days, run_date, records, in_model)
         newest = max(in_model, default=None)
         late = [d for d in plan.days if newest is not None and d < newest]
@@ -376,17 +428,25 @@ class DailyJob:
                                      " trained (--train-late-days or daily.train_late_days: true trains it)")
         if self.options.force and run_date not in plan.days:
             plan.days = sorted(plan.days + [run_date])
+        # The quarantined days this run passes over (older ones were passed over by earlier runs).
+        plan.quarantined = [d for d in sorted(quarantined) if (newest is None or d > newest) and plan.days
+                            and d < plan.days[-1]]
+        just_set_aside = {x.isoformat() for x in self.options.skip_day}  # said so already
+        for d in (x for x in plan.quarantined if x not in just_set_aside):
+            _log(f"not training {d}: quarantined ({_set_aside_by(quarantined[d])}); later days go on"
+                 f" (--release-day {d} releases it)")
         return plan
 
     def _missing_days(self, days: dict[str, Path], run_date: str, records: dict[str, dict],
                       in_model: set[str]) -> list[str]:
         """Dates up to ``run_date`` (from the first known day on) with neither a file nor a record: a
         :class:`DailyError` by default, or recorded as skipped with ``skip_missing_days``; returns those skipped."""
-        known = set(days) | set(records) | in_model
+        # A released day counts as unprocessed: without a file it is missing again.
+        known = set(days) | {d for d, r in records.items() if r.get("status") != RELEASED} | in_model
         first = parse_date(min(known))
         calendar = [(first + dt.timedelta(days=i)).isoformat()
                     for i in range((parse_date(run_date) - first).days + 1)]
-        missing = [d for d in calendar if d not in days and d not in records and d not in in_model]
+        missing = [d for d in calendar if d not in known]
         if not missing:
             return []
         if not self.daily["skip_missing_days"]:
@@ -401,9 +461,72 @@ class DailyJob:
         return missing
 
     def _write_note(self, day: str, run_date: str, status: str, reason: str, **details: Any) -> None:
-        """The record of a day this run did not train (skipped, late, invalid) and why."""
-        _rank0(self.store.write_record, day, {"day": day, "status": status, "reason": reason, "run_date": run_date,
-                                              "version": None, "finished_at": _now(time.time()), **details})
+        """The record of a day this run did not train (skipped, late, invalid, quarantined, released) and why."""
+        _rank0(self._replace_record, day, {"day": day, "status": status, "reason": reason, "run_date": run_date,
+                                           "version": None, "finished_at": _now(time.time()), **details})
+
+    def _replace_record(self, day: str, record: dict[str, Any]) -> None:
+        """Write a day's record; a release it replaces is kept in it (``released``), so that a day released and then
+        found late or invalid still says who let it back in."""
+        before = self.store.record(day) or {}
+        if before.get("status") == RELEASED and record["status"] != QUARANTINED:
+            record = {**record, "released": {k: before.get(k) for k in ("by", "at", "reason", "quarantine")}}
+        self.store.write_record(day, record)
+
+    def _set_days_aside(self, days: dict[str, Path], run_date: str, info: dict[str, Any],
+                        unfinished: Optional[dict[str, Any]]) -> None:
+        """--skip-day: record each day as quarantined (``reason``, ``by``, ``at`` and what validation found, if it
+        did), so that nothing trains it; a day already trained, or in the unfinished run being resumed, cannot be set
+        aside. --release-day: record a quarantined day as released, which counts as unprocessed (trained in order, or
+        late when newer days are in the model). Every day is checked before any record is written."""
+        skip = sorted({d.isoformat() for d in self.options.skip_day})
+        release = sorted({d.isoformat() for d in self.options.release_day})
+        if not skip and not release:
+            return
+        records = self.store.records()
+        for d in skip:
+            record = records.get(d) or {}
+            if d in info.get("days", []) or record.get("status") in TRAINED_STATUSES:
+                raise DailyError(self._trained_day_error(d, record, info))
+            if unfinished is not None and d in unfinished["plan"]:
+                raise DailyError(f"--skip-day {d}: the day is part of the unfinished run in {self.store.staging}"
+                                 f" (days {', '.join(unfinished['plan'])}); rerun without --skip-day to finish it, or"
+                                 f" delete {self.store.work} to drop it, then set the day aside")
+        for d in release:
+            status = (records.get(d) or {}).get("status")
+            if status != QUARANTINED:
+                raise DailyError(f"--release-day {d}: the day is not quarantined ({self.store.record_path(d)}: "
+                                 f"{'status ' + status if status else 'no record'}); only a day set aside is released")
+        by, at, reason = operator_name(), _now(time.time()), (self.options.reason or "").strip()
+        for d in skip:
+            record = records.get(d) or {}
+            if record.get("status") == QUARANTINED:
+                _log(f"{d} is quarantined already ({_set_aside_by(record)}); its record is kept")
+                continue
+            found = {k: record[k] for k in ("finding", "baseline_days") if k in record}  # an earlier invalid record's
+            self._write_note(d, run_date, QUARANTINED, reason, by=by, at=at, previous_status=record.get("status"),
+                             **found)
+            _log(f"set {d} aside: quarantined by {by} ({reason}); it is never trained, later days go on"
+                 f" (--release-day {d} releases it)" + ("" if d in days else "; it has no data file"))
+        for d in release:
+            record = records[d]
+            self._write_note(d, run_date, RELEASED, f"released by {by} at {at}" + (f": {reason}" if reason else "")
+                             + f"; it was quarantined ({_set_aside_by(record)})", by=by, at=at,
+                             quarantine={k: record.get(k) for k in ("reason", "by", "at", "finding")})
+            _log(f"released {d}: no longer quarantined; it counts as unprocessed (trained in date order, or late when"
+                 " newer days are in the model)")
+
+    def _trained_day_error(self, day: str, record: dict[str, Any], info: dict[str, Any]) -> str:
+        """Why ``--skip-day day`` is refused: the day went into a model (or a rejected run) already."""
+        if day in info.get("days", []) or record.get("status") == "published":
+            version = info["version"] if day in info.get("days", []) else record.get("version")
+            return (f"--skip-day {day}: the day is trained into version {version} already; setting it aside would not"
+                    f" take it out: point current at a version from before it (ln -sfn versions/NNNNNN"
+                    f" {self.store.pointer}) to stop serving it")
+        kept = record.get("previous_version")
+        return (f"--skip-day {day}: the day was trained already, in the run of {record.get('run_date')} that was"
+                f" rejected ({'version ' + kept + ' stayed current' if kept else 'no version was published'}); it is"
+                " not trained again unless --force, so there is nothing to set aside")
 
     def _staging_progress(self) -> Optional[dict[str, Any]]:
         if not (self.store.staging / ckpt.META_FILE).is_file():
@@ -430,25 +553,35 @@ class DailyJob:
                              " undefined and the gate cannot compare models; is the export complete? Rerun when the"
                              " whole day has arrived, or raise daily.eval_fraction")
 
-    def _validate(self, plan: list[str], days: dict[str, Path], run_date: str,
-                  info: dict[str, Any]) -> dict[str, Any]:
-        """Check each day of ``plan`` against the days before it that went into the model (see
-        :mod:`disttrain.recsys.validate`); the first day out of bounds is recorded as invalid and stops the run."""
+    def _validate(self, plan: Plan, days: dict[str, Path], run_date: str, info: dict[str, Any]) -> dict[str, Any]:
+        """Check each day of ``plan.days`` against the days before it that went into the model (see
+        :mod:`disttrain.recsys.validate`). The first day out of bounds is recorded as invalid and stops the run; with
+        ``daily.on_invalid_day: quarantine`` it is set aside instead (recorded as quarantined, taken out of
+        ``plan.days``, added to ``plan.quarantined``) and the later days are checked without it in their baseline."""
         if self.options.skip_validation:
             _log("data validation skipped (--skip-validation)")
-            return {d: "skipped (--skip-validation)" for d in plan}
+            return {d: "skipped (--skip-validation)" for d in plan.days}
         in_model = set(info.get("days", [])) & set(days)
-        needed = {x for d in plan for x in sorted(x for x in in_model if x < d)[-self.bounds.days:]} - set(plan)
-        stats = _rank0(self._day_stats, plan, sorted(needed), days)
+        needed = {x for d in plan.days for x in sorted(x for x in in_model if x < d)[-self.bounds.days:]} - \
+            set(plan.days)
+        stats = _rank0(self._day_stats, plan.days, sorted(needed), days)
         accepted = set(x for x in in_model if x in stats)
         summary: dict[str, Any] = {}
-        for d in plan:
+        for d in list(plan.days):
             before = sorted(x for x in accepted if x < d)[-self.bounds.days:]
             finding = check_day(stats[d], [stats[x] for x in before], self.bounds)
             if finding is not None:
-                message = (f"{days[d].name}: {finding.statistic} {finding.value:.4f} is beyond its bound"
-                           f" {finding.bound}; the day's data changed: fix the export, or if the change is real,"
-                           " loosen daily.validation or rerun with --skip-validation")
+                problem = f"{days[d].name}: {finding.statistic} {finding.value:.4f} is beyond its bound {finding.bound}"
+                # A day that a resumed run trained already is in its model: it cannot be set aside, only stop the run.
+                if self.daily["on_invalid_day"] == "quarantine" and d not in plan.trained:
+                    self._quarantine_invalid_day(d, run_date, problem, finding.as_dict(), before)
+                    plan.days.remove(d)
+                    plan.quarantined = sorted(plan.quarantined + [d])
+                    continue
+                # The safe ways out first: setting the day aside keeps its data out of the model for good.
+                message = (f"{problem}; the day's data changed: fix the export and rerun, or set the day aside with"
+                           f" --skip-day {d} --reason '...' (it is then never trained; later days go on); if the"
+                           " change is real, loosen daily.validation or rerun with --skip-validation (which trains it)")
                 self._write_note(d, run_date, "invalid", message, finding=finding.as_dict(), baseline_days=before)
                 raise DailyError(message)
             summary[d] = {"baseline_days": before, "label_rate": round(stats[d]["label_rate"], 6)}
@@ -464,7 +597,17 @@ class DailyJob:
         parts += ["work/staging and a new version as large as the current one"] if model else []
         if parts:
             ensure_free(self.store.root, caches + 2 * model, " and ".join(parts),
-                        f"free space there or move --model-root to a larger disk; nothing was published")
+                        "free space there or move --model-root to a larger disk; nothing was published")
+
+    def _quarantine_invalid_day(self, day: str, run_date: str, problem: str, finding: dict[str, Any],
+                                baseline_days: list[str]) -> None:
+        """daily.on_invalid_day: quarantine: record the invalid ``day`` as quarantined by the job (the validation
+        finding is the reason) and warn in one line; the run goes on without it."""
+        previous = (self.store.record(day) or {}).get("status")
+        self._write_note(day, run_date, QUARANTINED, problem, by="daily job (daily.on_invalid_day: quarantine)",
+                         at=_now(time.time()), previous_status=previous, finding=finding, baseline_days=baseline_days)
+        _log(f"WARNING: {problem}; {day} is set aside (quarantined: never trained) and later days go on"
+             f" (daily.on_invalid_day: quarantine; --release-day {day} releases it)")
 
     def _day_stats(self, plan: list[str], baseline: list[str], days: dict[str, Path]) -> dict[str, dict]:
         """Statistics of the plan's days and of the baseline days; a baseline day whose file can no longer be read
@@ -669,12 +812,36 @@ def evaluate(module: Any, day: Day, eval_fraction: float, batch_size: int,
     return metrics.compute()
 
 
+def operator_name() -> str:
+    """Who sets a day aside or releases it, as recorded: $DISTTRAIN_OPERATOR when set, else user@host."""
+    named = os.environ.get(OPERATOR_ENV, "").strip()
+    if named:
+        return named
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no user name for this uid (some containers)
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _set_aside_by(record: dict[str, Any]) -> str:
+    """Who set a quarantined day aside, when and why, for messages."""
+    return f"set aside by {record.get('by')} at {record.get('at')}: {record.get('reason')}"
+
+
 def _now(seconds: float) -> str:
     return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _fmt(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+
+
+def _date_option(text: str) -> dt.date:
+    try:
+        return parse_date(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's own message, not "invalid value"
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
@@ -684,7 +851,7 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
                                 " why).")
     p.add_argument("--data-root", required=True, type=Path, help="folder of day_YYYY-MM-DD.tsv[.gz] files")
     p.add_argument("--model-root", required=True, type=Path, help="folder of published versions, records, lock")
-    p.add_argument("--run-date", type=parse_date, default=None,
+    p.add_argument("--run-date", type=_date_option, default=None,
                    help="process days up to this date, which must have data (default: the newest day present)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="recipe YAML (default: deepfm_tiny.yaml)")
     p.add_argument("--force", action="store_true", help="retrain --run-date even if it was processed already")
@@ -700,6 +867,14 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
                    help="train days older than the model's newest day on top of it; daily.train_late_days")
     p.add_argument("--skip-validation", action="store_true",
                    help="train without checking the days against the days before them (a real change in the data)")
+    p.add_argument("--skip-day", action="append", type=_date_option, default=[], metavar="DATE",
+                   help="set DATE aside (repeatable; needs --reason): recorded as quarantined with who and when, never"
+                   " trained (not by catch-up, --force, --skip-validation or --train-late-days); later days go on")
+    p.add_argument("--reason", default=None, metavar="TEXT",
+                   help="why the --skip-day days are set aside (or the --release-day days released)")
+    p.add_argument("--release-day", action="append", type=_date_option, default=[], metavar="DATE",
+                   help="undo --skip-day DATE (repeatable): the day counts as unprocessed again (late when newer days"
+                   " are in the model)")
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failure too")
     p.add_argument("--logger", default="tensorboard,csv",
                    help="per-day training logs under MODEL_ROOT/logs/DAY: tensorboard,csv | csv | tensorboard | none")

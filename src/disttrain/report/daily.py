@@ -1,6 +1,7 @@
 """The daily job's model history: AUC, log loss and calibration of every published and rejected version by day,
-read from the JSON run records (``MODEL_ROOT/runs/DAY.json``), drawn to ``MODEL_ROOT/report.png`` and
-``MODEL_ROOT/report.md``. The records are the job's own, so the history survives any logger choice."""
+and every day's status (a quarantined day with who set it aside, when and why), read from the JSON run records
+(``MODEL_ROOT/runs/DAY.json``), drawn to ``MODEL_ROOT/report.png`` and ``MODEL_ROOT/report.md``. The records are
+the job's own, so the history survives any logger choice."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from disttrain.report.run import ReportError
 HISTORY_METRICS = ("auc", "logloss", "calibration")
 @dataclass
 class DayEntry:
-    """One day's record: its status (published, rejected, skipped, late, invalid), the version it went into, the
-    new model's metrics on the run's held-out rows and the current model's before it (for the gate)."""
+    """One day's record: its status (published, rejected, skipped, late, invalid, quarantined, released), the
+    version it went into, the new model's metrics on the run's held-out rows and the current model's before it (for
+    the gate), why it was not published, and who set it aside or released it and when (``by``, ``at``)."""
 
     day: str
     status: str
@@ -27,6 +29,14 @@ class DayEntry:
     metrics: dict[str, float]
     current_metrics: dict[str, float]
     reason: str | None
+    by: str | None = None
+    at: str | None = None
+
+    def why(self) -> str:
+        """The reason; for a quarantined day, with who set it aside and when (a release's reason names both)."""
+        if self.status == "quarantined" and self.by:
+            return f"{self.reason} (set aside by {self.by} at {self.at})"
+        return self.reason or ""
 
 
 def _number(value: Any) -> float:
@@ -52,7 +62,7 @@ def read_history(model_root: str | os.PathLike) -> list[DayEntry]:
         metrics = {k: _number(v) for k, v in (r.get("metrics") or {}).items()}
         current = {k: _number(v) for k, v in (r.get("current_metrics") or {}).items()}
         entries.append(DayEntry(r.get("day", path.stem), r.get("status", "?"), r.get("version"), r.get("run_date"),
-                                metrics, current, r.get("reason")))
+                                metrics, current, r.get("reason"), r.get("by"), r.get("at")))
     return entries
 
 
@@ -96,7 +106,7 @@ def draw_history(entries: list[DayEntry], path: Path, title: str) -> list[str]:
         titles.append(f"{key} per day")
     ax = axes[1, 1]
     colors = {"published": "tab:green", "rejected": "tab:red", "skipped": "tab:orange", "late": "tab:purple",
-              "invalid": "tab:brown"}
+              "invalid": "tab:brown", "quarantined": "black", "released": "tab:olive"}
     ax.bar(range(len(days)), [1] * len(days), color=[colors.get(e.status, "tab:gray") for e in entries])
     for i, e in enumerate(entries):
         ax.text(i, 0.5, e.status, rotation=90, ha="center", va="center", fontsize=8, color="white")
@@ -127,7 +137,7 @@ def history_markdown(entries: list[DayEntry], title: str, panels: list[str]) -> 
         m = e.metrics
         lines.append(f"| {e.day} | {e.status} | {e.version or '-'} | {e.run_date or '-'} | {_f(m.get('auc'))} | "
                      f"{_f(m.get('logloss'))} | {_f(m.get('calibration'))} | "
-                     f"{_f(e.current_metrics.get('auc'))} | {(e.reason or '').replace('|', '/')} |")
+                     f"{_f(e.current_metrics.get('auc'))} | {e.why().replace('|', '/')} |")
     counts = {s: sum(e.status == s for e in entries) for s in dict.fromkeys(e.status for e in entries)}
     lines += ["", "Days: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + "."]
     return "\n".join(lines) + "\n"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import shutil
 from collections.abc import Collection, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
