@@ -27,6 +27,7 @@ import argparse
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +39,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.callbacks import Throughput
 from disttrain.fabric import builds_empty
+from disttrain.parallel import watchdog
+from disttrain.parallel.failures import describe
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 from disttrain.vision import (ImageFolderData, ViTClassifier, count_parameters, default_config, default_strategy,
                               export_timm, load_timm_checkpoint, read_yaml, timm_checkpoint)
@@ -199,6 +202,7 @@ def fit_epoch(fabric: L.Fabric, state: dict, run: dict, out: Path, epoch: int, l
     run["train"].sampler.set_epoch(epoch)
     model.train()
     for batch in run["train"]:
+        watchdog.set_step(f"training step {state['step'] + 1}")
         loss = model.training_step(fabric.to_device(batch), state["step"])
         fabric.backward(loss)
         optimizer.step()
@@ -246,17 +250,26 @@ def main() -> None:
         start_run(out, recipe="recipes/vision/vit2b.py", strategy=fabric.strategy, world_size=fabric.world_size,
                   device=fabric.device.type, precision=str(fabric.strategy.precision.precision),
                   config=str(args.config or "default"))
-    if state["epoch"] >= run["vit"].train_config.epochs:
-        metrics = validate(fabric, state, run)
-        fabric.print(f"already trained: val_acc {metrics['val_acc']:.4f}")
-    else:
-        metrics = fit(fabric, state, run, out, args.log_every)
-    if not math.isfinite(metrics["val_loss"]):  # a diverged model is never exported
-        raise SystemExit(f"held-out loss is {metrics['val_loss']}: training diverged, nothing exported to "
-                         f"{out / 'export'}; lower train.lr or use precision 32-true in {args.config or 'the config'}")
-    export = export_timm(out / "export", run["vit"].model_args,
-                         lambda path: _export_weights(fabric, state["model"], path),
-                         data=run["vit"].data_config, class_names=run["classes"])
+    try:
+        if state["epoch"] >= run["vit"].train_config.epochs:
+            metrics = validate(fabric, state, run)
+            fabric.print(f"already trained: val_acc {metrics['val_acc']:.4f}")
+        else:
+            metrics = fit(fabric, state, run, out, args.log_every)
+        if not math.isfinite(metrics["val_loss"]):  # a diverged model is never exported
+            raise SystemExit(f"held-out loss is {metrics['val_loss']}: training diverged, nothing exported to "
+                             f"{out / 'export'}; lower train.lr or use precision 32-true in"
+                             f" {args.config or 'the config'}")
+        export = export_timm(out / "export", run["vit"].model_args,
+                             lambda path: _export_weights(fabric, state["model"], path),
+                             data=run["vit"].data_config, class_names=run["classes"])
+    except Exception as e:  # a full disk, a stalled collective, an unreadable checkpoint: one line, from rank 0
+        line = describe(e, out)
+        if line is None:
+            raise
+        if fabric.is_global_zero:
+            print(f"vit2b: error: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     fabric.print(f"final val_acc {metrics['val_acc']:.4f}; checkpoint {out / 'ckpt'}, timm export {export}")
     if fabric.is_global_zero:
         finish_run(fabric, args, out, time.perf_counter() - wall_start)

@@ -70,10 +70,19 @@ def register_clean_exit() -> None:
     atexit.register(destroy_process_groups_on_clean_exit)
 
 
+TIMEOUT_ENV = "DISTTRAIN_TIMEOUT"
+
+
 def split_timeout(timeout: Any) -> tuple[float, timedelta]:
-    """An adapter's ``timeout=`` (seconds or a timedelta; None: :data:`DEFAULT_TIMEOUT`) as (the watchdog's
-    seconds, the process group's timeout)."""
-    seconds = watchdog.seconds(DEFAULT_TIMEOUT if timeout is None else timeout)
+    """An adapter's ``timeout=`` (seconds or a timedelta; None: ``$DISTTRAIN_TIMEOUT``, which a strategy given by
+    name takes, else :data:`DEFAULT_TIMEOUT`) as (the watchdog's seconds, the process group's timeout)."""
+    if timeout is None and os.environ.get(TIMEOUT_ENV):
+        try:
+            seconds = watchdog.seconds(os.environ[TIMEOUT_ENV])
+        except ValueError as e:
+            raise ValueError(f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r}: {e}") from None
+    else:
+        seconds = watchdog.seconds(DEFAULT_TIMEOUT if timeout is None else timeout)
     return seconds, watchdog.collective_timeout(seconds)
 
 
@@ -152,7 +161,7 @@ class DistributedPlumbing:
     engine: Engine
     parallel_devices: Optional[list[torch.device]]
     _process_group_backend: Optional[str] = None
-    _timeout: Optional[timedelta] = watchdog.collective_timeout(DEFAULT_TIMEOUT)
+    _timeout: Optional[timedelta] = None  # set by each adapter's __init__ (split_timeout)
     _launcher_cls: type  # the Trainer's or Fabric's _SubprocessScriptLauncher
     _num_nodes: int = 1  # Fabric's connector sets _num_nodes, the Trainer's num_nodes
 

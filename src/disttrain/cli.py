@@ -32,6 +32,9 @@ def _launcher_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--main-address", "--main_address", dest="main_address", default="127.0.0.1")
     parser.add_argument("--main-port", "--main_port", dest="main_port", type=int, default=29400)
     parser.add_argument("--precision", default=None, choices=PRECISIONS)
+    parser.add_argument("--timeout", default=None, type=float, metavar="SECONDS",
+                        help="a process silent this long (stopped, hung) ends the run on every rank, and a collective"
+                        " waits a few seconds more (sets DISTTRAIN_TIMEOUT for the strategies; default 600)")
     parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
                         help="restart all processes this many times when one fails (torchrun's elastic restarts);"
                              " the script resumes from its newest complete checkpoint")
@@ -80,6 +83,10 @@ def launch(argv: list[str], prog: str = "disttrain run") -> int:
                         ("LT_PRECISION", args.precision)):
         if value is not None:
             os.environ[name] = value
+    if args.timeout is not None:
+        if not args.timeout > 0:
+            raise SystemExit(f"--timeout {args.timeout:g} must be a positive number of seconds (e.g. 600)")
+        os.environ["DISTTRAIN_TIMEOUT"] = f"{args.timeout:g}"
     # One OpenMP thread per process unless the user chose: N processes x all cores oversubscribes the CPU.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
 
@@ -335,10 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     from disttrain.parallel.checkpoint import CheckpointError
+    from disttrain.parallel.diskspace import DiskFullError
 
     try:
         return commands[command](rest)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, FileNotFoundError, ValueError, DiskFullError) as e:
         print(f"disttrain {command}: error: {e}", file=sys.stderr)
         return 1
 

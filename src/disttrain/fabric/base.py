@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from disttrain._lightning import DEFAULT_TIMEOUT, STEP_METHODS, DistributedPlumbing, EngineAdapter, split_timeout
+from disttrain._lightning import STEP_METHODS, DistributedPlumbing, EngineAdapter, split_timeout
 from disttrain.parallel import watchdog
 from disttrain.parallel.checkpoint import restore_rest, the_model
 from disttrain.parallel.engine import Engine
@@ -143,7 +143,7 @@ class EngineStrategy(FabricAdapter, DistributedPlumbing, ParallelStrategy):
 
     def __init__(self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[Any] = None, precision: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None, timeout: Any = DEFAULT_TIMEOUT,
+                 process_group_backend: Optional[str] = None, timeout: Any = None,
                  **options: Any) -> None:
         self._init_engine(options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

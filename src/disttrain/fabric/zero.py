@@ -10,7 +10,7 @@ from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from disttrain._lightning import DEFAULT_TIMEOUT, DeepSpeedPlumbing
+from disttrain._lightning import DeepSpeedPlumbing
 from disttrain.fabric.base import FabricAdapter
 from disttrain.parallel.zero_engine import ZeroEngine
 
@@ -33,7 +33,7 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     engine_cls = ZeroEngine
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
-                 precision: Any = None, process_group_backend: Any = None, timeout: Any = DEFAULT_TIMEOUT,
+                 precision: Any = None, process_group_backend: Any = None, timeout: Any = None,
                  **options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision,

@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from disttrain._lightning import DEFAULT_TIMEOUT, STEP_METHODS, DistributedPlumbing, EngineAdapter, layer_sync_request, \
+from disttrain._lightning import STEP_METHODS, DistributedPlumbing, EngineAdapter, layer_sync_request, \
     split_timeout
 from disttrain.parallel import watchdog
 from disttrain.parallel.precision import sharded_grad_scaler
@@ -205,7 +205,7 @@ class EngineStrategy(TrainerAdapter, DistributedPlumbing, ParallelStrategy):
 
     def __init__(self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[Any] = None, precision_plugin: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None, timeout: Any = DEFAULT_TIMEOUT,
+                 process_group_backend: Optional[str] = None, timeout: Any = None,
                  **options: Any) -> None:
         self._init_engine(options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

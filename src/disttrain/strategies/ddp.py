@@ -8,7 +8,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch import nn
 
-from disttrain._lightning import DEFAULT_TIMEOUT, after_process_group, split_timeout
+from disttrain._lightning import after_process_group, split_timeout
 from disttrain.parallel.ddp import DDPEngine
 from disttrain.strategies.base import TrainerAdapter
 
@@ -25,7 +25,7 @@ class DDPStrategy(TrainerAdapter, LightningDDPStrategy):
     engine_cls = DDPEngine
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
-                 precision_plugin: Any = None, process_group_backend: Any = None, timeout: Any = DEFAULT_TIMEOUT,
+                 precision_plugin: Any = None, process_group_backend: Any = None, timeout: Any = None,
                  **options: Any) -> None:
         self._init_engine(options)
         self._watchdog_timeout, collective = split_timeout(timeout)

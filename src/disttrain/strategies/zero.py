@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from disttrain._lightning import DEFAULT_TIMEOUT, DeepSpeedPlumbing, layer_sync_request
+from disttrain._lightning import DeepSpeedPlumbing, layer_sync_request
 from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.strategies.base import TrainerAdapter, refuse_callbacks
 
@@ -37,7 +37,7 @@ class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     engine_cls = ZeroEngine
 
     def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
-                 precision_plugin: Any = None, process_group_backend: Any = None, timeout: Any = DEFAULT_TIMEOUT,
+                 precision_plugin: Any = None, process_group_backend: Any = None, timeout: Any = None,
                  **options: Any) -> None:
         for name, source in (("micro_batch_size", "the training DataLoader's batch_size"),
                              ("gradient_accumulation_steps", "Trainer(accumulate_grad_batches=...)")):

@@ -1,0 +1,24 @@
+"""The failures an operator causes or meets while a run is under way (a full disk, a rank that stopped or a
+collective that never completed, a checkpoint that cannot be read) as the one line a recipe or job prints instead
+of a traceback; anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from disttrain.parallel.diskspace import DiskFullError, disk_full_cause, full_disk_error
+from disttrain.parallel.integrity import CheckpointError, unwrap_dcp_error
+from disttrain.parallel.watchdog import describe_collective_timeout
+
+
+def describe(error: BaseException, where: str = ".") -> Optional[str]:
+    """One line for ``error`` when it is an operator's failure (see the module docstring), else None. ``where``: the
+    folder the run writes to, named when a library's write met a full disk."""
+    if isinstance(error, (DiskFullError, CheckpointError)):
+        return str(error)
+    if disk_full_cause(error) is not None:
+        return str(full_disk_error(error, where, "the run's files"))
+    checkpoint = unwrap_dcp_error(error)
+    if checkpoint is not None:
+        return str(checkpoint)
+    return describe_collective_timeout(error)
