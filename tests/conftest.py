@@ -132,7 +132,8 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
 
 
 def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None = None, accelerator: str = "cpu",
-                 precision: str | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+                 precision: str | None = None, timeout: float = 900,
+                 run_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``lightning run model --accelerator A --devices N [--strategy S] [--precision P] script args`` on one node:
     the ranks get the LT_* variables the launcher sets (disttrain.cli.launch) besides torchrun's (run_torchrun).
     Tests of the launcher itself (tests/test_cli.py, the documented commands) start the real command."""
@@ -143,8 +144,9 @@ def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None
         flags = [f"--{k}={v}" for k, v in (("accelerator", accelerator), ("devices", devices), ("strategy", strategy),
                                            ("precision", precision), ("main-port", free_port())) if v is not None]
         return subprocess.run([str(Path(sys.executable).parent / "lightning"), "run", "model", *flags, script, *args],
-                              cwd=ROOT, env=base, capture_output=True, text=True, timeout=timeout)
-    return run_torchrun(script, *args, nproc=devices, run_env=launcher_env, timeout=timeout)
+                              cwd=ROOT, env={**base, **(run_env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
+    return run_torchrun(script, *args, nproc=devices, run_env={**launcher_env, **(run_env or {})}, timeout=timeout)
 
 
 def rank_logs(logs: list[Path], tail: int = 6000) -> str:

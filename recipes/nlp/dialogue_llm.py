@@ -302,6 +302,7 @@ def train_step(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any], ste
     eval_every = int(cfg["train"].get("eval_every", 10))
     save_every = run["args"].save_every
     watchdog.set_step(f"training step {step}")
+    watchdog.stall_point(f"step-{step}")
     lr = set_lr(optimizer, run["module"].hparams, step - 1)
     step_loss, tokens, samples = torch.zeros((), device=fabric.device), 0, 0
     for micro in range(acc.steps):

@@ -7,7 +7,7 @@ Each writes into a temporary name and renames it into place, so a failed write l
 for complete; :func:`writing` removes what the failed write left.
 
 Libraries report a full disk in different ways: Python's ``OSError`` with ``ENOSPC`` (or ``EDQUOT``), numpy's
-``OSError("N requested and M written")`` without an errno, torch.save's ``RuntimeError("... file write failed")``,
+``OSError("N requested and M written")`` or ``"Not enough free space to write N bytes"`` without an errno, torch.save's ``RuntimeError("... file write failed")``,
 safetensors' ``StorageFull``, DCP's ``CheckpointException`` around any of them; :func:`disk_full_cause` finds them.
 """
 
@@ -32,8 +32,10 @@ FAIL_ENV = "DISTTRAIN_FAIL_WRITE"
 RESERVE_BYTES = 4 << 20
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 # How libraries that lose the errno say it: safetensors (Rust's io::ErrorKind), torch.save's stream writer, numpy's
-# ndarray.tofile (a short write), and the OS's own message when it is quoted in another exception's text.
+# ndarray.tofile (a short write; a large one is checked against the free space first), and the OS's own message when
+# it is quoted in another exception's text.
 _FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|StorageFull|QuotaExceeded|"
+                        r"Not enough free space|"
                         r"\d+ requested and \d+ written|file write failed|unexpected pos \d+")
 
 
@@ -116,11 +118,12 @@ def disk_full_cause(error: BaseException) -> Optional[BaseException]:
         if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
+        failures = getattr(e, "failures", None)  # DCP's wrapper quotes its inner errors: look at them instead
         if isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in _FULL) or \
-                _FULL_TEXT.search(str(e)):
+                (not failures and _FULL_TEXT.search(str(e))):
             return e
         todo += [e.__cause__, e.__context__]
-        for failure in (getattr(e, "failures", None) or {}).values():
+        for failure in (failures or {}).values():
             todo.append(failure[0] if isinstance(failure, tuple) else failure)
     return None
 

@@ -36,6 +36,10 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 STALL_EXIT = 4  # the exit status of a rank the watchdog ends
+# TEST ONLY: "POINT@RANK": that rank stops itself (SIGSTOP, as a wedged process would look to its peers) when it
+# reaches POINT (the daily job's after-day-YYYY-MM-DD, the dialogue recipe's step-N); the tests check that every
+# live rank ends within the timeout and that the next run resumes.
+STALL_ENV = "DISTTRAIN_STALL_AT"
 _KEY = "disttrain/watchdog"
 _phase = ["", ""]  # what the run does (set by the job), and the step within it (set by the strategies)
 _current: list[Optional["Watchdog"]] = [None]
@@ -64,6 +68,14 @@ def collective_timeout(timeout: float) -> timedelta:
     """The process group's timeout for a watchdog ``timeout``: a few heartbeats later, so that a stopped rank is
     reported by the watchdog (which names it) before a collective gives up with a transport error."""
     return timedelta(seconds=timeout + max(5.0, 3 * heartbeat_interval(timeout)))
+
+
+def stall_point(point: str) -> None:
+    """TEST ONLY (:data:`STALL_ENV`): stop this process at ``point`` if it is the rank named there."""
+    name, _, rank = os.environ.get(STALL_ENV, "").rpartition("@")
+    if name == point and dist.is_initialized() and rank == str(dist.get_rank()):
+        print(f"stall injected at {point} on rank {rank} at {time.time():.3f} ({STALL_ENV}, test only)", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def set_phase(text: str) -> None:
@@ -161,9 +173,12 @@ class Watchdog:
                 return
             if not peers:
                 return  # every other rank finished
-            silent = sorted(r for r in peers if now - changed[r] >= self.timeout)
+            # Silent for the timeout less two heartbeats: a change is seen up to one heartbeat after it happened and
+            # checked once a heartbeat, so the run ends within ``timeout`` of the moment the peer stopped.
+            limit = self.timeout - 2 * self.interval
+            silent = sorted(r for r in peers if now - changed[r] >= limit)
             host_done = 0 not in peers and self.rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            if now - store_ok >= self.timeout and not host_done:
+            if now - store_ok >= limit and not host_done:
                 self._stalled(f"the process group's store ({_store_host()}) has not answered for"
                               f" {now - store_ok:.0f} s")
                 return

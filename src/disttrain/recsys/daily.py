@@ -125,6 +125,7 @@ def _quiet_root_logger(quiet: bool) -> Iterator[None]:
 
 
 def _crash_point(name: str) -> None:
+    watchdog.stall_point(name)
     if os.environ.get(CRASH_ENV) == name:
         _log(f"crash injected at {name} ({CRASH_ENV}, test only)")
         sys.stdout.flush()
@@ -597,7 +598,7 @@ class DailyJob:
         parts += ["work/staging and a new version as large as the current one"] if model else []
         if parts:
             ensure_free(self.store.root, caches + 2 * model, " and ".join(parts),
-                        "free space there or move --model-root to a larger disk; nothing was published")
+                        "free space there or move --model-root to a larger disk")
 
     def _quarantine_invalid_day(self, day: str, run_date: str, problem: str, finding: dict[str, Any],
                                 baseline_days: list[str]) -> None:
