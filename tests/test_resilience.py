@@ -189,6 +189,59 @@ def test_daily_job_refuses_a_run_that_cannot_fit_on_a_real_full_disk(tmp_path):
 
 
 # -- a stalled rank ----------------------------------------------------------------------------------------------
+def test_watchdog_reports_a_silent_peer_and_not_one_that_finished():
+    """Three ranks' watchdogs on one in-process store: rank 2 finishes (marks itself done) and rank 1 falls silent
+    (its thread stops, as in a stopped process); rank 0 reports rank 1 alone, within the timeout."""
+    import threading
+
+    import torch.distributed as dist
+
+    from disttrain.parallel.watchdog import Watchdog, collective_timeout, set_phase
+
+    store, lines, fired = dist.HashStore(), [], threading.Event()
+    report = lambda line: (lines.append(line), fired.set())  # noqa: E731
+    dogs = [Watchdog(store, rank, 3, timeout=2.0, label="test", advice="rerun", on_stall=report) for rank in range(3)]
+    set_phase("training day 2026-11-04")
+    for dog in dogs:
+        dog.start()
+    time.sleep(0.5)
+    dogs[2].stop()  # finished: its silence is not a stall
+    dogs[1]._stop.set()  # stopped: no more heartbeats, and no "done"
+    silent_since = time.monotonic()
+    assert fired.wait(10)
+    took = time.monotonic() - silent_since
+    dogs[0].stop()
+    assert len(lines) == 1 and took <= 2.0 + 0.3, (lines, took)
+    assert re.fullmatch(r"test: rank 0: rank 1 \(pid \d+ on \S+\) has not answered for \d s \(timeout 2 s\) while"
+                        r" training day 2026-11-04: a process stopped, hung or was killed; ending the run; rerun",
+                        lines[0]), lines
+    assert collective_timeout(600).total_seconds() == 615 and collective_timeout(20).total_seconds() == 25
+
+
+def test_every_strategy_takes_a_timeout(monkeypatch):
+    """timeout= in seconds or as a timedelta on every adapter (the watchdog's; collectives a little longer), the
+    environment's DISTTRAIN_TIMEOUT for a strategy given by name, one clear error for a bad value."""
+    import datetime as dt
+
+    import disttrain
+
+    classes = [getattr(module, name) for module in (disttrain.strategies, disttrain.fabric)
+               for name in ("DDPStrategy", "FSDPStrategy", "ZeroStrategy", "MegatronStrategy", "RecsysStrategy",
+                            "AutoStrategy")]
+    for cls in classes:
+        strategy = cls(timeout=dt.timedelta(minutes=2))
+        assert strategy._watchdog_timeout == 120 and strategy._timeout.total_seconds() == 135, cls  # 3 heartbeats of 5 s
+        assert cls()._watchdog_timeout == 600
+    monkeypatch.setenv("DISTTRAIN_TIMEOUT", "45")
+    assert disttrain.strategies.FSDPStrategy()._watchdog_timeout == 45
+    assert disttrain.fabric.FSDPStrategy(timeout=30)._watchdog_timeout == 30  # an explicit value wins
+    with pytest.raises(ValueError, match=r"timeout='soon' is not a number of seconds; pass e.g. timeout=600"):
+        disttrain.strategies.FSDPStrategy(timeout="soon")
+    monkeypatch.setenv("DISTTRAIN_TIMEOUT", "-1")
+    with pytest.raises(ValueError, match=r"DISTTRAIN_TIMEOUT='-1': timeout='-1' must be a positive number"):
+        disttrain.fabric.DDPStrategy()
+
+
 STALL_TIMEOUT = 15  # seconds; the defaults are 300 (daily job) and 600 (strategies)
 
 

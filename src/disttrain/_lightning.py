@@ -290,7 +290,8 @@ def choose_strategy(stand_in: Any, options: Any, source: Any, lightning_registry
     if stand_in.global_rank == 0:
         print(f"disttrain_auto:\n{plan.report()}", flush=True)
     entry = lightning_registry[plan.strategy]
-    chosen = entry["strategy"](**{**entry["init_params"], **plan.choice.strategy_options()})
+    chosen = entry["strategy"](**{**entry["init_params"], **plan.choice.strategy_options(),
+                                  "timeout": getattr(stand_in, "_watchdog_timeout", None)})
     chosen.accelerator = stand_in.accelerator
     chosen.parallel_devices = devices
     chosen.cluster_environment = stand_in.cluster_environment

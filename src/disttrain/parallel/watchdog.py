@@ -153,7 +153,7 @@ class Watchdog:
         changed = {r: time.monotonic() for r in peers}
         store_ok = time.monotonic()
         while not self._stop.wait(self.interval):
-            if not dist.is_initialized() or dist.group.WORLD is not self.group:
+            if self.group is not None and (not dist.is_initialized() or dist.group.WORLD is not self.group):
                 self._stop.set()  # the process group this watchdog was started for is gone
                 return
             now = time.monotonic()
@@ -190,7 +190,7 @@ class Watchdog:
                 # A stopped process on this machine is ended too (SIGKILL reaches a stopped process; a launcher's
                 # SIGTERM waits 30 s for it before it kills), so the whole run ends now.
                 for host, pid in where.values():
-                    if host == socket.gethostname() and pid > 0:
+                    if host == socket.gethostname() and pid > 0 and pid != os.getpid():
                         try:
                             os.kill(pid, signal.SIGKILL)
                         except OSError:
