@@ -242,9 +242,10 @@ def job_log(folder: Optional[str | os.PathLike], verbose: bool = False, rank: Op
             started: Optional[float] = None) -> Iterator[JobLog]:
     """Route the process's warnings and log records through a :class:`JobLog` writing ``log_path(folder, rank,
     started)`` while the block runs (``folder=None``: no file; everything goes to stderr). ``rank``: default the
-    launcher's ``RANK`` (0 for a single process)."""
+    launcher's ``RANK`` (0 for a single process); ``started``: the time that names the file's day (default: now)."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    started = time.time() if started is None else started
+    t0 = time.time()
+    started = t0 if started is None else started
     path = None if folder is None else log_path(folder, rank, started)
     log = JobLog(path, rank, verbose)
     argv = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv and sys.argv[0] else ""
@@ -256,9 +257,9 @@ def job_log(folder: Optional[str | os.PathLike], verbose: bool = False, rank: Op
             stack.enter_context(_logging_routed(log))
             yield log
     except BaseException as e:
-        log._write("run", "ended", f"after {time.time() - started:.1f} s by {type(e).__name__}: {e}", record=False)
+        log._write("run", "ended", f"after {time.time() - t0:.1f} s by {type(e).__name__}: {e}", record=False)
         raise
     else:
-        log._write("run", "ended", f"after {time.time() - started:.1f} s", record=False)
+        log._write("run", "ended", f"after {time.time() - t0:.1f} s", record=False)
     finally:
         log.close()
