@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_dist, run_python, run_torchrun
+from conftest import ROOT, child_env, run_dist, run_python, run_torchrun
 
 from disttrain.recsys.data import BadDataError, DayBatches, day_stats, list_days, load_day, parse_day_file
 from disttrain.recsys.metrics import ClickMetrics
@@ -298,6 +298,79 @@ def test_daily_job_on_two_processes_warm_starts_from_sharded_version(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "current model 000001" in second.stdout and "2026-11-02: trained on 5120 rows" in second.stdout
     assert records(models)["2026-11-02"]["metrics"]["rows"] == 600
+    # the console holds the job's lines, once (rank 0); each rank keeps its library output in a file of its own
+    assert first.stderr == second.stderr == "", first.stderr[-3000:] + second.stderr[-3000:]
+    assert all(line.startswith("[deepfm-daily] ") for line in first.stdout.splitlines() + second.stdout.splitlines())
+    assert second.stdout.count("published version 000002") == 1
+    logs: dict[str, str] = {}  # rank 0's file and rank 1's (two of each if the runs straddled midnight UTC)
+    for path in sorted((models / "logs").glob("job-*.log")):
+        rank = "rank1" if path.name.endswith(".rank1.log") else "rank0"
+        logs[rank] = logs.get(rank, "") + path.read_text()
+    assert sorted(logs) == ["rank0", "rank1"] and logs["rank0"].count(" run started: ") == 2
+    assert all(line.split()[1] == "rank1" for line in logs["rank1"].splitlines() if not line.startswith("    "))
+
+
+def cron(data: Path, models: Path, *args: str) -> subprocess.CompletedProcess:
+    """The daily job as cron starts it: a fresh interpreter with Python's default warning filters (processes
+    forked from the zygote inherit the tests' PYTHONWARNINGS=ignore, which would hide what the job must route)."""
+    import sys
+
+    env = {k: v for k, v in child_env().items() if k != "PYTHONWARNINGS"}
+    return subprocess.run([sys.executable, str(RECIPE), "--data-root", str(data), "--model-root", str(models),
+                           "--accelerator", "cpu", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def job_log_runs(models: Path) -> list[list[str]]:
+    """The runs in MODEL_ROOT/logs/job-*.log (rank 0), each as its entries (a continuation line joined to its
+    entry), in the order they ran."""
+    runs: list[list[str]] = []
+    for path in sorted(p for p in (models / "logs").glob("job-*.log") if ".rank" not in p.name):
+        for line in path.read_text().splitlines():
+            if line.startswith("    "):
+                runs[-1][-1] += "\n" + line
+            elif " run started: " in line:
+                runs.append([line])
+            else:
+                runs[-1].append(line)
+    return runs
+
+
+@pytest.mark.slow
+def test_daily_job_prints_its_own_lines_and_logs_library_warnings_once(tmp_path):
+    """cron mails what the job prints: its own lines, and the warnings of disttrain's own code (a model without
+    checksums); the libraries' warnings and log records go to MODEL_ROOT/logs/job-DAY.log, once each per run."""
+    data, models = tmp_path / "data", tmp_path / "models"
+    make_days(data, 1, 2000)
+    first = daily(data, models)  # the model to warm-start from (forked from the zygote: its warnings filtered out)
+    assert first.returncode == 0 and first.stderr == "", first.stderr[-3000:]
+    make_days(data, 2, 2000, start=_date("2026-11-02"), first_index=1)
+    (models / "versions" / "000001" / "manifest.json").unlink()  # written before checksums: loaded unverified
+
+    run = cron(data, models)  # a warm start (DCP loads into torchrec's tables), then two days: two Trainers
+    assert run.returncode == 0, run.stderr[-3000:]
+    [line] = run.stderr.splitlines()
+    assert "UnverifiedCheckpointWarning: checkpoint" in line and "versions/000001' has no manifest.json" in line
+    assert run.stdout.splitlines()[0] == "[deepfm-daily] run 2026-11-03: days ['2026-11-02', '2026-11-03']"
+    assert all(line.startswith("[deepfm-daily] ") for line in run.stdout.splitlines()), run.stdout
+    assert "current model 000001" in run.stdout and "published version 000002" in run.stdout
+
+    runs = job_log_runs(models)
+    assert len(runs) == 2 and all(r[-1].split(" ", 4)[2:4] == ["run", "ended:"] for r in runs), runs
+    entries = runs[1]
+    library = [entry for entry in entries if entry.split()[2] not in ("run", "INFO") or " INFO lightning." in entry]
+    messages = [entry.split(" ", 2)[2] for entry in library]  # without the time: what is said, by whom
+    assert len(messages) == len(set(messages)), messages  # once each, although each Trainer says it again
+    assert not any("deprecating ShardedTensor" in entry for entry in entries)  # no deprecated use of ours left
+    text = "\n".join(entries)
+    for kind, where, said in [("FutureWarning", "torchrec/distributed/planner/planners.py", "HeuristicalStorage"),
+                              ("INFO", "lightning.pytorch.utilities.rank_zero", "GPU available: False"),
+                              ("INFO", "lightning.pytorch.utilities.rank_zero", "Tip: For seamless cloud logging"),
+                              ("PossibleUserWarning", "lightning/pytorch/trainer/configuration_validator.py",
+                               "no `val_dataloader`"),
+                              ("UnverifiedCheckpointWarning", "disttrain/parallel/", "has no manifest.json")]:
+        assert len(re.findall(rf"rank0 {kind} {re.escape(where)}\S*( \S+)?: .*{re.escape(said)}", text)) == 1, said
+    assert re.search(r"rank0 INFO disttrain.recsys.daily \S+: 2026-11-03: train 4/4 ", text)  # progress lines
 
 
 # -- the daily job's safeguards, in this process (one interpreter, tiny days) -----------------------------------
@@ -518,9 +591,10 @@ def test_job_failures_are_one_line(published, tmp_path):
     assert error.startswith(f"{version} cannot be loaded: checkpoint '{version}' is corrupt")
     assert error.endswith(f"; point current at an earlier version (ln -sfn versions/NNNNNN {current}) or remove"
                           f" {current} to train from scratch")
-    verbose = run_daily(data, models, "--verbose")
-    assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
-    assert verbose.stderr.splitlines()[0] == f"deepfm_daily.py: error: {error}"
+    verbose = run_daily(data, models, "--verbose")  # the job log's lines too, then the error and its traceback
+    lines = verbose.stderr.splitlines()
+    assert verbose.returncode == 1 and lines.count(f"deepfm_daily.py: error: {error}") == 1, verbose.stderr[-3000:]
+    assert lines[lines.index(f"deepfm_daily.py: error: {error}") + 1] == "Traceback (most recent call last):"
     shutil.rmtree(models / "versions" / "000001")
     assert the_error(run_daily(data, models)).startswith(f"{current} points at {version}, which does not exist")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -71,6 +71,104 @@ def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(monkeypatch):
     lines = text.splitlines()
     assert [line.split()[1] for line in lines[:-1]] == [f"{n}/20" for n in range(2, 21, 2)]  # ~10 lines a run
     assert lines[-1] == "step 20  held-out loss 0.5" and "not printed" not in text
+
+
+# ---- the job log: library output in a file, the operator's lines on the console ----
+
+def test_job_log_keeps_library_output_in_its_file_once_and_the_operators_lines_on_stderr(tmp_path):
+    import logging
+    import warnings
+
+    import lightning.pytorch  # noqa: F401  (its console handler: detached while the job log runs)
+
+    from disttrain.parallel.integrity import warn_unverified
+    from disttrain.report.joblog import job_log, log_path
+
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    before = (list(lightning_logger.handlers), lightning_logger.propagate, warnings.showwarning)
+    err = io.StringIO()
+    with redirect_stderr(err), job_log(tmp_path, started=0.0) as log:
+        warnings.simplefilter("always")  # what the job log dedupes, not the warnings registry
+        for _ in range(3):
+            warnings.warn("a library's notice", FutureWarning)  # issued here, outside disttrain: the file only
+            logging.getLogger("lightning.pytorch.utilities.rank_zero").info("GPU available: False, used: False")
+            logging.getLogger("somelib").error("a library failed")
+        warn_unverified(tmp_path / "checkpoint")  # disttrain's own warning: the operator must know
+        logging.getLogger("disttrain.test").warning("disttrain's own warning")
+        logging.getLogger("disttrain.test").info("2026-11-01: train 1/4")
+        log.error("prog: error: the day file is missing")
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 4 and "UnverifiedCheckpointWarning: checkpoint" in lines[1], lines
+    assert [lines[0], lines[2], lines[3]] == ["ERROR somelib: a library failed",
+                                              "WARNING disttrain.test: disttrain's own warning",
+                                              "prog: error: the day file is missing"]
+    assert (list(lightning_logger.handlers), lightning_logger.propagate, warnings.showwarning) == before
+
+    path = log_path(tmp_path, started=0.0)
+    assert path == tmp_path / "job-1970-01-01.log"
+    lines = path.read_text().splitlines()
+    assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ rank0 ", line) for line in lines), lines
+    kinds = [line.split()[2] for line in lines]
+    assert kinds == ["run", "FutureWarning", "INFO", "ERROR", "UnverifiedCheckpointWarning", "WARNING", "INFO",
+                     "error", "run"], lines
+    notice = lines[1]
+    assert notice.endswith(": a library's notice") and f"{Path(__file__).name}:" in notice  # where it came from
+    assert " INFO lightning.pytorch.utilities.rank_zero " in lines[2]
+    assert lines[2].endswith(": GPU available: False, used: False")
+    assert lines[0].split(" ", 3)[2:4] == ["run", "started: pid " + lines[0].split("pid ")[1]]
+    assert lines[-1].split(" ", 3)[3].startswith("ended: after ")
+
+
+def test_job_log_of_other_ranks_verbose_and_unwritable(tmp_path):
+    import logging
+
+    from disttrain.report.joblog import job_log
+
+    err = io.StringIO()
+    with redirect_stderr(err), job_log(tmp_path, rank=1, started=0.0) as log:
+        log.error("prog: error: on every rank")  # rank 0 says it; rank 1 keeps it in its own file
+    assert err.getvalue() == ""
+    assert "rank1 error job: prog: error: on every rank" in (tmp_path / "job-1970-01-01.rank1.log").read_text()
+
+    with redirect_stderr(err), job_log(tmp_path / "verbose", verbose=True, started=0.0):
+        logging.getLogger("somelib").warning("a library's warning")
+    assert re.fullmatch(r"\S+ rank0 WARNING somelib \S+:\d+: a library's warning\n", err.getvalue())
+
+    (tmp_path / "a-file").write_text("")
+    err = io.StringIO()
+    with redirect_stderr(err), job_log(tmp_path / "a-file" / "logs", started=0.0):
+        logging.getLogger("somelib").warning("no file to go to")
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith(f"cannot write the job log {tmp_path}/a-file/logs/job-1970-01-01.log (")
+    assert len(lines) == 2 and re.fullmatch(r"\S+ rank0 WARNING somelib \S+:\d+: no file to go to", lines[1])
+
+
+def test_job_log_appends_whole_lines_from_concurrent_writers(tmp_path):
+    """Two writers on one file (a run and a second one refused by its lock) each append whole records: one
+    O_APPEND write per record, never a line of one inside a line of the other."""
+    import logging
+    import threading
+
+    from disttrain.report.joblog import JobLog
+
+    path = tmp_path / "job.log"
+    logs = [JobLog(path, rank, stderr=io.StringIO()) for rank in (0, 1)]
+
+    def write(log: JobLog) -> None:
+        for i in range(200):
+            log.handle(logging.makeLogRecord({"name": "lib", "levelno": logging.INFO, "levelname": "INFO",
+                                              "msg": f"{log.rank}-{i} " + "x" * 8000, "pathname": "lib.py",
+                                              "lineno": i}))
+    threads = [threading.Thread(target=write, args=(log,)) for log in logs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for log in logs:
+        log.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 400
+    assert all(re.fullmatch(r"\S+ rank(\d) INFO lib lib.py:(\d+): \1-\2 x{8000}", line) for line in lines)
 
 
 # ---- the run report from logged metrics ----

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -225,6 +227,19 @@ def load_model_state(root: nn.Module, state: dict[str, Any], strict: bool = True
             child.load_state_dict(part, strict=strict)
 
 
+@contextmanager
+def _torchrec_sharded_tensors() -> Iterator[None]:
+    # torchrec's sharded tables and their fused optimizer state are ShardedTensors, which torch deprecates for
+    # DTensor, and DCP's load planner calls tensor methods on them, each of which warns. torchrec 1.9.2 gives
+    # DTensors only for all tables of a model at once (ShardingEnv(output_dtensor=True)); they then hold only this
+    # rank's shard offsets (not the global column split that per-row optimizer state is regrouped by, see
+    # row_states), and torchrec's own resharding (update_shards) refuses them. ShardedTensor is the state torchrec
+    # hands out by default, so the warning names torchrec's limitation, not a call of ours to change.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+        yield
+
+
 class RecsysEngine(Engine):
     """The engine of ``disttrain_recsys``: tables sharded by torchrec's planner (DMP), the dense part data-parallel,
     and sharded checkpoints (table shards and fused optimizer state through DCP; everything else in ``meta.pt``)."""
@@ -308,8 +323,9 @@ class RecsysEngine(Engine):
             tensors[FUSED_OPTIMIZER_KEY] = fused = fused_optimizer_state(root)
             regroup = _row_states_to_regroup(path, root, fused, saved_columns)
         try:
-            dcp.load(_without(tensors, regroup), storage_reader=ckpt.CheckpointReader(path),
-                     planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+            with _torchrec_sharded_tensors():
+                dcp.load(_without(tensors, regroup), storage_reader=ckpt.CheckpointReader(path),
+                         planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
             _load_regrouped(path, regroup)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -330,7 +346,7 @@ class RecsysEngine(Engine):
 def table_columns(weight: Any) -> Optional[list[int]]:
     """Column widths of a sharded table's shards in torchrec's order: ``[dim]`` when every shard spans all columns
     (table-wise, row-wise), the widths of the column shards (column-wise, table-column-wise), None otherwise."""
-    rows, dim = weight.size()
+    rows, dim = _global_size(weight)
     shards = weight.metadata().shards_metadata
     if all(m.shard_sizes[1] == dim for m in shards):
         return [dim]
@@ -360,16 +376,21 @@ def row_states(root: nn.Module, fused: dict[str, Any]) -> list[RowState]:
     for name, dmp in sharded_modules(root):
         weights = dmp.state_dict()
         for param, states in fused[name or "model"].get("state", {}).items():
-            weight = weights.get(param)
-            if weight is None or not hasattr(weight, "metadata") or weight.dim() != 2:
+            size = _global_size(weights.get(param))
+            if size is None or len(size) != 2:
                 continue
-            columns = table_columns(weight)
+            columns = table_columns(weights[param])
             for state_name, value in states.items():
-                if hasattr(value, "metadata") and value.dim() == 1 and columns \
-                        and value.size(0) == weight.size(0) * len(columns):
+                if columns and _global_size(value) == (size[0] * len(columns),):
                     path = (FUSED_OPTIMIZER_KEY, name or "model", "state", param, state_name)
-                    found.append(RowState(path, value, weight.size(0), columns))
+                    found.append(RowState(path, value, size[0], columns))
     return found
+
+
+def _global_size(tensor: Any) -> Optional[tuple[int, ...]]:
+    """The global size of a ShardedTensor (None for anything else), from its metadata: a tensor method on it
+    (``.size()``, ``.dim()``) goes through ShardedTensor's deprecated ``__torch_function__``, which warns."""
+    return tuple(tensor.metadata().size) if hasattr(tensor, "metadata") else None
 
 
 def regroup_row_state(saved: torch.Tensor, rows: int, saved_columns: list[int],

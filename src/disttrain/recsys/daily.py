@@ -5,6 +5,12 @@ record each day.
 Run by ``recipes/recsys/deepfm_daily.py`` and ``disttrain recsys daily``; one process by default (CPU/gloo or one
 GPU), or ``torchrun --nproc_per_node N`` for N processes (the tables are then sharded across them).
 
+Output: stdout carries the job's own lines (``[deepfm-daily] ...``, from rank 0), stderr its one-line error (rank 0)
+and the warnings of disttrain's own code; the libraries' warnings and log records (once each), the training progress
+lines of a run without a terminal and the error's traceback go to ``MODEL_ROOT/logs/job-YYYY-MM-DD.log`` (the UTC day
+the run started; ``job-YYYY-MM-DD.rankN.log`` for rank N), see :mod:`disttrain.report.joblog`. ``--verbose`` puts
+all of it on stderr too.
+
 Guarantees: a lock keeps two runs from overlapping; a finished day is not trained again unless ``--force``; days
 are trained in date order (a missing day stops the run unless it is explicitly skipped, and a day older than the
 model's newest is not trained on top of it unless asked); each day is validated against the days before it; a day
@@ -28,7 +34,6 @@ import shutil
 import socket
 import sys
 import time
-import traceback
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -685,7 +690,10 @@ class DailyJob:
         # rows/s and per-rank memory; DeepFM's FLOPs are not counted, so no MFU.
         # Log about every 10 steps, and at least twice on a short day (a rate needs two steps).
         every = max(2, min(10, len(loader) // 2))
-        callbacks = [*trainer_progress_callbacks(), Throughput(every_n_steps=every)]
+        # Without a terminal, the progress lines go to the job log (stdout keeps the job's lines).
+        progress = logging.getLogger(__name__).info
+        callbacks = [*trainer_progress_callbacks(write=lambda line: progress(f"{day.date}: {line}")),
+                     Throughput(every_n_steps=every)]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(num_workers|small|does not have many workers).*")
             warnings.filterwarnings("ignore", message=".*FLOPs of a step are unknown.*")
@@ -876,7 +884,9 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
     p.add_argument("--release-day", action="append", type=_date_option, default=[], metavar="DATE",
                    help="undo --skip-day DATE (repeatable): the day counts as unprocessed again (late when newer days"
                    " are in the model)")
-    p.add_argument("--verbose", action="store_true", help="print the traceback of a failure too")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the traceback of a failure, and the library warnings and progress lines that otherwise"
+                   " only go to MODEL_ROOT/logs/job-DAY.log, on stderr too")
     p.add_argument("--logger", default="tensorboard,csv",
                    help="per-day training logs under MODEL_ROOT/logs/DAY: tensorboard,csv | csv | tensorboard | none")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -892,34 +902,32 @@ ERRORS = (DailyError, BadDataError, LockedError, StoreError, ConfigError, FileNo
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "deepfm_daily.py") -> int:
+    from disttrain.report.joblog import job_log
+
     args = parser(prog).parse_args(argv)
     options = DailyOptions(**vars(args), prog=prog)
-    try:
-        result = DailyJob(options).run()
-    except ERRORS as e:
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
-        if options.verbose:
-            traceback.print_exc()
-        return EXIT_FAILED
-    except Exception as e:
-        stalled = describe_collective_timeout(e, options.timeout)
-        if stalled is not None:  # every rank alive (else the watchdog ended the run first), a collective stuck
-            print(f"{prog}: error: {stalled}; nothing was published; the next run resumes from the last finished"
-                  " day", file=sys.stderr, flush=True)
-            if options.verbose:
-                traceback.print_exc()
+    # Library warnings and log records go to MODEL_ROOT/logs/job-DAY.log; stdout and stderr keep the job's lines.
+    with job_log(options.model_root / "logs", verbose=options.verbose) as log:
+        try:
+            result = DailyJob(options).run()
+        except ERRORS as e:
+            log.error(f"{prog}: error: {one_line(e)}", exc_info=True)  # once (rank 0): every rank raises it
             return EXIT_FAILED
-        if disk_full_cause(e) is None:
-            raise
-        # A full disk met by a library's own write (a logger's file): one line too.
-        error = full_disk_error(e, options.model_root, "the run's files", "nothing was published unless the log"
-                                " above says so")
-        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
-        if options.verbose:
-            traceback.print_exc()
-        return EXIT_FAILED
-    finally:
-        watchdog.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        except Exception as e:
+            stalled = describe_collective_timeout(e, options.timeout)
+            if stalled is not None:  # every rank alive (else the watchdog ended the run first), a collective stuck
+                log.error(f"{prog}: error: {stalled}; nothing was published; the next run resumes from the last"
+                          " finished day", exc_info=True)
+                return EXIT_FAILED
+            if disk_full_cause(e) is None:
+                raise
+            # A full disk met by a library's own write (a logger's file): one line too.
+            error = full_disk_error(e, options.model_root, "the run's files", "nothing was published unless the"
+                                    " lines above say so")
+            log.error(f"{prog}: error: {error}", exc_info=True)
+            return EXIT_FAILED
+        finally:
+            watchdog.stop()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return EXIT_REJECTED if result["status"] == "rejected" else 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar
 from typing_extensions import override
@@ -113,11 +113,13 @@ class StepProgress:
 
 class PlainProgress(ProgressBar):
     """Lightning progress 'bar' for logs: one line every ``every`` training steps on rank 0 with the progress-bar
-    metrics (loss, ...), the step rate and the time left; nothing redrawn."""
+    metrics (loss, ...), the step rate and the time left; nothing redrawn. ``write``: where a line goes (default:
+    printed to stdout), e.g. a logger's ``info``."""
 
-    def __init__(self, every: int | None = None) -> None:
+    def __init__(self, every: int | None = None, write: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.every = every
+        self.write = write
         self._enabled = True
         self._t0 = 0.0
 
@@ -145,10 +147,14 @@ class PlainProgress(ProgressBar):
         info = "  ".join(f"{k} {_fmt(float(v)) if not isinstance(v, str) else v}" for k, v in metrics.items())
         rate = step / max(time.perf_counter() - self._t0, 1e-9)
         left = f"  eta {(total - step) / rate:.0f}s" if total else ""
-        print(f"train {step}{f'/{total}' if total else ''}  {info}  {rate:.2f} steps/s{left}", flush=True)
+        line = f"train {step}{f'/{total}' if total else ''}  {info}  {rate:.2f} steps/s{left}"
+        if self.write is not None:
+            self.write(line)
+        else:
+            print(line, flush=True)
 
 
-def trainer_progress_callbacks(bar: bool | None = None) -> list[Callback]:
+def trainer_progress_callbacks(bar: bool | None = None, write: Callable[[str], None] | None = None) -> list[Callback]:
     """The Trainer's progress callback: ``RichProgressBar`` in a terminal, ``PlainProgress`` otherwise (Lightning
-    draws its progress bars on rank 0 only)."""
-    return [RichProgressBar() if (interactive() if bar is None else bar) else PlainProgress()]
+    draws its progress bars on rank 0 only); ``write``: where ``PlainProgress`` puts its lines (default: stdout)."""
+    return [RichProgressBar() if (interactive() if bar is None else bar) else PlainProgress(write=write)]
