@@ -70,16 +70,16 @@ def test_a_full_disk_is_recognised_however_a_library_reports_it(tmp_path):
             raise ValueError("not a disk problem")
 
 
-def test_checkpoint_save_on_a_full_disk_keeps_the_previous_one(tmp_path, monkeypatch):
+def test_checkpoint_save_on_a_full_disk_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
     """A sharded save that fails at its shards, its meta.pt or its manifest: one DiskFullError, the previous
     checkpoint still there and verifying, no temporary folder left; a single-file save and an export likewise."""
     path = tmp_path / "ckpt"
-    ckpt.save_sharded(path, {"w": torch.arange(6.0)}, {"step": 1})
+    ckpt.save_sharded(path, {"model": {"w": torch.arange(6.0)}}, {"step": 1})
     for point in ("shard", "metadata", "manifest"):
         monkeypatch.setenv(FAIL_ENV, point)
         with pytest.raises(DiskFullError, match=r"^disk full while writing the checkpoint's .*; the previous"
                                                 r" checkpoint is kept until a new one is complete"):
-            ckpt.save_sharded(path, {"w": torch.zeros(6)}, {"step": 2})
+            ckpt.save_sharded(path, {"model": {"w": torch.zeros(6)}}, {"step": 2})
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
         verify_checkpoint(path)
         assert ckpt.read_meta(path)["step"] == 1
@@ -90,6 +90,16 @@ def test_checkpoint_save_on_a_full_disk_keeps_the_previous_one(tmp_path, monkeyp
     with pytest.raises(DiskFullError, match="disk full while writing the exported weights"):
         ckpt.write_safetensors({"w": torch.ones(2)}, tmp_path / "model.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+    from disttrain.cli import main as cli
+
+    export = ["export", str(path), str(tmp_path / "model.safetensors"), "--key", "model"]
+    assert cli(export) == 1  # `disttrain export`: one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("disttrain export: error: disk full while writing the exported"
+                                               " weights"), err
+    monkeypatch.delenv(FAIL_ENV)
+    assert cli(export) == 0 and (tmp_path / "model.safetensors").is_file()
 
 
 # Each write of a daily run, in its order; the pointer swap publishes, so from "record" on the new version is current.
@@ -218,6 +228,26 @@ def test_watchdog_reports_a_silent_peer_and_not_one_that_finished():
     assert collective_timeout(600).total_seconds() == 615 and collective_timeout(20).total_seconds() == 25
 
 
+def test_a_collective_that_never_completes_is_one_line():
+    """gloo's errors when every rank is alive but one never joins (measured: rank 1 asleep past the process group's
+    timeout): the waiting rank's timeout and its peer's closed connection, each one line; other errors are not."""
+    from disttrain.parallel.watchdog import describe_collective_timeout, set_phase
+
+    set_phase("evaluating")
+    waited = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out"
+                          " waiting 9000ms for recv operation to complete")
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed"
+                          " by peer [127.0.0.1]:58568. This is typically caused by a remote worker crashing. Check the"
+                          " logs of the remote worker before reporting an error. GLHF!")
+    assert describe_collective_timeout(waited, 4) == (
+        "a collective did not complete within 9 s while evaluating (Timed out waiting 9000ms for recv operation to"
+        " complete): a peer stopped, crashed or is stuck on its device")
+    assert describe_collective_timeout(closed, 4).startswith(
+        "a collective did not complete within 9 s while evaluating (Connection closed by peer [127.0.0.1]:58568):")
+    assert describe_collective_timeout(RuntimeError("shape mismatch"), 4) is None
+    assert describe_collective_timeout(ValueError("Timed out"), 4) is None
+
+
 def test_every_strategy_takes_a_timeout(monkeypatch):
     """timeout= in seconds or as a timedelta on every adapter (the watchdog's; collectives a little longer), the
     environment's DISTTRAIN_TIMEOUT for a strategy given by name, one clear error for a bad value."""
@@ -279,7 +309,8 @@ def test_daily_job_ends_on_every_live_rank_when_a_rank_stops(tmp_path):
 def test_recipe_ends_on_every_live_rank_when_a_rank_stops(tmp_path):
     """The dialogue recipe on 2 processes (disttrain_fsdp, --timeout 15 through DISTTRAIN_TIMEOUT as `lightning run
     model --timeout` sets it); rank 1 stops at step 3 after the checkpoint of step 2. Rank 0 ends within the
-    timeout with one line naming rank 1 and the step; nothing is exported; --resume from step 2 finishes."""
+    timeout with one line naming rank 1 and the step; nothing is exported. A resume whose checkpoint meets a full
+    disk is one line and leaves step 2's checkpoint intact; a resume with space finishes."""
     from disttrain.nlp.corpus import demo_data
 
     demo_root = tmp_path / "demo"
@@ -301,6 +332,18 @@ def test_recipe_ends_on_every_live_rank_when_a_rank_stops(tmp_path):
                      run.stderr), run.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
     assert not (out / "hf").exists()
+
+    # Then the disk is full when step 4's checkpoint is written: one line from rank 0, step 2's checkpoint intact.
+    full = run_launched(*args, "--resume", str(out / "checkpoints" / "step-000002"), strategy="disttrain_fsdp",
+                        timeout=600, run_env={FAIL_ENV: "shard"})
+    assert full.returncode == 1, full.stdout[-3000:] + full.stderr[-3000:]
+    errors = [line for line in full.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"dialogue_llm: error: disk full while writing the checkpoint's shards ({out / 'checkpoints' / 'step-000004'};"
+    ), full.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
+    verify_checkpoint(out / "checkpoints" / "step-000002")
+
     resumed = run_launched(*args, "--resume", str(out / "checkpoints" / "step-000002"), strategy="disttrain_fsdp",
                            timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

@@ -128,12 +128,14 @@ def disk_full_cause(error: BaseException) -> Optional[BaseException]:
     return None
 
 
-def full_disk_error(error: BaseException, path: str | os.PathLike, what: str, kept: str = "") -> DiskFullError:
-    """One line for a write of ``what`` to ``path`` that failed because its disk is full."""
+def full_disk_error(error: BaseException, path: str | os.PathLike, what: str, kept: str = "",
+                    exact: bool = True) -> DiskFullError:
+    """One line for a write of ``what`` to ``path`` that failed because its disk is full; ``exact=False``: ``path``
+    is only the folder the run writes to, and the file the library names (if any) is shown instead."""
     if isinstance(error, DiskFullError):
         return error
     cause = disk_full_cause(error) or error
-    where = getattr(cause, "filename", None) or path
+    where = path if exact else getattr(cause, "filename", None) or path
     return DiskFullError(f"disk full while writing {what} ({where}; {human(free_bytes(path))} free there)"
                          f"{'; ' + kept if kept else ''}; free space on that disk and rerun", where)
 

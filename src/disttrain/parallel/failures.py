@@ -17,7 +17,7 @@ def describe(error: BaseException, where: str = ".") -> Optional[str]:
     if isinstance(error, (DiskFullError, CheckpointError)):
         return str(error)
     if disk_full_cause(error) is not None:
-        return str(full_disk_error(error, where, "the run's files"))
+        return str(full_disk_error(error, where, "the run's files", exact=False))
     checkpoint = unwrap_dcp_error(error)
     if checkpoint is not None:
         return str(checkpoint)

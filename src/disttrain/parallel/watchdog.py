@@ -271,7 +271,8 @@ def describe_collective_timeout(error: BaseException, timeout: Optional[float] =
     if not isinstance(error, (RuntimeError, dist.DistBackendError)) or not _TIMEOUT_TEXT.search(text):
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]
-    limit = f" within {timeout:g} s" if timeout else ""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's source location
+    first = re.split(r"(?<=\.)\s", first)[0].rstrip(".")[:200]  # its first sentence
+    limit = f" within {collective_timeout(timeout).total_seconds():g} s" if timeout else ""
     return (f"a collective did not complete{limit} while {current_phase()} ({first}): a peer stopped, crashed or"
             " is stuck on its device")

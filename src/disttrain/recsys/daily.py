@@ -923,7 +923,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "deepfm_daily.py") -> int
                 raise
             # A full disk met by a library's own write (a logger's file): one line too.
             error = full_disk_error(e, options.model_root, "the run's files", "nothing was published unless the"
-                                    " lines above say so")
+                                    " lines above say so", exact=False)
             log.error(f"{prog}: error: {error}", exc_info=True)
             return EXIT_FAILED
         finally:
