@@ -57,6 +57,7 @@ def destroy_process_groups_on_clean_exit() -> None:
     groups and their workers alive anyway), 0 in 20 with the pause below, which releases the GIL before
     finalization starts. After an uncaught exception (``sys.last_value``) the groups are left alone: other ranks
     may be inside a collective and destroying could wait for them (torchtitan PR 1342)."""
+    watchdog.stop()  # its thread must not be inside a store call when the interpreter finalizes
     if dist.is_available() and dist.is_initialized() and getattr(sys, "last_value", None) is None:
         dist.destroy_process_group()
     if _gloo_workers_alive():

@@ -115,7 +115,7 @@ class Watchdog:
         self.on_stall = on_stall or _end_process
         self.prefix = f"{_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.group = dist.group.WORLD if dist.is_initialized() else None
-        self._stop = threading.Event()
+        self._stop, self._stopped = threading.Event(), False
         self._thread = threading.Thread(target=self._loop, name="disttrain-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -126,10 +126,17 @@ class Watchdog:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def stop(self) -> None:
-        """Stop watching and mark this rank done (its silence from now on is not a stall)."""
-        if self._stop.is_set():
+        """Stop watching and mark this rank done (its silence from now on is not a stall). Waits for the thread to
+        end first: a daemon thread still inside a store call when the interpreter finalizes is ended by a forced
+        unwind through C++ frames, which aborts the process ("terminate called without an active exception")."""
+        if self._stopped:
             return
+        self._stopped = True
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 10.0)  # a store call gives up after its own short timeout
+        if self._thread.is_alive():
+            return
         try:
             self.store.set(f"{self.prefix}/done/{self.rank}", "1")
         except Exception:  # the store may be gone at exit: the peers are ending too
@@ -160,6 +167,8 @@ class Watchdog:
             try:
                 self.store.add(f"{self.prefix}/beat/{self.rank}", 1)
                 for r in list(peers):
+                    if self._stop.is_set():
+                        return
                     if self.store.check([f"{self.prefix}/done/{r}"]):
                         peers.remove(r)
                         continue
