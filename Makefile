@@ -44,9 +44,10 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache runs data/dialogue
 
-# The GPU check runs on a lent GPU machine with that machine's own Python (torch 2.11, no .venv, no registry):
-# `make gpu-wheels` here puts what it lacks into the git-ignored .whl/ (carried with the tree, 64 MiB at most), and
-# `make gpu-check` there installs them beside its packages and runs bench/gpu_check.py (at most 8 minutes).
+# The GPU check runs with the GPU machine's own Python and torch (no .venv needed there, nor access to PyPI):
+# `make gpu-wheels`, on a machine that reaches PyPI, puts what that Python may lack into the git-ignored .whl/ (kept
+# small enough to copy with the repository), and `make gpu-check` on the GPU machine installs them beside its
+# packages and runs bench/gpu_check.py (at most 8 minutes).
 GPU_PY    ?= python3
 GPU_OUT   ?= runs/gpu_check
 GPU_SITE  ?= /tmp/disttrain-gpu-site
