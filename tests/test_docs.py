@@ -382,8 +382,8 @@ def note_problem(block: Block) -> Optional[str]:
     return None
 
 
-# Skip markers in sections being rewritten elsewhere, without their visible note yet: strict, so that a note added
-# there turns the expected failure into a failure that asks to remove the entry.
+# Skip markers still without their visible note, as strict expected failures: once the note is there, the test
+# fails until the entry is removed.
 NOTE_PENDING = {("README.md", "`make demo` runs the recipe command"),
                 ("docs/planner.md", "a fragment (the Trainer and Fabric objects")}
 
