@@ -382,20 +382,8 @@ def note_problem(block: Block) -> Optional[str]:
     return None
 
 
-# Skip markers still without their visible note, as strict expected failures: once the note is there, the test
-# fails until the entry is removed.
-NOTE_PENDING = {("README.md", "`make demo` runs the recipe command"),
-                ("docs/planner.md", "a fragment (the Trainer and Fabric objects")}
-
-
 def skip_cases() -> list:
-    cases = []
-    for block in marked("skip"):
-        pending = any(str(shown(block.page)) == page and block.marker[1].startswith(reason)
-                      for page, reason in NOTE_PENDING)
-        marks = [pytest.mark.xfail(strict=True, reason="no visible note yet")] if pending else []
-        cases.append(pytest.param(block, marks=marks, id=block.where))
-    return cases
+    return [pytest.param(block, id=block.where) for block in marked("skip")]
 
 
 @pytest.mark.parametrize("block", skip_cases())
