@@ -40,7 +40,7 @@ from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
 SMALL_MODEL = 1e9
-# "Over 10B parameters -> hybrid (3D)": beyond the 10B class. The article's own 10B dialogue model (10.2B in
+# "Over 10B parameters -> hybrid (3D)": beyond the 10B class. The 10B dialogue reference case (10.2B in
 # configs/nlp/dialogue_10b.yaml) trains with ZeRO-3, so a model has to be clearly past 10B for the 3D rule.
 THREE_D_MODEL = 11e9
 THREE_D_DEVICES = 16
