@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 # torchrec's kernels: the CUDA wheel fails to load without the NVIDIA driver, so CPU machines get the CPU build.
 FBGEMM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo fbgemm-gpu==1.9.0 || echo fbgemm-gpu-cpu==1.9.0)
 
-.PHONY: install demo test test-fast durations bench clean gpu-wheels gpu-check
+.PHONY: install demo test test-fast durations bench docs clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -41,12 +41,18 @@ bench: $(STAMP)
 	$(PY) bench/fsdp_overhead.py
 	$(PY) bench/zero3_overhead.py
 
-clean:
-	rm -rf $(VENV) .pytest_cache runs data/dialogue
+# The API reference, generated from the docstrings (docs/api, Sphinx): open build/api/index.html.
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs/api build/api
+	@echo "API reference: build/api/index.html"
 
-# The GPU check runs on a lent GPU machine with that machine's own Python (torch 2.11, no .venv, no registry):
-# `make gpu-wheels` here puts what it lacks into the git-ignored .whl/ (carried with the tree, 64 MiB at most), and
-# `make gpu-check` there installs them beside its packages and runs bench/gpu_check.py (at most 8 minutes).
+clean:
+	rm -rf $(VENV) .pytest_cache runs data/dialogue build/api
+
+# The GPU check runs with the GPU machine's own Python and torch (no .venv needed there, nor access to PyPI):
+# `make gpu-wheels`, on a machine that reaches PyPI, puts what that Python may lack into the git-ignored .whl/ (kept
+# small enough to copy with the repository), and `make gpu-check` on the GPU machine installs them beside its
+# packages and runs bench/gpu_check.py (at most 8 minutes).
 GPU_PY    ?= python3
 GPU_OUT   ?= runs/gpu_check
 GPU_SITE  ?= /tmp/disttrain-gpu-site

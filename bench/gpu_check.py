@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 bench/gpu_check.py --out runs/gpu_check            # one GPU: at most 8 minutes
     PYTHONPATH=src python3 bench/gpu_check.py --out /tmp/dry --dry-run        # the same checks on CPU, tiny sizes
-    make gpu-check                                                            # the first, with the carried wheels
+    make gpu-check                                                            # the first, with the wheels of make gpu-wheels
     python3 bench/gpu_check.py --list                                         # the checks, their budgets
 
 Checks (``bench/gpu_checks/``): 1 MFU of the 1B config and of a full-width slice of the 10B config, 2 SDPA flash
@@ -36,23 +36,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_checks import BY_NAME, CHECKS, Check  # noqa: E402
 from gpu_checks.rows import Row  # noqa: E402
 
-GPU_BUDGET_S = 450.0  # 7.5 minutes: the lent machine's 8 minutes, less the report and a margin
+GPU_BUDGET_S = 450.0  # 7.5 minutes: 8 minutes in all, less the report and a margin
 DRY_BUDGET_S = 900.0  # CPU dry runs on a loaded 2-core machine: generous, so CI never skips a check for time
 POLL_S = 0.25
 
-# What the GPU machine lacks, whether `make gpu-wheels` carries it, and which rows go without it.
+# What a GPU machine's own Python may lack, whether `make gpu-wheels` brings it, and which rows go without it.
 PACKAGES = (
-    ("torchao", "torchao", "3 FP8", "carried by `make gpu-wheels` (3.4 MB wheel)"),
+    ("torchao", "torchao", "3 FP8", "brought by `make gpu-wheels` (3.4 MB wheel)"),
     ("deepspeed", "deepspeed", "5 offload: zero3 rows",
-     "carried by `make gpu-wheels` (2.2 MB wheel built from the source release, plus hjson and pydantic); "
+     "brought by `make gpu-wheels` (2.2 MB wheel built from the source release, plus hjson and pydantic); "
      "DeepSpeed's CPU Adam is not used there (a JIT build of minutes), torch's AdamW is"),
     ("chatterbot-corpus", "chatterbot_corpus", "8 recipes: dialogue demo corpus",
-     "carried by `make gpu-wheels` (0.3 MB); without it the check writes a small corpus of its own"),
+     "brought by `make gpu-wheels` (0.3 MB); without it the check writes a small corpus of its own"),
     ("flash-attn", "flash_attn", "2 attention: flash-attn row",
-     "not carried: PyPI has the source only, and it needs a CUDA build of about an hour"),
+     "not brought: PyPI has the source only, and it needs a CUDA build of about an hour; install it yourself"),
     ("torchrec + fbgemm-gpu", "torchrec", "8 recipes: DeepFM row",
-     "not carried: fbgemm-gpu 1.9.0 is a 498 MB CUDA wheel (over the 64 MiB a call carries) built for torch "
-     "2.14, not the machine's 2.11"),
+     "not brought: fbgemm-gpu 1.9.0 is a 498 MB CUDA wheel built for torch 2.14; install torchrec and "
+     "fbgemm-gpu for the machine's torch yourself"),
 )
 
 
@@ -324,7 +324,7 @@ def markdown(report: dict[str, Any]) -> str:
         cells = [r["check"], r["item"], r["figure"], r["target"], f"**{r['status']}**", r.get("reason") or "",
                  "" if r.get("seconds") is None else f"{r['seconds']:.0f}"]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    lines += ["", "## Packages the machine lacks", "", "| package | needed by | here | carried? |", "|---|---|---|---|"]
+    lines += ["", "## Packages the machine lacks", "", "| package | needed by | here | brought by make gpu-wheels? |", "|---|---|---|---|"]
     for label, info in env.get("packages", {}).items():
         here = f"yes ({info['version']})" if info["available"] else f"no: {info['error']}"
         lines.append("| " + " | ".join(_cell(c) for c in (label, info["needed_by"], here, info["carried"])) + " |")

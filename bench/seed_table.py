@@ -1,4 +1,5 @@
-"""The shape of the source article's table "DDP / FSDP, standard attention / FlashAttention-2", on CPU, in one run.
+"""The shape of the published comparison "DDP / FSDP, standard attention / FlashAttention-2" (a 10B model on 32
+A100s), on CPU, in one run.
 
     python bench/seed_table.py                         # 2 CPU processes (gloo), Llama 3x1024, seq 2048, ~2 min
     python bench/seed_table.py --seq 4096 --layers 2   # a longer sequence
@@ -9,7 +10,7 @@ Rows, all through Lightning Fabric with the registered strategies, same model, d
   FSDP + standard attention      disttrain_fsdp, the same eager model (built on the meta device, sharded)
   FSDP + FlashAttention (SDPA)   disttrain_fsdp, switched by disttrain.callbacks.attention.apply_fast_attention
                                  (SDPA on CPU; flash-attn / SDPA's FlashAttention-2 kernel on a GPU)
-Per-rank peak memory and step time are printed as ratios to the DDP row, next to the article's figures (32 A100s,
+Per-rank peak memory and step time are printed as ratios to the DDP row, next to the published figures (32 A100s,
 10B model: 38 / 22 / 16 GB per card, speed 1x / 1.2x / 2.1x). Only the shape can match: here the model is tiny,
 so the sequence (attention) dominates memory, while at 10B parameters the sharded state does.
 Each row runs in fresh processes, so one row's freed-but-resident memory cannot inflate the next one's peak.
@@ -40,7 +41,7 @@ ROWS = {  # row -> (strategy, fast attention)
     "FSDP + standard attention": ("disttrain_fsdp", False),
     "FSDP + FlashAttention (SDPA)": ("disttrain_fsdp", True),
 }
-ARTICLE = {"DDP + standard attention": (38, 1.0), "FSDP + standard attention": (22, 1.2),
+PUBLISHED = {"DDP + standard attention": (38, 1.0), "FSDP + standard attention": (22, 1.2),
            "FSDP + FlashAttention (SDPA)": (16, 2.1)}  # GB per card, training speed
 
 
@@ -71,7 +72,8 @@ def _reset_peak() -> None:
 
 def build_llama(args):
     """A small Llama whose sharded state weighs next to its attention activations (wide layers, few heads, a small
-    vocabulary so the logits do not dominate), as in the article's 10B model; on 2 CPU cores it must stay small."""
+    vocabulary so the logits do not dominate), as in the 10B model of the published figures; on 2 CPU cores it must
+    stay small."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -151,20 +153,20 @@ def main() -> None:
           f"{args.precision}, AdamW, {args.rounds} round(s) x {args.steps} timed steps, each row in fresh processes")
     unit = "device peak MiB" if args.device == "cuda" else "peak MiB (RSS)"
     print(f"  {'row':<30} | {unit + ' per rank':>28} {'vs DDP':>7} | {'ms/step':>8} {'speed':>6} "
-          f"| article: GB/card (vs DDP), speed")
+          f"| published: GB/card (vs DDP), speed")
     table = []
     for row in ROWS:
         mem, t = max(peaks[row]), statistics.median(times[row])
-        gb, speed = ARTICLE[row]
+        gb, speed = PUBLISHED[row]
         per_rank = ", ".join(f"{p:.0f}" for p in peaks[row])
         print(f"  {row:<30} | {per_rank:>28} {mem / base_mem:>6.2f}x | {t * 1e3:>8.0f} {base_time / t:>5.2f}x "
-              f"| {gb} GB ({gb / ARTICLE[base][0]:.2f}x), {speed}x")
-        table.append([row, per_rank, mem / base_mem, t * 1e3, base_time / t, f"{gb} GB ({gb / ARTICLE[base][0]:.2f}x)",
+              f"| {gb} GB ({gb / PUBLISHED[base][0]:.2f}x), {speed}x")
+        table.append([row, per_rank, mem / base_mem, t * 1e3, base_time / t, f"{gb} GB ({gb / PUBLISHED[base][0]:.2f}x)",
                       speed])
-    write_table("seed_table", "The article's comparison table, measured",
+    write_table("seed_table", "DDP / FSDP / FlashAttention beside the published 10B figures",
                 f"{args.devices} x {args.device}, Llama {args.layers}x{args.hidden}, seq {args.seq}, micro batch"
                 f" {args.batch} per rank, {args.precision}", ["row", unit + " per rank", "memory vs DDP", "ms/step",
-                                                              "speed vs DDP", "article memory", "article speed"],
+                                                              "speed vs DDP", "published memory", "published speed"],
                 table, bars=("memory vs DDP", "speed vs DDP"), reference={"memory vs DDP": 1.0, "speed vs DDP": 1.0},
                 fmt={"memory vs DDP": ".2f", "ms/step": ".0f", "speed vs DDP": ".2f"},
                 notes=["memory: the larger rank's peak over the memory before the model was built; speed: DDP's step"

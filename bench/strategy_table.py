@@ -3,8 +3,8 @@
     python bench/strategy_table.py            # 2 CPU processes (gloo), the "small" Llama of the accuracy test
     python bench/strategy_table.py --steps 5
 
-This is the source article's cross-framework comparison (DDP / FSDP / DeepSpeed ZeRO-3 / Megatron; memory and
-speed), rebuilt from our own measurements: rows ddp, fsdp, fsdp_offload, zero3, zero3_offload, megatron tp=2 and
+This is the usual cross-framework comparison (DDP / FSDP / DeepSpeed ZeRO-3 / Megatron; memory and speed), rebuilt
+from our own measurements: rows ddp, fsdp, fsdp_offload, zero3, zero3_offload, megatron tp=2 and
 pp=2 (the megatron rows appear once disttrain_megatron is registered; until then they are skipped with a message).
 Memory is measured as in bench/planner_accuracy.py (model states + saved activations per rank); step time is the
 median of --steps steps after the measured ones, each in fresh processes. Times and the planner's step estimates

@@ -300,7 +300,7 @@ def test_recipe_resumes_with_the_next_unseen_batch(tmp_path, demo):
 @pytest.mark.parametrize("strategy", ["disttrain_ddp", "disttrain_zero3", "disttrain_auto"])
 def test_recipe_runs_under_other_strategies(tmp_path, demo, strategy):
     proc = recipe(strategy, tmp_path, demo[0], "--steps", "4", "--eval-every", "4", "--global-batch", "32")
-    if strategy == "disttrain_auto":  # the planner's pick for 1.3M parameters that fit a rank: DDP
+    if strategy == "disttrain_auto":  # the planner's pick for 1.26M parameters that fit a rank: DDP
         assert "recommendation: disttrain_ddp" in proc.stdout, proc.stdout[-3000:]
     assert "2 micro-step(s) per optimizer step" in proc.stdout  # 32 rows = 2 ranks x 8 x 2 micro-steps
     before, after = held_out(proc.stdout)

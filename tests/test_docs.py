@@ -4,7 +4,9 @@ tables equal to the option dataclasses, and every documented command run.
 A fenced block is run unless the line before its fence marks it (docs/architecture.md lists the markers):
 ``<!-- docs-test: skip: REASON -->`` (a GPU, a cluster, a fragment), ``<!-- docs-test: covered: tests/f.py::test -->``
 (that test runs the same command), ``<!-- docs-test: fails -->`` (the block must fail), and
-``<!-- docs-test: output -->`` before a text block whose lines the block above must print. Each page's blocks run in
+``<!-- docs-test: output -->`` before a text block whose lines the block above must print. A marker is an HTML
+comment, which a rendered page hides, so a skipped block also has a note the reader sees: the paragraph before its
+marker is one italic sentence (``*Needs a GPU (not run by the docs tests).*``). Each page's blocks run in
 order in a fresh folder of links to the repository (so ``runs/`` lands there), on CPU.
 """
 
@@ -51,6 +53,7 @@ class Block:
     lang: str
     text: str
     marker: Optional[tuple[str, Optional[str]]] = None
+    note: Optional[str] = None  # the italic paragraph right before a skip marker, as the reader sees it
 
     @property
     def where(self) -> str:
@@ -128,7 +131,25 @@ def parse(path: Path, text: Optional[str] = None) -> Page:
             page.problems.append(f"{block.where}: a {kind} marker belongs before a ```bash or ```python block")
         if block.lang in ("console", "shell-session"):
             page.problems.append(f"{block.where}: write shell commands in a ```bash block (it is run)")
+        if kind == "skip":
+            block.note = visible_note(lines, block.line - 1)
     return page
+
+
+NOTE = re.compile(r"^(\*[^*\s](?:.*[^*\s])?\*|_[^_\s](?:.*[^_\s])?_)[.:]?$")
+
+
+def visible_note(lines: list[str], marker_line: int) -> Optional[str]:
+    """The paragraph before the marker on ``marker_line`` (1-based) when it is all in italics, else None."""
+    at = marker_line - 2
+    while at >= 0 and not lines[at].strip():
+        at -= 1
+    paragraph: list[str] = []
+    while at >= 0 and lines[at].strip() and not lines[at].strip().startswith(("<!--", "- ", "* ", "#", "|")):
+        paragraph.insert(0, lines[at].strip())
+        at -= 1
+    text = " ".join(paragraph)
+    return text if NOTE.match(text) else None
 
 
 PARSED = {path: parse(path) for path in PAGES}
@@ -345,9 +366,44 @@ def test_covered_blocks_name_a_test_that_runs_their_command(block):
                 assert wanted in source, f"{block.where}: {target} does not run `{command}` ({wanted} is not in it)"
 
 
-@pytest.mark.parametrize("block", marked("skip"), ids=lambda b: b.where)
+# Words of a skip reason that the visible note must repeat: what the reader needs to run the block.
+NOTE_WORDS = ("GPU", "cluster", "fragment", "benchmark")
+
+
+def note_problem(block: Block) -> Optional[str]:
+    reason = block.marker[1]
+    if block.note is None:
+        return (f"{block.where}: the skip marker's reason ({reason}) is an HTML comment, which a rendered page hides;"
+                " put the reason before it as a short italic paragraph, e.g. *Needs a GPU (not run by the docs"
+                " tests).* or *A fragment: `trainer` comes from your script.*")
+    missing = [w for w in NOTE_WORDS if w.lower() in reason.lower() and w.lower() not in block.note.lower()]
+    if missing:
+        return f"{block.where}: the note {block.note!r} does not say what its marker says: {', '.join(missing)}"
+    return None
+
+
+def skip_cases() -> list:
+    return [pytest.param(block, id=block.where) for block in marked("skip")]
+
+
+@pytest.mark.parametrize("block", skip_cases())
 def test_skipped_blocks_say_why(block):
+    """The reader sees why a block is not run (the note), and the test report says it (the skip)."""
+    problem = note_problem(block)
+    assert problem is None, problem
     pytest.skip(f"{block.where}: {block.marker[1]}")
+
+
+def test_note_check_finds_a_hidden_reason_and_a_note_that_leaves_the_gpu_out(tmp_path):
+    def only(text: str) -> Block:
+        return next(b for b in parse(tmp_path / "p.md", text).blocks if b.marker)
+
+    fence = "<!-- docs-test: skip: needs a GPU -->\n```bash\nnvidia-smi\n```\n"
+    assert "an HTML comment" in note_problem(only("Run it:\n\n" + fence))
+    assert "GPU" in note_problem(only("*Not run by the docs tests.*\n\n" + fence)).split(":")[-1]
+    assert note_problem(only("*Needs a GPU*\n(not run)\n\n" + fence)) is not None  # half a paragraph in italics
+    assert note_problem(only("Run it:\n\n*Needs a GPU\n(not run by the docs tests).*\n\n" + fence)) is None
+    assert note_problem(only("- On a GPU:\n\n  _Needs a GPU._\n\n" + fence)) is None
 
 
 # ---- running the pages ---------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The planner on one process: structure read from configs (checked against models built on the meta device),
-memory arithmetic, the three industrial cases of the source article, bad input, and `disttrain plan`."""
+memory arithmetic, the three reference cases (docs/choosing.md), bad input, and `disttrain plan`."""
 
 from pathlib import Path
 
@@ -162,7 +162,7 @@ def test_parse_bytes():
     ("configs/recsys/deepfm_5b.yaml", "8", ["--gpu", "T4", "--micro-batch", "4096"], "recommendation: disttrain_recsys"),
 ])
 @pytest.mark.slow
-def test_cli_plan_reproduces_the_articles_cases_from_the_recipe_configs(config, gpus, args, expected):
+def test_cli_plan_reproduces_the_reference_cases_from_the_recipe_configs(config, gpus, args, expected):
     root = Path(__file__).resolve().parents[1]
     out = run_python("-m", "disttrain.cli", "plan", "--model", str(root / config), "--gpus", gpus, *args, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -8,7 +8,7 @@ from disttrain.planner import estimate
 from disttrain.simulate import simulate, versus
 
 DIALOGUE, VIT, DEEPFM = "configs/nlp/dialogue_10b.yaml", "configs/vision/vit2b.yaml", "configs/recsys/deepfm_5b.yaml"
-# The article's three cases at their real sizes: (config, strategy, world size, tensor-parallel size).
+# The three reference cases (docs/choosing.md) at their real sizes: (config, strategy, world size, tensor-parallel size).
 ARTICLE = [(DIALOGUE, "disttrain_fsdp", 32, 1), (DIALOGUE, "disttrain_zero3", 32, 1),
            (VIT, "disttrain_megatron", 16, 2), (DEEPFM, "disttrain_recsys", 8, 1)]
 _SIMULATIONS: dict = {}
@@ -27,7 +27,7 @@ def simulated(config: str, strategy: str, world_size: int, tp: int = 1):
 
 
 @pytest.mark.parametrize("config,strategy,world_size,tp", ARTICLE, ids=lambda v: str(v).split("/")[-1])
-def test_article_cases_at_real_size(config, strategy, world_size, tp):
+def test_reference_cases_at_real_size(config, strategy, world_size, tp):
     sim = simulated(config, strategy, world_size, tp)
     assert sum(role.ranks for role in sim.roles) == world_size  # every rank has a role
     busiest = sim.busiest
@@ -39,7 +39,7 @@ def test_article_cases_at_real_size(config, strategy, world_size, tp):
         assert busiest.grads == busiest.params
 
 
-# World sizes 8, 32, 256 and 1024 for every case, but the ViT's 8 and 32 (dp 4 and 16) stand in its article size 16
+# World sizes 8, 32, 256 and 1024 for every case, but the ViT's 8 and 32 (dp 4 and 16) stand in its reference size 16
 # (dp 8, simulated anyway): each ViT simulation costs seconds, and the padding the planner must get right grows with
 # dp, which 256 and 1024 check.
 PLANNER_POINTS = [(DIALOGUE, "disttrain_fsdp", 1, n) for n in (8, 32, 256, 1024)] + \

@@ -5,7 +5,8 @@
     srun python recipes/demo/trainer_llama.py --accelerator gpu --devices 8 --num-nodes 4    # SLURM
 
 Saves a sharded checkpoint and a safetensors export of the Llama's full weights under --out, TensorBoard and CSV
-logs under --out/logs (--logger) and the run report --out/report.png + report.md (`disttrain report --out`).
+logs under --out/logs (--logger) and the run report --out/report.png + report.md (`disttrain report OUT` redraws
+them, OUT being the --out folder).
 """
 
 from __future__ import annotations

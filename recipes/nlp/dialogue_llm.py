@@ -18,8 +18,9 @@ with a BPE tokenizer trained on them, under data/dialogue/ on first use. Prints 
 tokens/s as it trains, exports a Hugging Face folder (--out/hf: config + safetensors + tokenizer) and prints the
 exported model's greedy reply to a sample prompt. A progress bar (rank 0, in a terminal; plain periodic lines in logs)
 follows training; TensorBoard and CSV logs go under --out/logs (--logger), and --out/report.png + report.md sum the
-run up at the end (`disttrain report --out` redraws them, also for an interrupted run). --save-every N writes resumable checkpoints (model, optimizer,
-schedule and the data position) under --out/checkpoints; --resume PATH continues with the next unseen batch.
+run up at the end (`disttrain report OUT`, OUT being the --out folder, redraws them, also for an interrupted run).
+--save-every N writes resumable checkpoints (model, optimizer, schedule and the data position) under
+--out/checkpoints; --resume PATH continues with the next unseen batch.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Train a timm ViT classifier with Lightning Fabric: the ~2B ViT on GPUs, the tiny config on CPU.
 
-    lightning run model recipes/vision/vit2b.py
+    python recipes/vision/vit2b.py                   # starts its own processes: one per GPU, or 2 on CPU
+    lightning run model recipes/vision/vit2b.py      # 1 process: the launcher's --devices defaults to 1
     lightning run model recipes/vision/vit2b.py --accelerator cpu --devices 2 --strategy disttrain_fsdp
     lightning run model recipes/vision/vit2b.py --accelerator gpu --devices 8 --strategy disttrain_megatron
     python recipes/vision/vit2b.py --config configs/vision/vit_tiny.yaml      # launches its own processes
     python recipes/vision/vit2b.py --config configs/vision/vit_tiny.yaml --pretrained PATH   # fine-tunes a timm ViT
 
 Defaults: the largest configs/vision/vit*.yaml whose training state fits this machine's devices (the tiny config
-on CPU; the planner decides what fits), and the source document's set-up for the 2B ViT,
+on CPU; the planner decides what fits), and the set-up of the 2B ViT reference case (16 GPUs),
 head-split tensor parallel (tp=2) x data parallel (``disttrain_megatron``), on an even number of CUDA devices;
 ``disttrain_fsdp`` otherwise. ``--strategy`` overrides it with any registered name.
 
@@ -99,7 +100,7 @@ def make_fabric(args: argparse.Namespace, accelerator: str, precision: str, devi
     options: dict[str, Any] = {}
     if name is None:
         name, options = default_strategy(devices, accelerator)
-    if name == "disttrain_megatron":  # the source document's head-split TP: tp=2 unless told otherwise
+    if name == "disttrain_megatron":  # the 2B reference case's head-split TP: tp=2 unless told otherwise
         options = {**options, "tensor_parallel_size": args.tensor_parallel_size}
     if options:
         # A launcher's --strategy names the strategy; its options come from this recipe. Fabric refuses a strategy

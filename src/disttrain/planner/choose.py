@@ -1,7 +1,7 @@
-"""Choosing a strategy: the source article's rules decide which kinds of parallelism are considered, the memory
-estimate decides what fits, and an estimated step time ranks what fits.
+"""Choosing a strategy: rules decide which kinds of parallelism are considered, the memory estimate decides what
+fits, and an estimated step time ranks what fits (docs/choosing.md explains them in a user's terms).
 
-Rules (the article's "strategy selection"): under 1B parameters, DDP whenever it fits; a model that does not fit
+Rules (the common practice of the large-model frameworks): under 1B parameters, DDP whenever it fits; a model that does not fit
 one device is sharded (FSDP / ZeRO-3); Megatron-style tensor/pipeline parallelism ("3D") is considered above 10B
 parameters with many devices, or when no data-parallel strategy fits without recomputation or offload (activations,
 not states, are the problem: tensor parallelism is the only way to split them). Embedding-dominated recommenders
@@ -40,11 +40,11 @@ from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
 SMALL_MODEL = 1e9
-# "Over 10B parameters -> hybrid (3D)": beyond the 10B class. The article's own 10B dialogue model (10.2B in
+# "Over 10B parameters -> hybrid (3D)": beyond the 10B class. The 10B dialogue reference case (10.2B in
 # configs/nlp/dialogue_10b.yaml) trains with ZeRO-3, so a model has to be clearly past 10B for the 3D rule.
 THREE_D_MODEL = 11e9
 THREE_D_DEVICES = 16
-TIE = 0.03  # step times within 3% are a tie: the article's preference order decides
+TIE = 0.03  # step times within 3% are a tie: the frameworks' preference order decides
 LONG_SEQUENCE = 8192  # context parallelism is considered for sequences of at least this many tokens
 
 
@@ -256,7 +256,8 @@ def measurement_note(spec: ModelSpec) -> str:
 
 
 def _preference(spec: ModelSpec, c: Candidate) -> int:
-    """The article's framework order, used to break ties in step time."""
+    """The preference order of the frameworks (DeepSpeed, then Megatron, for 10B+; FSDP below), used to break ties
+    in step time."""
     if spec.params >= THREE_D_MODEL:  # "medium-large -> DeepSpeed, very large -> Megatron"
         order = (RecsysEngine, ZeroEngine, MegatronEngine, FSDPEngine, DDPEngine)
     else:  # "small and medium teams -> PyTorch FSDP"
@@ -274,7 +275,7 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     if ddp is not None and spec.params < SMALL_MODEL and not spec.table_rows:
         plan.choice = ddp
         reasons.append(f"under 1B parameters ({spec.params / 1e9:.2f}B) and DDP fits ({_gib(ddp.estimate.device)} of"
-                       f" {_gib(ddp.usable)} GiB): the article's rule, and the least communication (one all-reduce)")
+                       f" {_gib(ddp.usable)} GiB): the planner's rule, and the least communication (one all-reduce)")
         return
     if ddp is None:
         worst = next((c for c in plan.candidates if c.row is registry.DDP), None)
@@ -330,6 +331,6 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
                        f" ({_gib(faster.estimate.device)} GiB) beats {slower.label} {slower.step_time:.2f} s"
                        f" ({_gib(slower.estimate.device)} GiB)")
     if len(near) > 1:
-        reasons.append("step times within 3% are ties, broken by the article's framework order ("
+        reasons.append("step times within 3% are ties, broken by the preference order of the frameworks ("
                        + ("DeepSpeed, then Megatron, for 10B+" if spec.params >= THREE_D_MODEL else
                           "DDP, then FSDP, for smaller models") + ")")

@@ -1,6 +1,7 @@
 """What the ViT recipe runs when the user does not say: the config and the strategy for this machine.
 
-The config is the planner's call (what fits); the strategy follows the source document's set-up for the 2B ViT.
+The config is the planner's call (what fits); the strategy follows the set-up of the 2B ViT reference
+case (head-split tensor parallel x data parallel on 16 GPUs).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def default_config(world_size: int, device_memory: Optional[int], micro_batch: O
 
 
 def default_strategy(devices: int, accelerator: str = "auto") -> tuple[str, dict[str, Any]]:
-    """The source document's set-up for the 2B ViT, head-split tensor parallel (tp=2) x data parallel, when CUDA
+    """The set-up of the 2B ViT reference case, head-split tensor parallel (tp=2) x data parallel, when CUDA
     devices are used, ``disttrain_megatron`` is registered and the device count is even; otherwise
     ``disttrain_fsdp``."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
