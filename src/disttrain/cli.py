@@ -9,11 +9,14 @@ script runs, so ``Fabric()`` in the script finds the strategy that ``LT_STRATEGY
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 from pathlib import Path
 
 BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
+DEFAULT_PORT = 29400  # torchrun's default rendezvous port
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "bf16-true", "16-mixed", "16", "16-true", "64-true", "64")
 
 
@@ -30,7 +33,9 @@ def _launcher_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int, default=1)
     parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0)
     parser.add_argument("--main-address", "--main_address", dest="main_address", default="127.0.0.1")
-    parser.add_argument("--main-port", "--main_port", dest="main_port", type=int, default=29400)
+    parser.add_argument("--main-port", "--main_port", dest="main_port", type=int, default=None,
+                        help=f"the rendezvous port on --main-address (default {DEFAULT_PORT}; on one node a free port"
+                             " when that one is taken)")
     parser.add_argument("--precision", default=None, choices=PRECISIONS)
     parser.add_argument("--timeout", default=None, type=float, metavar="SECONDS",
                         help="a process silent this long (stopped, hung) ends the run on every rank, and a collective"
@@ -58,8 +63,52 @@ def _num_processes(accelerator: str | None, devices: str) -> int:
     return count
 
 
-def launch(argv: list[str], prog: str = "disttrain run") -> int:
-    """Parse launcher options, set Fabric's LT_* variables and run torchrun on the bootstrap."""
+def port_taken(port: int) -> bool:
+    """Whether a program on this machine already listens on ``port``, so that the rendezvous store cannot."""
+    with socket.socket() as probe:
+        # bound as torchrun's store binds (address reuse): a finished run's connections in TIME_WAIT do not count
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def rendezvous_port(main_port: int | None, num_nodes: int = 1, node_rank: int = 0, max_restarts: int = 0,
+                    prog: str = "disttrain run", default: int = DEFAULT_PORT) -> int:
+    """The port the launcher's rendezvous uses: ``main_port`` as given (None: ``default``), checked on the machine
+    that hosts the store. On one node a taken default is replaced by a free port (said on stderr); a taken port
+    the user chose, or any taken port with several nodes (they must all agree on it), ends the launch in one line."""
+    port = default if main_port is None else main_port
+    # The store's host: the only node with one node; node rank 0 under the static rendezvous. With --max-restarts
+    # on several nodes, torchrun's c10d rendezvous lets an agent that finds the port taken on the main address's
+    # machine join as a client (two agents on one machine): that case is torchrun's.
+    hosts_store = num_nodes == 1 or (max_restarts == 0 and node_rank == 0)
+    if not hosts_store or not port_taken(port):
+        return port
+    suggestion = free_port()
+    if num_nodes > 1:
+        raise SystemExit(f"{prog}: error: port {port} is in use on this node (node rank 0 hosts the rendezvous), and"
+                         f" all {num_nodes} nodes must use the same port: pass --main-port {suggestion} (free here)"
+                         " or another free port to every node")
+    if main_port is not None:
+        raise SystemExit(f"{prog}: error: --main-port {port} is in use on this machine (another run or program"
+                         f" listens on it): pass a free port (--main-port {suggestion} is free now) or leave"
+                         " --main-port out to get one")
+    print(f"{prog}: port {port} (the default --main-port) is in use; using free port {suggestion}", file=sys.stderr)
+    return suggestion
+
+
+def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEFAULT_PORT) -> int:
+    """Parse launcher options, set Fabric's LT_* variables and run torchrun on the bootstrap (``default_port``:
+    the rendezvous port when ``--main-port`` is not given)."""
     import disttrain  # noqa: F401  (registers the names we validate against)
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
@@ -75,6 +124,7 @@ def launch(argv: list[str], prog: str = "disttrain run") -> int:
         names = ", ".join(sorted(STRATEGY_REGISTRY.available_strategies()))
         raise SystemExit(f"--strategy {args.strategy!r} is not a registered strategy; choose one of: {names}")
     nproc = _num_processes(args.accelerator, args.devices)
+    port = rendezvous_port(args.main_port, args.num_nodes, args.node_rank, args.max_restarts, prog, default_port)
 
     os.environ["LT_CLI_USED"] = "1"
     os.environ["LT_DEVICES"] = str(args.devices)
@@ -95,11 +145,10 @@ def launch(argv: list[str], prog: str = "disttrain run") -> int:
     if args.max_restarts > 0:
         # Restarts need a rendezvous that every node's agent can join again after a failure: c10d (the static one
         # only fits a fixed set of processes). The bootstrap gives each restarted attempt a fresh store.
-        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.main_address}:{args.main_port}",
-                      f"--rdzv-id=disttrain-{args.main_port}", f"--max-restarts={args.max_restarts}"]
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.main_address}:{port}",
+                      f"--rdzv-id=disttrain-{port}", f"--max-restarts={args.max_restarts}"]
     else:
-        rendezvous = [f"--node_rank={args.node_rank}", f"--master_addr={args.main_address}",
-                      f"--master_port={args.main_port}"]
+        rendezvous = [f"--node_rank={args.node_rank}", f"--master_addr={args.main_address}", f"--master_port={port}"]
     torchrun.main([
         f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", *rendezvous,
         str(BOOTSTRAP), args.script, *script_args,
