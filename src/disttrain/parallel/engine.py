@@ -277,11 +277,14 @@ class Engine:
         return ckpt.save_sharded(path, tensors, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+                        strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
         """Collective: restore ``targets`` (``{key: module | optimizer}``, ``module`` among them; optimizers only
-        when ``optimizers_by_name``) in place from a checkpoint of any strategy and world size; returns the metadata. Non-tensor state is unpickled safely
-        unless the caller explicitly passes ``weights_only=False``."""
-        return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False)
+        when ``optimizers_by_name``) in place from a checkpoint of any strategy and world size; returns the
+        metadata. Non-tensor state is unpickled safely unless the caller explicitly passes ``weights_only=False``.
+        ``source``: a checkpoint Lightning's own strategies wrote, seen in the one layout (``reader``, ``metadata``
+        and ``stored``: ``disttrain.checkpoint_loading.LightningCheckpoint``), read in place of ``path``."""
+        return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False,
+                                 source=source)
 
     def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
                         partial: bool = False, exclude: Collection[str] = ()) -> list[str]:
@@ -429,11 +432,11 @@ class FSDPEngine(Engine):
         return ckpt.save_full(path, {**tensors, **metadata})
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+                        strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
         # Each loader checks the path (a missing one goes to load_full, which names it).
-        if ckpt.is_sharded_checkpoint(path):
+        if source is not None or ckpt.is_sharded_checkpoint(path):
             return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False,
-                                     layout=self.storage_layout())
+                                     layout=self.storage_layout(), source=source)
         return ckpt.load_full(path, targets, module, strict=strict, weights_only=weights_only is not False)
 
     def storage_layout(self) -> ckpt.StorageLayout:

@@ -765,20 +765,25 @@ def save_zero3_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], m
 
 
 def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], strict: bool = True,
-                          weights_only: bool = True, master: Any = None) -> dict[str, Any]:
+                          weights_only: bool = True, master: Any = None, source: Any = None) -> dict[str, Any]:
     """Restore a ZeRO-3 model/optimizer (and stateful objects of ``state``) from a disttrain DCP checkpoint of any
     strategy and world size, each rank reading only what its partitions need; returns the metadata ``state`` did
     not ask for. ``master``: the engine's ZeRO-3 optimizer when ``state`` holds the model but not the optimizer
-    (its fp32 master weights are what training continues from). Collective."""
-    from disttrain.parallel.checkpoint import check_checkpoint, read_meta
+    (its fp32 master weights are what training continues from). ``source``: a checkpoint another library wrote,
+    seen in the one layout (``reader``, ``metadata``, ``stored``), read in place of ``path``. Collective."""
+    from disttrain.parallel.checkpoint import FORMAT_KEY, check_checkpoint, read_meta
 
     model, optimizer, rest = _split_zero_state(state)
     if model is None:
         raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
-    path = check_checkpoint(path)
-    metadata = read_meta(path, weights_only)
+    if source is None:
+        path = check_checkpoint(path)
+        metadata, reader, stored = read_meta(path, weights_only), None, None
+    else:
+        metadata, reader, stored = dict(source.metadata), source.reader, source.stored
+        metadata.pop(FORMAT_KEY, None)
     module = getattr(model[1], "module", model[1])
     load_zero3_state(path, module, _master(model[1], optimizer) or master, model[0],
-                     optimizer[0] if optimizer else None, strict=strict)
+                     optimizer[0] if optimizer else None, strict=strict, reader=reader, stored=stored)
     loaded = {model[0]} | ({optimizer[0]} if optimizer else set())
     return restore_rest(state, loaded, metadata)

@@ -160,9 +160,9 @@ class ZeroEngine(Engine):
         return save_zero3_tensors(path, tensors, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+                        strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
         return load_zero3_checkpoint(path, dict(targets), strict=strict, weights_only=weights_only is not False,
-                                     master=_master(module))
+                                     master=_master(module), source=source)
 
     def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
                         partial: bool = False, exclude: Collection[str] = ()) -> list[str]:
