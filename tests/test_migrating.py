@@ -9,6 +9,7 @@ keys Lightning writes, cited in disttrain/checkpoint_loading.py) and check what 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,15 @@ def test_lightning_fsdp_and_model_parallel_folders_resume(trainer_runs):
 
 
 @pytest.mark.slow
+def test_lightning_fsdp_and_model_parallel_single_files_resume(trainer_runs):
+    """FSDPStrategy(state_dict_type="full") on CPU saves exp_avg moments that differ from those it trained with
+    (its step-5 loss differs from ddp's); disttrain_fsdp continues the file exactly as Lightning's FSDPStrategy does."""
+    runs, _ = trainer_runs
+    assert close(runs["fsdp-full"]["disttrain_fsdp"], runs["fsdp-full"]["fsdp"]), runs["fsdp-full"]
+    assert close(runs["mp-full"]["disttrain_fsdp"], runs["ddp"]["ddp"]), runs["mp-full"]
+
+
+@pytest.mark.slow
 def test_deepspeed_folder_resumes_under_zero3_and_elsewhere_names_the_ways(trainer_runs):
     runs, _ = trainer_runs
     assert close(runs["deepspeed"]["disttrain_zero3"], runs["ddp"]["ddp"]), runs["deepspeed"]
@@ -95,6 +105,17 @@ def test_what_cannot_resume_is_one_line_naming_the_way(trainer_runs):
     stage = runs["ddp"]["disttrain_megatron:pipeline_parallel_size=2"]
     assert "numbers 21 parameters, this run's optimizer holds" in stage and "pipeline_parallel_size=1" in stage
     assert "\n" not in stage
+
+
+@pytest.mark.slow
+def test_a_module_that_shards_itself_is_refused_with_the_fix(trainer_runs):
+    runs = trainer_runs[0]["sharded-in-configure-model"]
+    assert runs["mesh names"] == ("KeyError: \"Invalid mesh_dim_names ('data_parallel',) specified. Valid"
+                                  " mesh_dim_names are ['dp_shard'].\""), runs  # self.device_mesh["data_parallel"]
+    refused = runs["disttrain_fsdp"]
+    assert refused.startswith("ValueError: disttrain_fsdp: the model is already sharded (fully_shard was applied to"
+                              " 'model.model.layers.0'"), refused
+    assert "remove the fully_shard / parallelize_module calls" in refused and "\n" not in refused
 
 
 # -- launched: Fabric ------------------------------------------------------------------------------------------
@@ -224,3 +245,39 @@ def test_disttrain_checkpoints_are_left_to_their_own_load(tmp_path):
     lightning_fabric = tmp_path / "lightning-fabric.ckpt"  # Fabric's ddp: the optimizer's own state_dict()
     torch.save({"model": saved[0].state_dict(), "optimizer": saved[1].state_dict(), "step": 1}, lightning_fabric)
     assert opened(lightning_fabric, saved[0], saved[1], trainer=False).metadata == {"step": 1}
+
+
+def test_a_model_sharded_before_setup_is_refused_in_one_line():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from disttrain.parallel.engine import refuse_user_sharding
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    module = Wrapped()
+    refuse_user_sharding(module, "disttrain_zero3")  # a plain model passes
+    fully_shard(module.model.model.layers[1])
+    with pytest.raises(ValueError, match=r"^disttrain_zero3: the model is already sharded \(fully_shard was applied"
+                                         r" to 'model.model.layers.1', as Lightning's ModelParallelStrategy"):
+        refuse_user_sharding(module, "disttrain_zero3")
+
+
+def test_lightning_option_names_say_what_to_pass_instead():
+    import disttrain
+
+    cases = [(disttrain.strategies.FSDPStrategy, {"sharding_strategy": "SHARD_GRAD_OP"},
+              "SHARD_GRAD_OP is reshard_after_forward=False"),
+             (disttrain.fabric.FSDPStrategy, {"auto_wrap_policy": None}, "wrap_classes= the block classes"),
+             (disttrain.strategies.ZeroStrategy, {"reduce_bucket_size": 5e8},
+              "config={'zero_optimization': {'reduce_bucket_size': ...}}"),
+             (disttrain.strategies.ZeroStrategy, {"loss_scale": 0}, "config={'fp16': {'loss_scale': ...}}"),
+             (disttrain.strategies.MegatronStrategy, {"data_parallel_size": 2},
+              "data parallel takes the ranks the other sizes leave")]
+    for cls, options, said in cases:
+        with pytest.raises(TypeError, match=f"unknown option '{next(iter(options))}' for strategy 'disttrain_.*'; as"
+                                            f" Lightning's option, here: .*{re.escape(said)}.* \\(docs/migrating.md\\);"
+                                            " valid options are: "):
+            cls(**options)
+    with pytest.raises(ValueError, match=r"offload_optimizer=True is not a place to offload to; choose None, 'cpu' or"
+                                         r" 'nvme' \(Lightning's True is 'cpu' here\)"):
+        disttrain.strategies.ZeroStrategy(offload_optimizer=True)

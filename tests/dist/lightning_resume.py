@@ -1,11 +1,14 @@
 """Checkpoints written by Lightning's own strategies, resumed under disttrain strategies (2 CPU processes, gloo, fp32).
 Usage: lightning_resume.py OUT trainer|fabric
 
-trainer: Lightning's ``ddp`` (one file), ``FSDPStrategy(state_dict_type="sharded")`` and ``ModelParallelStrategy``
-(DCP folders) and its DeepSpeed strategy's save (a DeepSpeed folder) each write a checkpoint at step 3; Lightning's
-``ddp`` continues its own file to step 5 (the reference), and disttrain strategies resume each checkpoint to step 5.
-A resume that must be refused records its error's text. fabric: the same with ``fabric.save`` under Fabric's ``ddp``
-(a file) and ``ModelParallelStrategy`` (a folder). Rank 0 writes every run's losses of steps 4 and 5."""
+trainer: Lightning's ``ddp``, ``FSDPStrategy(state_dict_type="full")`` and
+``ModelParallelStrategy(save_distributed_checkpoint=False)`` (one file each), ``FSDPStrategy(state_dict_type="sharded")``
+and ``ModelParallelStrategy`` (DCP folders) and its DeepSpeed strategy's save (a DeepSpeed folder) each write a
+checkpoint at step 3; Lightning's ``ddp`` continues its own file to step 5 (the reference; its FSDPStrategy its own
+full file too), and disttrain strategies resume each checkpoint to step 5. A resume that must be refused records its
+error's text, and so does a module that shards itself in configure_model (as ModelParallelStrategy asks) under
+disttrain_fsdp. fabric: the same with ``fabric.save`` under Fabric's ``ddp`` (a file) and ``ModelParallelStrategy``
+(a folder). Rank 0 writes every run's losses of steps 4 and 5."""
 
 import os
 import sys
@@ -47,6 +50,16 @@ class ShardedLlama(Llama):
         fully_shard(self.model, mesh=mesh)
 
 
+class SelfShardingLlama(Llama):
+    """ShardedLlama without the mesh's names: fully_shard on its default mesh (every rank)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.model.model.layers:
+            fully_shard(layer)
+
+
 class LightningFSDPOnCPU(FSDPStrategy):
     """Lightning's own FSDPStrategy, writing its own sharded checkpoint, on CPU: the Trainer refuses the class itself
     on CPU (accelerator_connector.py, ``type(self._strategy_flag) is FSDPStrategy``), and its ``_setup_model`` passes
@@ -85,11 +98,18 @@ def write(name: str, strategy, module_cls=Llama) -> str:
 def resume(ckpt: str, spec: str):
     """Losses of steps 4 and 5 resumed from ``ckpt``, or the text of the error that refused it."""
     module = Llama()
+    return fit_error(module, spec, ckpt) or module.losses
+
+
+def fit_error(module: L.LightningModule, spec, ckpt: str | None = None) -> str | None:
+    """The text of the error ``trainer.fit`` raised (a refusal is part of the result), None when it trained.
+    ``spec``: a strategy, or its name with options (tests/dist/common.py)."""
     try:
-        trainer(strategy_from_spec(spec, "trainer"), STEPS).fit(module, loader(), ckpt_path=ckpt)
-    except Exception as e:  # noqa: BLE001  (refusals are part of the result)
+        strategy = strategy_from_spec(spec, "trainer") if isinstance(spec, str) else spec
+        trainer(strategy, STEPS).fit(module, loader(), ckpt_path=ckpt)
+    except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
-    return module.losses
+    return None
 
 
 def trainer_part() -> dict:
@@ -98,6 +118,9 @@ def trainer_part() -> dict:
     ddp = write("ddp.ckpt", "ddp")
     fsdp = write("fsdp.ckpt", LightningFSDPOnCPU(state_dict_type="sharded", auto_wrap_policy={LlamaDecoderLayer}))
     mp = write("mp.ckpt", ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ShardedLlama)
+    fsdp_file = write("fsdp-full.ckpt", LightningFSDPOnCPU(state_dict_type="full", auto_wrap_policy={LlamaDecoderLayer}))
+    mp_file = write("mp-full.ckpt", ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                          save_distributed_checkpoint=False), ShardedLlama)
     deepspeed = write("deepspeed.ckpt", LightningDeepSpeedSave())
     weights = os.path.join(OUT, "deepspeed-weights.ckpt")
     if torch.distributed.get_rank() == 0:
@@ -109,12 +132,18 @@ def trainer_part() -> dict:
                                                           "disttrain_megatron:tensor_parallel_size=2")},
             "fsdp": {spec: resume(fsdp, spec) for spec in ("disttrain_fsdp", "disttrain_zero3", "disttrain_ddp")},
             "mp": {spec: resume(mp, spec) for spec in ("disttrain_fsdp", "disttrain_megatron:tensor_parallel_size=2")},
-            "deepspeed": {"disttrain_zero3": resume(deepspeed, "disttrain_zero3")}}
+            "deepspeed": {"disttrain_zero3": resume(deepspeed, "disttrain_zero3")},
+            "fsdp-full": {"disttrain_fsdp": resume(fsdp_file, "disttrain_fsdp"),
+                          "fsdp": resume(fsdp_file, LightningFSDPOnCPU(state_dict_type="full",
+                                                                       auto_wrap_policy={LlamaDecoderLayer}))},
+            "mp-full": {"disttrain_fsdp": resume(mp_file, "disttrain_fsdp")}}
     # refused, last: a fit that failed leaves nothing the runs above need
     runs["ddp"]["disttrain_megatron:pipeline_parallel_size=2"] = resume(
         ddp, "disttrain_megatron:pipeline_parallel_size=2,microbatches=2")
     runs["deepspeed"]["disttrain_fsdp"] = resume(deepspeed, "disttrain_fsdp")
     runs["deepspeed-weights"] = {"disttrain_fsdp": resume(weights, "disttrain_fsdp")}
+    runs["sharded-in-configure-model"] = {"mesh names": fit_error(ShardedLlama(), "disttrain_fsdp"),
+                                          "disttrain_fsdp": fit_error(SelfShardingLlama(), "disttrain_fsdp")}
     return runs
 
 

@@ -382,6 +382,7 @@ class FSDPEngine(Engine):
             reshard(module)  # set up again (Trainer.validate, then fit): optimizers must see the sharded params
         else:
             refuse_torchrec_tables(module, "disttrain_fsdp")
+            refuse_user_sharding(module, self.name)
             for transform in self.module_transforms:
                 transform(module)
             apply_fsdp(module, self.meshes.fsdp, self.options, precision, device)
@@ -450,6 +451,23 @@ class FSDPEngine(Engine):
     def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         reshard(module)
         return ckpt.export_safetensors(module, path, prefix=prefix)
+
+
+def refuse_user_sharding(module: nn.Module, name: str) -> None:
+    """Before an engine parallelises a model: one it is given already sharded (``fully_shard`` or
+    ``parallelize_module`` in ``configure_model``, as Lightning's ModelParallelStrategy has users write) would be
+    sharded twice, which torch reports as "can only be applied to a module once" or a DTensor mesh mismatch. One
+    line naming the fix instead."""
+    from torch.distributed.tensor import DTensor
+
+    found = next((f"fully_shard was applied to {n or 'the model'!r}" for n, m in module.named_modules()
+                  if isinstance(m, FSDPModule)), None)
+    found = found or next((f"{n!r} is already a DTensor" for n, p in module.named_parameters()
+                           if isinstance(p, DTensor)), None)
+    if found is not None:
+        raise ValueError(f"{name}: the model is already sharded ({found}, as Lightning's ModelParallelStrategy has"
+                         f" configure_model do); {name} shards it itself: remove the fully_shard / parallelize_module"
+                         " calls (disttrain_megatron takes your tensor-parallel plan as tp_plan=)")
 
 
 class _GradientSyncOff(AbstractContextManager):

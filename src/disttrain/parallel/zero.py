@@ -56,9 +56,10 @@ class ZeroOptions:
 
     def __post_init__(self) -> None:
         for name in ("offload_optimizer", "offload_parameters"):
-            if getattr(self, name) not in OFFLOAD_DEVICES:
+            if getattr(self, name) not in OFFLOAD_DEVICES or isinstance(getattr(self, name), bool):
+                said = " (Lightning's True is 'cpu' here)" if getattr(self, name) is True else ""
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a place to offload to; choose None, 'cpu'"
-                                 " or 'nvme'")
+                                 f" or 'nvme'{said}")
         if "nvme" in (self.offload_optimizer, self.offload_parameters) and not Path(self.nvme_path).is_dir():
             raise ValueError(f"nvme_path={self.nvme_path!r} is not a folder; pass nvme_path= a folder on a local"
                              " NVMe disk for nvme offload")
