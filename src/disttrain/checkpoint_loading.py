@@ -17,12 +17,14 @@ import dataclasses
 import functools
 import io
 import os
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -34,8 +36,16 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from disttrain.parallel.checkpoint import is_disttrain_folder, read_as_single_file
-from disttrain.parallel.integrity import CheckpointError
+from disttrain.parallel.checkpoint import (
+    FORMAT_KEY,
+    META_FILE,
+    is_disttrain_folder,
+    is_zero_checkpoint,
+    read_as_single_file,
+    read_full,
+    read_meta,
+)
+from disttrain.parallel.integrity import CheckpointError, CheckpointReader
 
 
 def is_checkpoint_folder(path: Any) -> bool:
@@ -119,8 +129,6 @@ def open_lightning_checkpoint(path: str | os.PathLike, model_key: str, optimizer
     A file's optimizer state is keyed by each parameter's position in the optimizer: ``parameter_order(key)`` gives
     this run's parameter names in that order and the full shape of each. A DeepSpeed folder is refused with the
     ways to resume it. Every rank calls it and gets the same answer or the same error."""
-    from disttrain.parallel.checkpoint import is_zero_checkpoint
-
     path = Path(path)
     if is_zero_checkpoint(path):
         raise CheckpointError(
@@ -171,8 +179,6 @@ def _is_lightning_folder(path: Path) -> bool:
     """A DCP folder whose meta.pt lacks disttrain's format entry (Lightning writes meta.pt with the rest). The entry's
     name is looked for in the file's bytes (torch.save stores the pickle uncompressed), so nothing is unpickled to
     decide, and a meta.pt holding what safe loading refuses is told apart as well."""
-    from disttrain.parallel.checkpoint import FORMAT_KEY, META_FILE
-
     if not ((path / ".metadata").is_file() and (path / META_FILE).is_file()):
         return False
     return FORMAT_KEY.encode() not in (path / META_FILE).read_bytes()
@@ -189,8 +195,6 @@ def _is_own_file(checkpoint: dict[str, Any], optimizer_keys: list[str], trainer:
 
 
 def _load_file(path: Path, weights_only: bool) -> dict[str, Any]:
-    import pickle
-
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     except pickle.UnpicklingError as e:
@@ -258,36 +262,18 @@ def _lightning_folder(path: Path, model_key: str, optimizer_keys: list[str], tra
     ``ModelParallelStrategy`` under ``"state_dict"`` (model_parallel.py, ``save_checkpoint``); both keep each
     optimizer in torch's nested form (``state.<name>.<key>`` tensors, as here, but ``param_groups.<i>.<key>`` per
     group with a ``params`` list of names) and the rest in ``meta.pt``."""
-    from disttrain.parallel.checkpoint import META_FILE, _read_meta
-    from disttrain.parallel.integrity import CheckpointReader
-
-    inner = CheckpointReader(path, weights_only, written_by=WRITER)
+    inner = CheckpointReader(path, weights_only, written_by=WRITER)  # first: its warning names Lightning
     stored = inner.read_metadata().state_dict_metadata
     tops = {key.split(".", 1)[0] for key in stored}
     renames = {"model": model_key} if trainer and model_key not in tops and "model" in tops else {}
     groups = _param_groups(path, [k for k in optimizer_keys if k in tops], weights_only)
-    metadata = _read_meta(path, weights_only)
-    return LightningCheckpoint(path, _RenamedReader(inner, renames, groups), metadata)
+    return LightningCheckpoint(path, _RenamedReader(inner, renames, groups), read_meta(path, weights_only))
 
 
 def _param_groups(path: Path, keys: list[str], weights_only: bool) -> dict[str, list[dict[str, Any]]]:
     """Each optimizer's ``param_groups`` as saved (small: hyper-parameters and parameter names)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from disttrain.parallel.integrity import CheckpointReader, unwrap_dcp_error
-
-    if not keys:
-        return {}
-    state: dict[str, Any] = {}
-    try:
-        _load_state_dict(state, storage_reader=CheckpointReader(path, weights_only, written_by=WRITER),
-                         planner=_EmptyStateDictLoadPlanner(keys={f"{k}.param_groups" for k in keys}), no_dist=True)
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
-        raise unwrap_dcp_error(e) or CheckpointError(f"checkpoint {str(path)!r} is corrupt: cannot read its"
-                                                     f" optimizers' param_groups ({_first(e)})") from e
-    return {k: list(state.get(k, {}).get("param_groups", [])) for k in keys}
+    state = read_full(path, keys={f"{key}.param_groups" for key in keys}, weights_only=weights_only) if keys else {}
+    return {key: list(state.get(key, {}).get("param_groups", [])) for key in keys}
 
 
 class _InMemoryReader(StorageReader):
@@ -335,8 +321,6 @@ class _InMemoryReader(StorageReader):
 
 def _serve(item: Any, value: Any, planner: LoadPlanner) -> None:
     """One read item from a value in memory: a slice of a full tensor, or a plain value."""
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-
     if item.type == LoadItemType.BYTE_IO:
         buffer = io.BytesIO()
         torch.save(value, buffer)
