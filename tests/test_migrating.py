@@ -1,11 +1,13 @@
-"""Checkpoints Lightning's own strategies wrote, resumed under disttrain strategies (docs/migrating.md).
+"""Moving over from Lightning's own strategies (docs/migrating.md): the checkpoints they wrote, resumed under disttrain
+strategies, and what a migrating module or option meets.
 
 The launched tests (tests/dist/lightning_resume.py, 2 CPU processes, fp32) have Lightning write each kind of
-checkpoint with its own ``save_checkpoint`` / ``fabric.save``, continue Lightning's ``ddp`` from its own file as the
-reference, and resume every kind under disttrain strategies: the losses of the steps after the resume must equal the
-reference's. ``disttrain_megatron`` with tensor_parallel_size=2 on 2 processes has one data-parallel rank, so its
-reference is the same continuation in one process here. The in-process tests build the two layouts by hand (the
-keys Lightning writes, cited in disttrain/checkpoint_loading.py) and check what is refused."""
+checkpoint with its own ``save_checkpoint`` / ``fabric.save`` and continue its own checkpoint as the reference
+(``ddp`` its file; its FSDPStrategy its full file), and resume every kind under disttrain strategies: the losses of the
+steps after the resume must equal the reference's. ``disttrain_megatron`` with tensor_parallel_size=2 on 2 processes
+has one data-parallel rank, so its reference is the same continuation in one process here. The in-process tests build
+the two layouts by hand (the keys Lightning writes, cited in disttrain/checkpoint_loading.py) and check what is
+refused: other parameter orders, unsafe pickles, a model sharded before set-up, Lightning's option names."""
 
 from __future__ import annotations
 
