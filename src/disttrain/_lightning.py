@@ -107,6 +107,23 @@ class EngineAdapter:
         """Called first in every adapter's ``__init__``: the engine exists before Lightning sets the precision."""
         self.engine = self.engine_cls(registry.lookup(self.strategy_name).options(**options), self.strategy_name)
 
+    def _lightning_checkpoint(self, path: Any, module: Any, targets: dict[str, Any], trainer: bool,
+                              weights_only: Optional[bool]) -> Any:
+        """``path`` as the engine reads it when Lightning's own strategy wrote it (``source=`` of the engine's
+        ``load_checkpoint``), else None (disttrain's own checkpoints)."""
+        from torch import nn
+
+        from disttrain.checkpoint_loading import open_lightning_checkpoint, parameter_order
+
+        model_key = next(key for key, value in targets.items() if isinstance(value, nn.Module))
+        optimizer_keys = [key for key in targets if key != model_key]
+
+        def order(key: str) -> tuple[list[str], dict[str, tuple[int, ...]]]:
+            return parameter_order(self.engine.optimizer_state(module, targets[key]), self.engine.model_state(module))
+
+        return open_lightning_checkpoint(path, model_key, optimizer_keys, trainer, order, self.engine.name,
+                                         weights_only is not False)
+
 
 class DeepSpeedPlumbing(EngineAdapter):
     """Mixin (before Lightning's Trainer or Fabric ``DeepSpeedStrategy``): what both ZeRO-3 adapters do alike over

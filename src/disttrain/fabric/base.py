@@ -91,8 +91,9 @@ class FabricAdapter(EngineAdapter):
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore modules, optimizers and stateful objects of ``state`` in place from a disttrain checkpoint of any
-        strategy and world size; returns what ``state`` did not ask for. What the engine does not read (a
-        single-file checkpoint of Lightning's DDP, a DeepSpeed folder) is loaded as Lightning loads it."""
+        strategy and world size, or one Lightning's own strategies wrote; returns what ``state`` did not ask for.
+        What the engine does not read (single files under disttrain_ddp, DeepSpeed folders under disttrain_zero3) is
+        loaded as Lightning loads it."""
         path = self.broadcast(path)
         if not self.engine.reads_checkpoint(path):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore
@@ -101,8 +102,9 @@ class FabricAdapter(EngineAdapter):
         if not state:
             raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
         targets = {k: v for k, v in state.items() if self._is_tensor_state(v)}
+        source = self._lightning_checkpoint(path, the_model(state), targets, trainer=False, weights_only=weights_only)
         metadata = self.engine.load_checkpoint(path, the_model(state), targets, strict=strict,
-                                               weights_only=weights_only)
+                                               weights_only=weights_only, source=source)
         return restore_rest(state, targets, metadata)
 
 

@@ -348,21 +348,26 @@ class StorageLayout:
 
 def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,
                  strict: bool = True, weights_only: bool = True,
-                 layout: StorageLayout | None = None) -> dict[str, Any]:
+                 layout: StorageLayout | None = None, source: Any = None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``targets`` (``{key: module | optimizer}``); returns the metadata.
 
     Works at any world size: DCP reshards on load. Every file read is verified against the manifest first
     (:class:`CheckpointReader`); ``weights_only=False`` also admits non-plain objects in ``meta.pt`` and in
-    non-tensor items (trusted checkpoints only).
+    non-tensor items (trusted checkpoints only). ``source``: a checkpoint another library wrote, seen in the one
+    layout (``reader``, a DCP storage reader, and ``metadata``, what its ``meta.pt`` would hold): Lightning's own,
+    read by ``disttrain.checkpoint_loading``.
     """
     layout = layout or StorageLayout()
-    path = check_checkpoint(path)
-    error, metadata = None, {}
-    try:
-        metadata = _read_meta(path, weights_only)
-    except CheckpointError as e:
-        error = e
-    _all_ranks_ok(error)
+    if source is not None:
+        metadata, reader = dict(source.metadata), source.reader
+    else:
+        path, reader = check_checkpoint(path), None
+        error, metadata = None, {}
+        try:
+            metadata = _read_meta(path, weights_only)
+        except CheckpointError as e:
+            error = e
+        _all_ranks_ok(error)
     stored = set(metadata.pop(FORMAT_KEY, {}).get("tensor_keys", []))
     missing = [key for key in targets if stored and key not in stored]
     if missing:
@@ -371,7 +376,7 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
     tensors = {key: (model_state(obj) if isinstance(obj, nn.Module) else optimizer_state(model, obj))
                for key, obj in targets.items()}
     layout.before_load(tensors)
-    load_into(path, tensors, strict=strict, weights_only=weights_only)
+    load_into(path, tensors, strict=strict, weights_only=weights_only, reader=reader)
     layout.after_load(tensors)
     for key, obj in targets.items():
         if isinstance(obj, nn.Module):

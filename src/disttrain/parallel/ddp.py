@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from disttrain.parallel.ac import apply_ac, has_ac
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.checkpoint import is_sharded_checkpoint
-from disttrain.parallel.engine import Engine, Optimizers
+from disttrain.parallel.engine import Engine, Optimizers, refuse_user_sharding
 from disttrain.parallel.tables import refuse_torchrec_tables
 
 COMPRESSIONS = ("fp16", "bf16", "powersgd")
@@ -96,6 +96,7 @@ class DDPEngine(Engine):
         """``module`` on ``device`` wrapped in DistributedDataParallel (its parameters stay the same objects, so
         optimizers made before need nothing)."""
         refuse_torchrec_tables(module, self.name)
+        refuse_user_sharding(module, self.name)
         for transform in self.module_transforms:
             transform(module)
         if self.options.activation_checkpointing and not has_ac(module):

@@ -277,11 +277,14 @@ class Engine:
         return ckpt.save_sharded(path, tensors, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+                        strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
         """Collective: restore ``targets`` (``{key: module | optimizer}``, ``module`` among them; optimizers only
-        when ``optimizers_by_name``) in place from a checkpoint of any strategy and world size; returns the metadata. Non-tensor state is unpickled safely
-        unless the caller explicitly passes ``weights_only=False``."""
-        return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False)
+        when ``optimizers_by_name``) in place from a checkpoint of any strategy and world size; returns the
+        metadata. Non-tensor state is unpickled safely unless the caller explicitly passes ``weights_only=False``.
+        ``source``: a checkpoint Lightning's own strategies wrote, seen in the one layout (``reader``, ``metadata``
+        and ``stored``: ``disttrain.checkpoint_loading.LightningCheckpoint``), read in place of ``path``."""
+        return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False,
+                                 source=source)
 
     def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
                         partial: bool = False, exclude: Collection[str] = ()) -> list[str]:
@@ -379,6 +382,7 @@ class FSDPEngine(Engine):
             reshard(module)  # set up again (Trainer.validate, then fit): optimizers must see the sharded params
         else:
             refuse_torchrec_tables(module, "disttrain_fsdp")
+            refuse_user_sharding(module, self.name)
             for transform in self.module_transforms:
                 transform(module)
             apply_fsdp(module, self.meshes.fsdp, self.options, precision, device)
@@ -429,11 +433,11 @@ class FSDPEngine(Engine):
         return ckpt.save_full(path, {**tensors, **metadata})
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+                        strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
         # Each loader checks the path (a missing one goes to load_full, which names it).
-        if ckpt.is_sharded_checkpoint(path):
+        if source is not None or ckpt.is_sharded_checkpoint(path):
             return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False,
-                                     layout=self.storage_layout())
+                                     layout=self.storage_layout(), source=source)
         return ckpt.load_full(path, targets, module, strict=strict, weights_only=weights_only is not False)
 
     def storage_layout(self) -> ckpt.StorageLayout:
@@ -447,6 +451,23 @@ class FSDPEngine(Engine):
     def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         reshard(module)
         return ckpt.export_safetensors(module, path, prefix=prefix)
+
+
+def refuse_user_sharding(module: nn.Module, name: str) -> None:
+    """Before an engine parallelises a model: one it is given already sharded (``fully_shard`` or
+    ``parallelize_module`` in ``configure_model``, as Lightning's ModelParallelStrategy has users write) would be
+    sharded twice, which torch reports as "can only be applied to a module once" or a DTensor mesh mismatch. One
+    line naming the fix instead."""
+    from torch.distributed.tensor import DTensor
+
+    found = next((f"fully_shard was applied to {n or 'the model'!r}" for n, m in module.named_modules()
+                  if isinstance(m, FSDPModule)), None)
+    found = found or next((f"{n!r} is already a DTensor" for n, p in module.named_parameters()
+                           if isinstance(p, DTensor)), None)
+    if found is not None:
+        raise ValueError(f"{name}: the model is already sharded ({found}, as Lightning's ModelParallelStrategy has"
+                         f" configure_model do); {name} shards it itself: remove the fully_shard / parallelize_module"
+                         " calls (disttrain_megatron takes your tensor-parallel plan as tp_plan=)")
 
 
 class _GradientSyncOff(AbstractContextManager):

@@ -230,15 +230,16 @@ def read_manifest(folder: str | os.PathLike) -> Optional[dict[str, Any]]:
 _warned: set[str] = set()
 
 
-def warn_unverified(folder: str | os.PathLike) -> None:
-    """Say once per process and folder (on rank 0) that a checkpoint without a manifest is loaded unverified."""
+def warn_unverified(folder: str | os.PathLike, written_by: Optional[str] = None) -> None:
+    """Say once per process and folder (on rank 0) that a checkpoint without a manifest is loaded unverified.
+    ``written_by``: the library that wrote it (no manifest ever), else it predates disttrain's checksums."""
     key = str(Path(folder).resolve())
     if key in _warned or _rank() != 0:
         return
     _warned.add(key)
-    warnings.warn(f"checkpoint {str(folder)!r} has no {MANIFEST_FILE} (written before disttrain stored checksums):"
-                  " loading it without verifying its contents; the next save writes checksums",
-                  UnverifiedCheckpointWarning, stacklevel=3)
+    why = f"written by {written_by}" if written_by else "written before disttrain stored checksums"
+    warnings.warn(f"checkpoint {str(folder)!r} has no {MANIFEST_FILE} ({why}): loading it without verifying its"
+                  " contents; the next save writes checksums", UnverifiedCheckpointWarning, stacklevel=3)
 
 
 def _corrupt(folder: Path, name: str, detail: str) -> CheckpointError:
@@ -418,18 +419,19 @@ class CheckpointReader(FileSystemReader):
     reads) and no item is deserialized from a chunk before it matched; non-tensor items must pass
     ``torch.load(weights_only=True)`` unless ``weights_only=False``. A mismatch raises :class:`CheckpointError`
     naming the file (a load that fails part-way leaves its targets partly overwritten: do not train on them).
-    A folder without a manifest (written before checksums) is read unverified, with one warning.
+    A folder without a manifest (written before checksums, or by another library: ``written_by`` names it) is read
+    unverified, with one warning.
 
     The manifest and ``.metadata`` are read when the reader is made, so a bad folder fails right there with one
     line (inside ``dcp.load`` DCP would print tracebacks and try per-rank metadata files first)."""
 
-    def __init__(self, path: str | os.PathLike, weights_only: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, weights_only: bool = True, written_by: Optional[str] = None) -> None:
         super().__init__(path)
         self.weights_only = weights_only
         self.folder = Path(path)
         self.manifest = read_manifest(self.folder)
         if self.manifest is None:
-            warn_unverified(self.folder)
+            warn_unverified(self.folder, written_by)
         self.metadata = load_metadata(self.folder, METADATA_FILE, self.manifest)
         self._verifiers: dict[str, _FileVerifier] = {}
 

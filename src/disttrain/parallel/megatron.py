@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.parallel import checkpoint as ckpt
-from disttrain.parallel.engine import FSDPEngine, register_forward_methods
+from disttrain.parallel.engine import FSDPEngine, refuse_user_sharding, register_forward_methods
 from disttrain.parallel.families import family_of, find_model
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, shard_blocks, shard_root
 from disttrain.parallel.init import materialize
@@ -160,6 +160,7 @@ class MegatronEngine(FSDPEngine):
         if self.is_parallelized(module):  # set up before (a Trainer re-setup): only materialise
             materialize(module, device)
             return module
+        refuse_user_sharding(module, self.name)
         module._disttrain_megatron = True
         for transform in self.module_transforms:
             transform(module)

@@ -292,7 +292,10 @@ class RecsysEngine(Engine):
         return self.save(path, module, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+                        strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
+        if source is not None:  # Lightning has no torchrec strategy: its checkpoints hold no sharded tables
+            raise ckpt.CheckpointError(f"checkpoint {str(path)!r} was written by Lightning's own strategy;"
+                                       " disttrain_recsys resumes only checkpoints disttrain_recsys wrote")
         return self.load(path, module, strict=strict)
 
     # -- checkpoints: the folder itself (also what the daily job calls) ---------------------------------------

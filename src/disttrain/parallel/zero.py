@@ -56,9 +56,10 @@ class ZeroOptions:
 
     def __post_init__(self) -> None:
         for name in ("offload_optimizer", "offload_parameters"):
-            if getattr(self, name) not in OFFLOAD_DEVICES:
+            if getattr(self, name) not in OFFLOAD_DEVICES or isinstance(getattr(self, name), bool):
+                said = " (Lightning's True is 'cpu' here)" if getattr(self, name) is True else ""
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a place to offload to; choose None, 'cpu'"
-                                 " or 'nvme'")
+                                 f" or 'nvme'{said}")
         if "nvme" in (self.offload_optimizer, self.offload_parameters) and not Path(self.nvme_path).is_dir():
             raise ValueError(f"nvme_path={self.nvme_path!r} is not a folder; pass nvme_path= a folder on a local"
                              " NVMe disk for nvme offload")
@@ -765,20 +766,25 @@ def save_zero3_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], m
 
 
 def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], strict: bool = True,
-                          weights_only: bool = True, master: Any = None) -> dict[str, Any]:
+                          weights_only: bool = True, master: Any = None, source: Any = None) -> dict[str, Any]:
     """Restore a ZeRO-3 model/optimizer (and stateful objects of ``state``) from a disttrain DCP checkpoint of any
     strategy and world size, each rank reading only what its partitions need; returns the metadata ``state`` did
     not ask for. ``master``: the engine's ZeRO-3 optimizer when ``state`` holds the model but not the optimizer
-    (its fp32 master weights are what training continues from). Collective."""
-    from disttrain.parallel.checkpoint import check_checkpoint, read_meta
+    (its fp32 master weights are what training continues from). ``source``: a checkpoint another library wrote,
+    seen in the one layout (``reader``, ``metadata``, ``stored``), read in place of ``path``. Collective."""
+    from disttrain.parallel.checkpoint import FORMAT_KEY, check_checkpoint, read_meta
 
     model, optimizer, rest = _split_zero_state(state)
     if model is None:
         raise ValueError("load_checkpoint needs state={'model': model, ...} naming at least the model to restore")
-    path = check_checkpoint(path)
-    metadata = read_meta(path, weights_only)
+    if source is None:
+        path = check_checkpoint(path)
+        metadata, reader, stored = read_meta(path, weights_only), None, None
+    else:
+        metadata, reader, stored = dict(source.metadata), source.reader, source.stored
+        metadata.pop(FORMAT_KEY, None)
     module = getattr(model[1], "module", model[1])
     load_zero3_state(path, module, _master(model[1], optimizer) or master, model[0],
-                     optimizer[0] if optimizer else None, strict=strict)
+                     optimizer[0] if optimizer else None, strict=strict, reader=reader, stored=stored)
     loaded = {model[0]} | ({optimizer[0]} if optimizer else set())
     return restore_rest(state, loaded, metadata)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from disttrain.parallel.buffers import convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
-from disttrain.parallel.engine import Engine, Optimizers
+from disttrain.parallel.engine import Engine, Optimizers, refuse_user_sharding
 from disttrain.parallel.tables import refuse_torchrec_tables
 from disttrain.parallel.checkpoint import is_zero_checkpoint
 from disttrain.parallel.zero import (
@@ -72,6 +72,7 @@ class ZeroEngine(Engine):
         """Before DeepSpeed sees the module: refuse torchrec tables, SyncBatchNorm when the option or the caller
         asks (refused on CPU for training, as ``ddp`` refuses it). Returns the module to hand to DeepSpeed."""
         refuse_torchrec_tables(module, self.name)
+        refuse_user_sharding(module, self.name)
         if self.options.sync_batchnorm or sync_batchnorm:
             module = convert(module) if convert is not None else convert_sync_batchnorm(module)
         if training:
@@ -160,9 +161,9 @@ class ZeroEngine(Engine):
         return save_zero3_tensors(path, tensors, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+                        strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
         return load_zero3_checkpoint(path, dict(targets), strict=strict, weights_only=weights_only is not False,
-                                     master=_master(module))
+                                     master=_master(module), source=source)
 
     def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
                         partial: bool = False, exclude: Collection[str] = ()) -> list[str]:

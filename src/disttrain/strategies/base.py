@@ -138,8 +138,9 @@ class TrainerAdapter(EngineAdapter):
         self.engine.save_checkpoint(self.broadcast(filepath), self.model, tensors, checkpoint)  # type: ignore
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A disttrain checkpoint of any strategy and world size is restored in place; what the engine does not read
-        (Lightning's single-file DDP checkpoints, DeepSpeed folders) is loaded as Lightning loads it."""
+        """A disttrain checkpoint of any strategy and world size is restored in place, and so is one Lightning's own
+        strategies wrote (``disttrain.checkpoint_loading``); what the engine does not read (single files under
+        disttrain_ddp, DeepSpeed folders under disttrain_zero3) is loaded as Lightning loads it."""
         path = self.broadcast(checkpoint_path)  # type: ignore[attr-defined]
         self._restored_in_place = self.engine.reads_checkpoint(path)
         if not self._restored_in_place:
@@ -147,8 +148,9 @@ class TrainerAdapter(EngineAdapter):
         targets: dict[str, Any] = {MODEL_KEY: self.model}
         if self.engine.optimizers_by_name:
             targets.update({optimizer_key(i): opt for i, opt in enumerate(self.optimizers)})
+        source = self._lightning_checkpoint(path, self.model, targets, trainer=True, weights_only=weights_only)
         return self.engine.load_checkpoint(path, self.model, targets, strict=self.lightning_module.strict_loading,
-                                           weights_only=weights_only)
+                                           weights_only=weights_only, source=source)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not getattr(self, "_restored_in_place", False):
