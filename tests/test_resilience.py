@@ -17,20 +17,13 @@ import pytest
 import torch
 
 from conftest import ROOT, run_launched, run_torchrun
-from test_recsys import RECIPE, records, run_daily
+from test_recsys import RECIPE, published, records, run_daily, the_error  # noqa: F401 (a fixture)
 from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel.diskspace import FAIL_ENV, DiskFullError, disk_full_cause, ensure_free, writing
 from disttrain.parallel.integrity import verify_checkpoint
 from disttrain.recsys.synthetic import make_days
 
 DAY = "2026-11-{:02d}".format
-
-
-def one_line(run: subprocess.CompletedProcess, prefix: str = "deepfm_daily.py: error: ") -> str:
-    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(prefix), run.stderr[-3000:]
-    return lines[0][len(prefix):]
 
 
 # -- a full disk -------------------------------------------------------------------------------------------------
@@ -107,28 +100,19 @@ BEFORE_SWAP = ("cache", "shard", "metadata", "manifest", "info", "pointer")
 AFTER_SWAP = ("record", "report")
 
 
-@pytest.fixture(scope="module")
-def daily_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("disk")
-    make_days(root / "data", 2, 1000)
-    run = run_daily(root / "data", root / "models")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    return root
-
-
-def test_daily_job_on_a_full_disk_at_each_write(daily_root, monkeypatch):
+def test_daily_job_on_a_full_disk_at_each_write(published, monkeypatch):
     """ENOSPC at each write of a run (the day's cache, a DCP shard, meta.pt, the manifest, info.json, the pointer,
     a day's record, the report): one line naming the write and what stays current; no temporary file or folder is
     left; before the swap ``current`` is unchanged and verifies; the next run (with space) publishes or completes
     what is missing."""
-    data, models = daily_root / "data", daily_root / "models"
+    data, models = published / "data", published / "models"  # this module's own copy of the fixture
     gate = ("--auc-tolerance", "1")  # tiny held-out sets: the tests are about the writes, not the AUC gate
     for i, point in enumerate(BEFORE_SWAP + AFTER_SWAP):
         day = DAY(3 + i)
         make_days(data, 1, 1000, start=_date(day), first_index=2 + i)
         before = os.readlink(models / "current")
         monkeypatch.setenv(FAIL_ENV, point)
-        error = one_line(run_daily(data, models, *gate))
+        error = the_error(run_daily(data, models, *gate))
         monkeypatch.delenv(FAIL_ENV)
         assert "disk full while writing" in error and "free there" in error, (point, error)
         leftovers = [p for p in models.rglob(".*") if p.name not in (".lock", ".metadata")]
@@ -184,7 +168,7 @@ def test_daily_job_refuses_a_run_that_cannot_fit_on_a_real_full_disk(tmp_path):
         free = shutil.disk_usage(mount).free
         ballast = mount / "ballast"
         ballast.write_bytes(b"\0" * (free - (2 << 20)))  # 2 MiB left: less than a cache and two models
-        error = one_line(run_daily(data, models))
+        error = the_error(run_daily(data, models))
         assert re.fullmatch(rf"not enough disk space for the caches of 1 day\(s\) and work/staging and a new version"
                             rf" as large as the current one at {models}: it needs \d+\.\d MiB, {models} has"
                             r" \d\.\d MiB free; free space there or move --model-root to a larger disk; nothing was"
