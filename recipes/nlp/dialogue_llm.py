@@ -29,7 +29,6 @@ import argparse
 import logging
 import math
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -52,7 +51,7 @@ from disttrain.nlp.module import lr_factor
 from disttrain.nlp.replies import Sampling, sample_replies, side_by_side
 from disttrain.parallel import watchdog
 from disttrain.parallel.checkpoint import export_safetensors, write_safetensors
-from disttrain.parallel.failures import describe
+from disttrain.parallel.failures import one_line_failures
 from disttrain.parallel.lora import LoraSettings, adapter_layers, split_export, trainable_summary, write_adapter
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 
@@ -413,17 +412,10 @@ def main(argv: list[str] | None = None) -> None:
     fabric.log_dict(before, step=state["step"])
     fabric.print(f"held-out loss before training {before['val/loss']:.3f}  held-out perplexity before training "
                  f"{before['val/ppl']:.1f}  (chance: {math.log(len(run['tokenizer'])):.3f})")
-    try:
+    with one_line_failures("dialogue_llm", args.out):  # a full disk, a stalled collective, a bad checkpoint
         start = export_start(fabric, state, run, before)
         fit(fabric, state, run)
         out = export(fabric, state, run)
-    except Exception as e:  # a full disk, a stalled collective, an unreadable checkpoint: one line, from rank 0
-        line = describe(e, args.out)
-        if line is None:
-            raise
-        if fabric.is_global_zero:
-            print(f"dialogue_llm: error: {line}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
     fabric.print(f"done: {state['step']} steps in {state['seconds']:.1f}s; exported {out}")
     if start is not None:
         print_replies(fabric, run, start, out, state)

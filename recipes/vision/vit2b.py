@@ -28,7 +28,6 @@ import argparse
 import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -41,7 +40,7 @@ import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.callbacks import Throughput
 from disttrain.fabric import builds_empty
 from disttrain.parallel import watchdog
-from disttrain.parallel.failures import describe
+from disttrain.parallel.failures import one_line_failures
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 from disttrain.vision import (ImageFolderData, ViTClassifier, count_parameters, default_config, default_strategy,
                               export_timm, load_timm_checkpoint, read_yaml, timm_checkpoint)
@@ -251,7 +250,7 @@ def main() -> None:
         start_run(out, recipe="recipes/vision/vit2b.py", strategy=fabric.strategy, world_size=fabric.world_size,
                   device=fabric.device.type, precision=str(fabric.strategy.precision.precision),
                   config=str(args.config or "default"))
-    try:
+    with one_line_failures("vit2b", str(out)):  # a full disk, a stalled collective, a bad checkpoint
         if state["epoch"] >= run["vit"].train_config.epochs:
             metrics = validate(fabric, state, run)
             fabric.print(f"already trained: val_acc {metrics['val_acc']:.4f}")
@@ -264,13 +263,6 @@ def main() -> None:
         export = export_timm(out / "export", run["vit"].model_args,
                              lambda path: _export_weights(fabric, state["model"], path),
                              data=run["vit"].data_config, class_names=run["classes"])
-    except Exception as e:  # a full disk, a stalled collective, an unreadable checkpoint: one line, from rank 0
-        line = describe(e, out)
-        if line is None:
-            raise
-        if fabric.is_global_zero:
-            print(f"vit2b: error: {line}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
     fabric.print(f"final val_acc {metrics['val_acc']:.4f}; checkpoint {out / 'ckpt'}, timm export {export}")
     if fabric.is_global_zero:
         finish_run(fabric, args, out, time.perf_counter() - wall_start)

@@ -4,7 +4,12 @@ of a traceback; anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Optional
+
+import torch.distributed as dist
 
 from disttrain.parallel.diskspace import DiskFullError, disk_full_cause, full_disk_error
 from disttrain.parallel.integrity import CheckpointError, unwrap_dcp_error
@@ -22,3 +27,18 @@ def describe(error: BaseException, where: str = ".") -> Optional[str]:
     if checkpoint is not None:
         return str(checkpoint)
     return describe_collective_timeout(error)
+
+
+@contextmanager
+def one_line_failures(prog: str, where: str = ".") -> Iterator[None]:
+    """Around a recipe's training and export: an operator's failure (:func:`describe`) ends the process with exit
+    status 1 and its line on stderr, printed once (rank 0; every rank raises it); anything else passes through."""
+    try:
+        yield
+    except Exception as e:
+        line = describe(e, where)
+        if line is None:
+            raise
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 from disttrain.config import ConfigError
 from disttrain.parallel import checkpoint as ckpt, watchdog
-from disttrain.parallel.watchdog import describe_collective_timeout
-from disttrain.parallel.diskspace import DiskFullError, disk_full_cause, ensure_free, full_disk_error, remove
+from disttrain.parallel.failures import describe
+from disttrain.parallel.diskspace import DiskFullError, ensure_free, remove
 from disttrain.recsys.data import BadDataError, Day, DayBatches, cache_size_estimate, cached, convert_day, \
     day_stats, folder_bytes, list_days, load_day, parse_date, split_rows
 from disttrain.recsys.metrics import ClickMetrics
@@ -914,17 +914,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "deepfm_daily.py") -> int
             log.error(f"{prog}: error: {one_line(e)}", exc_info=True)  # once (rank 0): every rank raises it
             return EXIT_FAILED
         except Exception as e:
-            stalled = describe_collective_timeout(e, options.timeout)
-            if stalled is not None:  # every rank alive (else the watchdog ended the run first), a collective stuck
-                log.error(f"{prog}: error: {stalled}; nothing was published; the next run resumes from the last"
-                          " finished day", exc_info=True)
-                return EXIT_FAILED
-            if disk_full_cause(e) is None:
+            line = describe(e, options.model_root)  # a stuck collective, a full disk met by a library's own write
+            if line is None:
                 raise
-            # A full disk met by a library's own write (a logger's file): one line too.
-            error = full_disk_error(e, options.model_root, "the run's files", "nothing was published unless the"
-                                    " lines above say so", exact=False)
-            log.error(f"{prog}: error: {error}", exc_info=True)
+            log.error(f"{prog}: error: {line}; nothing was published unless the lines above say so; the next run"
+                      " resumes from the last finished day", exc_info=True)
             return EXIT_FAILED
         finally:
             watchdog.stop()
