@@ -320,7 +320,9 @@ def test_recipe_ends_on_every_live_rank_when_a_rank_stops(tmp_path):
     # Then the disk is full when step 4's checkpoint is written: one line from rank 0, step 2's checkpoint intact.
     full = run_launched(*args, "--resume", str(out / "checkpoints" / "step-000002"), strategy="disttrain_fsdp",
                         timeout=600, run_env={FAIL_ENV: "shard"})
-    assert full.returncode == 1, full.stdout[-3000:] + full.stderr[-3000:]
+    # Every rank exits 1; a launcher then ends a rank still in its exit handlers (-15), and which one it reports
+    # first is a race (torchrun reports 1 for either): failed, and not as a stall (4).
+    assert full.returncode not in (0, 4), full.stdout[-3000:] + full.stderr[-3000:]
     errors = [line for line in full.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(
         f"dialogue_llm: error: disk full while writing the checkpoint's shards ({out / 'checkpoints' / 'step-000004'};"
