@@ -3,6 +3,7 @@ against one process. One run:
 
     python bench/pipeline_bubble.py                      # 2 CPU processes (gloo), p=2, m in {2, 4, 8}
     python bench/pipeline_bubble.py --device cuda --hidden 2048 --layers 8
+    python bench/pipeline_bubble.py --smoke              # tiny sizes: checks that it runs
 
 Bubble: each rank adds up the time its stages spend computing (``forward_one_chunk`` / ``backward_one_chunk``
 of torch.distributed.pipelining); idle = 1 - busy / step time, averaged over ranks, next to (p-1)/(m+p-1). Every
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import add_model_args, build_model, free_port, sync  # noqa: E402
+from harness import add_model_args, build_model, free_port, parse_smoke, sync  # noqa: E402
 from tables import write_table  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return parse_smoke(p, hidden=64, layers=2, seq=32, batch=1, microbatches="2", steps=1)
 
 
 class StageClock:
