@@ -6,9 +6,9 @@ whole-model load (``from_pretrained`` on every rank, then the strategy shards it
     python bench/pretrained_load.py --layers 4 --nprocs 2   # smaller and quicker
     python bench/pretrained_load.py --smoke                 # tiny sizes: checks that it runs
 
-The folder (config.json + model.safetensors, bfloat16) is written once under --out-dir (default bench/out/, git-ignored). Each variant
-runs in fresh processes (torchrun on 127.0.0.1): fsdp, zero3 and megatron tp=2 sharded at 2 and 4 processes, and
-the whole-model load under fsdp (where that many whole copies fit the machine). Per rank: its own (anonymous) memory
+The folder (config.json + model.safetensors, bfloat16) is written once under --out-dir (default bench/out/,
+git-ignored). Each variant runs in fresh processes (torchrun on 127.0.0.1): fsdp, zero3 and megatron tp=2 sharded
+at 2 and 4 processes, and the whole-model load under fsdp (where that many whole copies fit the machine). Per rank: its own (anonymous) memory
 after imports (the baseline) and at its peak while the model is built, set up and loaded, sampled; the kernel's peak
 resident set, which also counts the mapped file pages; and the model's float32 share (its parameters' bytes over the
 ranks that split them). Target: own peak <= baseline + 1.1 x what it holds.
