@@ -124,34 +124,38 @@ VARIANTS_SEP = "|"
 
 
 def run_variants(script: str, variants: list[str], flag: str, devices: int, rounds: int,
-                 env: Optional[dict] = None) -> dict[str, list[dict]]:
+                 env: Optional[dict] = None, smoke_together: bool = False) -> dict[str, list[dict]]:
     """Run ``script`` once per variant and round, each time in fresh processes (torchrun on 127.0.0.1), so one
     variant's leftovers (engines, allocator caches) never inflate the next one's memory; rounds are interleaved so
-    that machine noise hits the variants alike. The child gets ``flag VARIANTS --result FILE`` after this process's
-    own arguments and runs the variants :func:`each_variant` gives it, writing each one's JSON from rank 0; returns
-    each variant's results, one per round. Under ``--smoke`` one launch runs all the variants in turn: a smoke run
-    checks that each runs, and its figures mean nothing anyway."""
+    that machine noise hits the variants alike. The child gets ``flag VARIANT --result FILE`` after this process's
+    own arguments, writes JSON there from rank 0; returns each variant's results, one per round.
+
+    ``smoke_together``: under ``--smoke`` one launch runs all the variants in turn (a smoke run checks that each
+    runs; its figures mean nothing): ``flag`` then carries them all, and the child runs the (variant, result file)
+    pairs :func:`each_variant` gives it."""
     results: dict[str, list[dict]] = {v: [] for v in variants}
-    launches = [variants] if "--smoke" in sys.argv[1:] else [[v] for v in variants]
+    together = smoke_together and "--smoke" in sys.argv[1:]
+    launches = [VARIANTS_SEP.join(variants)] if together else variants
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
             for i, launch in enumerate(launches):
                 result = os.path.join(tmp, f"{i}.json")
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}",
                        "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(script),
-                       *sys.argv[1:], flag, VARIANTS_SEP.join(launch), "--result", result]
+                       *sys.argv[1:], flag, launch, "--result", result]
                 subprocess.run(cmd, check=True, env=env)
-                for variant, path in each_variant(VARIANTS_SEP.join(launch), result):
+                for variant, path in each_variant(launch, result):
                     with open(path) as f:
                         results[variant].append(json.load(f))
     return results
 
 
 def each_variant(value: str, result: str) -> Iterator[tuple[str, str]]:
-    """In a child of :func:`run_variants`: each variant it is to run (its ``flag`` value), with the file its JSON
-    goes to."""
-    for i, variant in enumerate(value.split(VARIANTS_SEP)):
-        yield variant, f"{result}.{i}"
+    """In a child of :func:`run_variants`: each variant its ``flag`` value names (one, or all of them with
+    ``smoke_together`` under ``--smoke``), with the file its JSON goes to (``result`` itself for a single one)."""
+    variants = value.split(VARIANTS_SEP)
+    for i, variant in enumerate(variants):
+        yield variant, result if len(variants) == 1 else f"{result}.{i}"
 
 
 def fabric_steps(fabric, model, optimizer, inputs: dict, steps: int, warmup: int = 1) -> tuple[list[float], int]:

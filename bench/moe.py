@@ -105,7 +105,8 @@ def main() -> None:
         return child(args)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # each strategy in fresh processes: one's allocations never count in the other's peak
-    runs = run_variants(__file__, list(STRATEGIES), "--variant", 2, rounds=1, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    runs = run_variants(__file__, list(STRATEGIES), "--variant", 2, rounds=1,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, smoke_together=True)
     ranks = [{name: runs[name][0][rank] for name in STRATEGIES} for rank in range(2)]
     mib = 2**20
     setup = (f"dialogue_moe_tiny's model with {args.experts} experts per layer (2 per token), {args.rows} rows x"

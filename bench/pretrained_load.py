@@ -8,10 +8,10 @@ whole-model load (``from_pretrained`` on every rank, then the strategy shards it
 
 The folder (config.json + model.safetensors, bfloat16) is written once under --out-dir (default bench/out/,
 git-ignored). Each variant runs in fresh processes (torchrun on 127.0.0.1): fsdp, zero3 and megatron tp=2 sharded
-at 2 and 4 processes, and the whole-model load under fsdp (where that many whole copies fit the machine). Per rank: its own (anonymous) memory
-after imports (the baseline) and at its peak while the model is built, set up and loaded, sampled; the kernel's peak
-resident set, which also counts the mapped file pages; and the model's float32 share (its parameters' bytes over the
-ranks that split them). Target: own peak <= baseline + 1.1 x what it holds.
+at 2 and 4 processes, and the whole-model load under fsdp (where that many whole copies fit the machine). Per rank:
+its own (anonymous) memory after imports (the baseline) and at its peak while the model is built, set up and loaded,
+sampled; the kernel's peak resident set, which also counts the mapped file pages; and the model's float32 share
+(its parameters' bytes over the ranks that split them). Target: own peak <= baseline + 1.1 x what it holds.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main() -> None:
         variants = [v for v in VARIANTS if not VARIANTS[v][2] or fits_whole(params, n)]
         skipped += [f"{v} at {n} processes" for v in VARIANTS if v not in variants]
         runs = run_variants(__file__, [f"{v}@{n}" for v in variants], "--variant", n, rounds=1,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, smoke_together=True)
         for variant in variants:
             ranks = runs[f"{variant}@{n}"][0]
             busiest = max(ranks, key=lambda r: (r["peak_anon"] - r["baseline_anon"]) / r["held"])

@@ -150,7 +150,7 @@ def main() -> None:
     if args.row is not None:
         return child(args)
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.devices))}
-    runs = run_variants(__file__, list(ROWS), "--row", args.devices, args.rounds, env=env)
+    runs = run_variants(__file__, list(ROWS), "--row", args.devices, args.rounds, env=env, smoke_together=True)
     times = {row: [t for out in outs for t in out["times"]] for row, outs in runs.items()}
     peaks = {row: [max(rank) for rank in zip(*(out["peaks"] for out in outs))] for row, outs in runs.items()}
     base = "DDP + standard attention"

@@ -141,7 +141,7 @@ def main() -> None:
     args = parse_args()
     if args.variant is not None:
         return child(args)
-    runs = run_variants(__file__, list(RUNS), "--variant", args.devices, args.rounds)
+    runs = run_variants(__file__, list(RUNS), "--variant", args.devices, args.rounds, smoke_together=True)
     times = {name: [t for out in outs for t in out["times"]] for name, outs in runs.items()}
     memory_of = {name: outs[-1]["memory"] for name, outs in runs.items()}
     n_params = count_params(args)

@@ -7,13 +7,15 @@ Helper modules (no ``if __name__ == "__main__":``) are not benches; ``gpu_check.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, child_env
 
 BENCH = ROOT / "bench"
 OWN_TEST = {"gpu_check.py": "tests/test_gpu_check.py"}
@@ -27,12 +29,14 @@ def bench_scripts() -> list[str]:
                   if p.name not in OWN_TEST and 'if __name__ == "__main__":' in p.read_text())
 
 
-def smoke(name: str, out_dir: Path) -> tuple[object, float, Path]:
-    """``python bench/NAME --smoke [--out-dir OUT]`` (tables in OUT, not in bench/out): the completed process, its
-    seconds and OUT."""
+def smoke(name: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, float, Path]:
+    """``python bench/NAME --smoke [--out-dir OUT]`` (tables in OUT, not in bench/out) as a user starts it: the
+    completed process, its seconds and OUT. (A fresh interpreter: the bench itself imports little; its ranks are
+    its own torchrun's.)"""
     args = ["--out-dir", str(out_dir)] if "--out-dir" in (BENCH / name).read_text() else []
     start = time.perf_counter()
-    proc = run_python(str(BENCH / name), "--smoke", *args, timeout=600)
+    proc = subprocess.run([sys.executable, str(BENCH / name), "--smoke", *args], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=600)
     return proc, time.perf_counter() - start, out_dir
 
 
