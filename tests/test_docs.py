@@ -555,6 +555,12 @@ def test_commands_ports_and_shown_output_are_read_as_documented():
     assert a.split()[2] == b.split("=")[1].split()[0] == ports["29500"] != "29500"  # one free port for both nodes
     assert printed("model: llama ...\n...\nrecommendation: x", "noise\nmodel: llama, 10B\nrow\nrecommendation: x") is None
     assert printed("second\nfirst", "first\nsecond") == "first"  # in order
+    # what runs in a fork of the zygote: python -c (its quoted code may hold any character), lightning's help
+    assert python_argv('python -c "import torch; print(torch.cuda.is_available())"') == [
+        "-c", "import torch; print(torch.cuda.is_available())"]
+    assert python_argv('python -c "print(1)" > out') is None and python_argv("python -c 'print(1)' | wc") is None
+    assert python_argv("lightning run model --help") == ["-c", LIGHTNING_COMMAND, "run", "model", "--help"]
+    assert python_argv("lightning run model s.py --devices 2") is None  # a launch: its ranks are the launcher's
 
 
 def runnable_pages() -> list[Path]:
