@@ -3,6 +3,7 @@
     python bench/attention.py                      # CPU: forward + backward, seq 1k..8k, ~1-2 min on 2 cores
     python bench/attention.py --forward-only       # CPU: forward only (no_grad)
     python bench/attention.py --seqs 1024 4096     # other sequence lengths
+    python bench/attention.py --smoke              # tiny sizes: checks that it runs
 
 Eager is ``softmax(Q K^T / sqrt(d)) V`` written in torch (causal mask, as in a decoder); SDPA is
 ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``. Shapes: batch 1, 8 heads, head dim 64, fp32 on CPU.
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import parse_smoke  # noqa: E402
 from tables import write_table  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
@@ -45,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-cuda", action="store_true")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG tables go (default: bench/out)")
     p.add_argument("--one", nargs=2, metavar=("IMPL", "SEQ"), help=argparse.SUPPRESS)  # a child measurement
-    return p.parse_args()
+    return parse_smoke(p, seqs=[256], repeats=1)
 
 
 def eager_attention(q, k, v):

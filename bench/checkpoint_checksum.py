@@ -2,6 +2,7 @@
 
     python bench/checkpoint_checksum.py                    # 1 GiB in 64 tensors, 3 rounds (~1 min on 2 cores)
     python bench/checkpoint_checksum.py --mib 256 --rounds 5
+    python bench/checkpoint_checksum.py --smoke            # tiny sizes: checks that it runs
 
 Baselines are DCP's own FileSystemWriter/FileSystemReader on the same state and folder; "checked" is what
 ``save_sharded``/``load_sharded`` use: ChecksumWriter (shards hashed as they are written) + write_manifest, and
@@ -31,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from disttrain.parallel.integrity import CheckpointReader, ChecksumWriter, write_manifest  # noqa: E402
+from harness import parse_smoke  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
-    return p.parse_args()
+    return parse_smoke(p, mib=8, tensors=4, rounds=1)
 
 
 def hash_rates(data: bytes) -> dict[str, float]:
@@ -92,7 +94,7 @@ def main() -> None:
     targets = {k: torch.empty_like(v) for k, v in state.items()}
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckpt-bench-"))
     print(f"state: {args.mib} MiB in {args.tensors} tensors; {os.cpu_count()} cores; folder {root}")
-    rates = hash_rates(os.urandom(256 << 20))
+    rates = hash_rates(os.urandom(min(256, args.mib) << 20))
     print("one core, GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in rates.items()))
     times: dict[str, list[float]] = {k: [] for k in ("save", "save+checksum", "load", "load+verify")}
     cpu: dict[str, list[float]] = {k: [] for k in times}

@@ -3,6 +3,7 @@ time against the same strategy at cp=1, measured in one run (2 processes under t
 
     python bench/context_parallel.py                              # CPU/gloo, seq 8192, configs/nlp/dialogue_tiny.yaml
     python bench/context_parallel.py --device cuda --precision bf16-mixed --seq 32768
+    python bench/context_parallel.py --smoke                      # tiny sizes: checks that it runs
 
 The model is the dialogue recipe's tiny one (vocab 2048, hidden 128, 4 layers, 4 heads, 2 key/value heads) with
 ``max_position_embeddings`` raised to ``--seq``. cp=1: each of the 2 ranks trains its own row of ``--seq`` tokens (FSDP
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import fabric_steps, free_port  # noqa: E402
+from harness import fabric_steps, free_port, parse_smoke  # noqa: E402
 from tables import write_table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "nlp" / "dialogue_tiny.yaml"
@@ -49,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return parse_smoke(p, seq=256, steps=1)
 
 
 def model_config(args) -> dict:

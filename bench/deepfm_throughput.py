@@ -4,6 +4,7 @@ time of the daily job (a fresh subprocess, conversion included) on a day of --da
 
     python bench/deepfm_throughput.py                      # 200k rows for throughput, a 1M-row daily job
     python bench/deepfm_throughput.py --rows 50000 --daily-rows 0   # throughput only, quick
+    python bench/deepfm_throughput.py --smoke              # tiny sizes: checks that it runs
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import parse_smoke  # noqa: E402
 from tables import write_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +121,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best of each is reported")
     p.add_argument("--daily-rows", type=int, default=1_000_000, help="rows of the daily-job day (0: skip)")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
-    args = p.parse_args()
+    args = parse_smoke(p, rows=4096, batch_size=512, rounds=1, daily_rows=0)
 
     from disttrain.recsys.daily import load_recipe
 

@@ -2,6 +2,7 @@
 
     python bench/fsdp_overhead.py                       # 2 CPU processes (gloo), fp32
     python bench/fsdp_overhead.py --device cuda --devices 1 --precision bf16-mixed --hidden 2048 --layers 8
+    python bench/fsdp_overhead.py --smoke               # tiny sizes: checks that it runs
 
 Prints median ms/step of: the hand-written loop (fully_shard per decoder layer + root, AdamW), disttrain_fsdp
 through Fabric, and disttrain_fsdp through the Trainer; each ratio against the hand-written loop (target
@@ -21,7 +22,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import add_model_args, batches, build_model, count_params, timed_loop, trainer_step_times  # noqa: E402
+from harness import (  # noqa: E402
+    add_model_args,
+    batches,
+    build_model,
+    count_params,
+    free_port,
+    parse_smoke,
+    timed_loop,
+    trainer_step_times,
+)
 from tables import write_table  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
@@ -31,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--steps", type=int, default=12, help="timed steps per round (after 3 warm-up steps)")
-    return p.parse_args()
+    return parse_smoke(p, hidden=64, layers=2, seq=32, batch=2, rounds=1, steps=1)
 
 
 def hand_written(args, device, data) -> tuple[list[float], int]:
@@ -90,7 +100,7 @@ def main() -> None:
     if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes
         from torch.distributed import run as torchrun
 
-        torchrun.main([f"--nproc_per_node={args.devices}", "--master_addr=127.0.0.1", "--master_port=29512",
+        torchrun.main([f"--nproc_per_node={args.devices}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                        __file__, *sys.argv[1:]])
         return
     device = torch.device(args.device, int(os.environ["LOCAL_RANK"])) if args.device == "cuda" \

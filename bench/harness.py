@@ -1,4 +1,5 @@
-"""Pieces both benchmarks share: the model, the timing loop, and a Trainer run timed per step."""
+"""Pieces the benchmarks share: the ``--smoke`` option, the model, the timing loop, a Trainer run timed per step, and
+variants run in fresh processes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+
+def parse_smoke(p: argparse.ArgumentParser, argv: Optional[list[str]] = None, **tiny: Any) -> argparse.Namespace:
+    """``p``'s arguments plus ``--smoke``: the defaults in ``tiny`` replace ``p``'s (tiny sizes, a few steps; an
+    argument given on the command line still wins), so that tests/test_benches.py checks in seconds that the bench
+    runs and prints its table. A smoke run's figures mean nothing. Children started with this process's arguments
+    get the same sizes."""
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes and a few steps: checks that the bench runs (its figures mean nothing)")
+    if p.parse_known_args(argv)[0].smoke:
+        p.set_defaults(**tiny)
+    return p.parse_args(argv)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -106,24 +120,42 @@ def trainer_step_times(args, device, data, strategy: str) -> list[float]:
     return clock.times
 
 
+VARIANTS_SEP = "|"
+
+
 def run_variants(script: str, variants: list[str], flag: str, devices: int, rounds: int,
-                 env: Optional[dict] = None) -> dict[str, list[dict]]:
+                 env: Optional[dict] = None, smoke_together: bool = False) -> dict[str, list[dict]]:
     """Run ``script`` once per variant and round, each time in fresh processes (torchrun on 127.0.0.1), so one
     variant's leftovers (engines, allocator caches) never inflate the next one's memory; rounds are interleaved so
-    that machine noise hits the variants alike. The child gets ``flag VARIANT --result FILE`` after this
-    process's own arguments, writes JSON there from rank 0; returns each variant's results, one per round."""
+    that machine noise hits the variants alike. The child gets ``flag VARIANT --result FILE`` after this process's
+    own arguments, writes JSON there from rank 0; returns each variant's results, one per round.
+
+    ``smoke_together``: under ``--smoke`` one launch runs all the variants in turn (a smoke run checks that each
+    runs; its figures mean nothing): ``flag`` then carries them all, and the child runs the (variant, result file)
+    pairs :func:`each_variant` gives it."""
     results: dict[str, list[dict]] = {v: [] for v in variants}
+    together = smoke_together and "--smoke" in sys.argv[1:]
+    launches = [VARIANTS_SEP.join(variants)] if together else variants
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
-            for i, variant in enumerate(variants):
+            for i, launch in enumerate(launches):
                 result = os.path.join(tmp, f"{i}.json")
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}",
                        "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(script),
-                       *sys.argv[1:], flag, variant, "--result", result]
+                       *sys.argv[1:], flag, launch, "--result", result]
                 subprocess.run(cmd, check=True, env=env)
-                with open(result) as f:
-                    results[variant].append(json.load(f))
+                for variant, path in each_variant(launch, result):
+                    with open(path) as f:
+                        results[variant].append(json.load(f))
     return results
+
+
+def each_variant(value: str, result: str) -> Iterator[tuple[str, str]]:
+    """In a child of :func:`run_variants`: each variant its ``flag`` value names (one, or all of them with
+    ``smoke_together`` under ``--smoke``), with the file its JSON goes to (``result`` itself for a single one)."""
+    variants = value.split(VARIANTS_SEP)
+    for i, variant in enumerate(variants):
+        yield variant, result if len(variants) == 1 else f"{result}.{i}"
 
 
 def fabric_steps(fabric, model, optimizer, inputs: dict, steps: int, warmup: int = 1) -> tuple[list[float], int]:

@@ -3,6 +3,7 @@
 
     python bench/moe.py                                   # CPU/gloo, configs/nlp/dialogue_moe_tiny.yaml
     python bench/moe.py --device cuda --precision bf16-mixed --seq 2048
+    python bench/moe.py --smoke                           # tiny sizes: checks that it runs
 
 The model is the dialogue recipe's tiny MoE (Qwen2-MoE: hidden 128, 4 layers, 8 experts of width 96 per layer, 2 per
 token, a shared expert, the router's auxiliary loss on), ``--experts`` raises the expert count. Each rank trains its
@@ -30,7 +31,7 @@ import torch
 import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import fabric_steps, run_variants, write_ranks  # noqa: E402
+from harness import each_variant, fabric_steps, parse_smoke, run_variants, write_ranks  # noqa: E402
 from tables import write_table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "nlp" / "dialogue_moe_tiny.yaml"
@@ -46,9 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
     p.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
-    p.add_argument("--variant", default=None, choices=list(STRATEGIES), help=argparse.SUPPRESS)
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return parse_smoke(p, seq=32, rows=1, experts=4, steps=1)
 
 
 def model_config(args) -> dict:
@@ -94,7 +95,8 @@ def child(args) -> None:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    write_ranks(args.result, measure(args, device, args.variant, STRATEGIES[args.variant]))
+    for variant, result in each_variant(args.variant, args.result):
+        write_ranks(result, measure(args, device, variant, STRATEGIES[variant]))
 
 
 def main() -> None:
@@ -103,7 +105,8 @@ def main() -> None:
         return child(args)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # each strategy in fresh processes: one's allocations never count in the other's peak
-    runs = run_variants(__file__, list(STRATEGIES), "--variant", 2, rounds=1, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    runs = run_variants(__file__, list(STRATEGIES), "--variant", 2, rounds=1,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, smoke_together=True)
     ranks = [{name: runs[name][0][rank] for name in STRATEGIES} for rank in range(2)]
     mib = 2**20
     setup = (f"dialogue_moe_tiny's model with {args.experts} experts per layer (2 per token), {args.rows} rows x"

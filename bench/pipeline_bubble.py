@@ -3,6 +3,7 @@ against one process. One run:
 
     python bench/pipeline_bubble.py                      # 2 CPU processes (gloo), p=2, m in {2, 4, 8}
     python bench/pipeline_bubble.py --device cuda --hidden 2048 --layers 8
+    python bench/pipeline_bubble.py --smoke              # tiny sizes: checks that it runs
 
 Bubble: each rank adds up the time its stages spend computing (``forward_one_chunk`` / ``backward_one_chunk``
 of torch.distributed.pipelining); idle = 1 - busy / step time, averaged over ranks, next to (p-1)/(m+p-1). Every
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import add_model_args, build_model, free_port, sync  # noqa: E402
+from harness import add_model_args, build_model, free_port, parse_smoke, sync  # noqa: E402
 from tables import write_table  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return parse_smoke(p, hidden=64, layers=2, seq=32, batch=1, microbatches="2", steps=1)
 
 
 class StageClock:
@@ -150,7 +151,8 @@ def main() -> None:
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        result = child_pp(args, device) if args.child == "pp" else child_tp(args, device)
+        modes = {"pp": child_pp, "tp": child_tp}
+        result = {mode: modes[mode](args, device) for mode in args.child.split("+")}
         if dist.get_rank() == 0:
             with open(args.result, "w") as f:
                 json.dump(result, f)
@@ -161,7 +163,9 @@ def main() -> None:
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     print(f"model: Llama hidden={args.hidden} layers={args.layers} seq={args.seq}, {args.batch} samples per"
           f" microbatch, {args.device}, {args.precision}")
-    pp = launch(args, "pp", 2)
+    # each in fresh processes; under --smoke pp and tp=2 share one launch (a smoke run's figures mean nothing)
+    both = launch(args, "pp+tp", 2) if args.smoke else {}
+    pp = both.get("pp") or launch(args, "pp", 2)["pp"]
     print("\n1F1B, p=2         step (s)   idle measured   theory (p-1)/(m+p-1)   measured / theory")
     rows = []
     for m, row in pp.items():
@@ -169,8 +173,8 @@ def main() -> None:
         print(f"  m={m:<3}           {row['step_s']:8.3f}   {row['idle']:13.3f}   {theory:20.3f}"
               f"   {row['idle'] / theory:17.2f}")
         rows.append([f"1F1B p=2 m={m}", row["step_s"], row["idle"], theory, row["idle"] / theory])
-    single = launch(args, "tp", 1)
-    tp = launch(args, "tp", 2)
+    single = launch(args, "tp", 1)["tp"]
+    tp = both.get("tp") or launch(args, "tp", 2)["tp"]
     print(f"\nTP=2 step {tp['step_s']:.3f} s vs one process {single['step_s']:.3f} s:"
           f" ratio {tp['step_s'] / single['step_s']:.2f} (below 1 = faster than one process)")
     write_table("pipeline_bubble", "Pipeline bubble of disttrain_megatron's 1F1B",

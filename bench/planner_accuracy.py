@@ -2,6 +2,7 @@
 
     python bench/planner_accuracy.py                 # every registered strategy, a tiny and a small Llama
     python bench/planner_accuracy.py --strategies disttrain_fsdp disttrain_zero3
+    python bench/planner_accuracy.py --smoke         # one strategy, the tiny model: checks that it runs
 
 How memory is measured (tests/dist/planner_measure.py, the script tests/test_planner_accuracy.py runs too):
 - model states: the bytes of the tensors this rank holds after the second optimizer step, gradients still alive:
@@ -23,7 +24,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import free_port
+from harness import free_port, parse_smoke  # noqa: E402
 from tables import write_table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,13 +51,15 @@ def error(predicted: float, measured: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", nargs="*", default=ALL)
+    p.add_argument("--sizes", nargs="*", default=[], choices=("tiny", "small", "gpt2"),
+                   help="models (default: tiny and small)")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
-    args = p.parse_args()
+    args = parse_smoke(p, strategies=["disttrain_fsdp"], sizes=["tiny"])
     print(f"{'strategy':<44} {'model':<6} {'states MiB':>10} {'est':>8} {'err':>7} {'acts MiB':>9} {'est':>8}"
           f" {'err':>7} {'total err':>9}")
     rows = []
     for spec in args.strategies:
-        rank0 = run(spec)[0]
+        rank0 = run(spec, *args.sizes)[0]
         for size, r in rank0.items():
             m, e = r["measured"], r["estimate"]
             mib = 2**20

@@ -4,13 +4,14 @@ whole-model load (``from_pretrained`` on every rank, then the strategy shards it
 
     python bench/pretrained_load.py                         # a ~1.1B-parameter Llama in bfloat16, CPU/gloo
     python bench/pretrained_load.py --layers 4 --nprocs 2   # smaller and quicker
+    python bench/pretrained_load.py --smoke                 # tiny sizes: checks that it runs
 
-The folder (config.json + model.safetensors, bfloat16) is written once under bench/out/ (git-ignored). Each variant
-runs in fresh processes (torchrun on 127.0.0.1): fsdp, zero3 and megatron tp=2 sharded at 2 and 4 processes, and
-the whole-model load under fsdp (where that many whole copies fit the machine). Per rank: its own (anonymous) memory
-after imports (the baseline) and at its peak while the model is built, set up and loaded, sampled; the kernel's peak
-resident set, which also counts the mapped file pages; and the model's float32 share (its parameters' bytes over the
-ranks that split them). Target: own peak <= baseline + 1.1 x what it holds.
+The folder (config.json + model.safetensors, bfloat16) is written once under --out-dir (default bench/out/,
+git-ignored). Each variant runs in fresh processes (torchrun on 127.0.0.1): fsdp, zero3 and megatron tp=2 sharded
+at 2 and 4 processes, and the whole-model load under fsdp (where that many whole copies fit the machine). Per rank:
+its own (anonymous) memory after imports (the baseline) and at its peak while the model is built, set up and loaded,
+sampled; the kernel's peak resident set, which also counts the mapped file pages; and the model's float32 share
+(its parameters' bytes over the ranks that split them). Target: own peak <= baseline + 1.1 x what it holds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import run_variants, write_ranks  # noqa: E402
+from harness import each_variant, parse_smoke, run_variants, write_ranks  # noqa: E402
 from tables import write_table  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -43,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return parse_smoke(p, hidden=64, layers=1, nprocs=[2])
 
 
 def config_of(args):
@@ -55,7 +56,7 @@ def config_of(args):
 
 
 def folder_of(args) -> Path:
-    return OUT / f"pretrained-llama-h{args.hidden}-l{args.layers}"
+    return (Path(args.out_dir) if args.out_dir else OUT) / f"pretrained-llama-h{args.hidden}-l{args.layers}"
 
 
 def write_folder(args) -> tuple[Path, int]:
@@ -130,12 +131,17 @@ class PeakSampler:
 
 
 def child(args) -> None:
+    for variant, result in each_variant(args.variant, args.result):
+        load_variant(args, variant, result)
+
+
+def load_variant(args, variant: str, result: str) -> None:
     import lightning as L
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import disttrain
 
-    name, options, whole = VARIANTS[args.variant.split("@")[0]]
+    name, options, whole = VARIANTS[variant.split("@")[0]]
     nprocs = int(os.environ["WORLD_SIZE"])
     strategy = {"disttrain_fsdp": disttrain.fabric.FSDPStrategy, "disttrain_zero3": disttrain.fabric.ZeroStrategy,
                 "disttrain_megatron": disttrain.fabric.MegatronStrategy}[name](**options)
@@ -158,7 +164,7 @@ def child(args) -> None:
         fabric.strategy.load_pretrained(model, folder)
     fabric.barrier()
     end = time.perf_counter()
-    write_ranks(args.result, {"baseline": baseline, "peak": rss(), "baseline_anon": baseline_anon,
+    write_ranks(result, {"baseline": baseline, "peak": rss(), "baseline_anon": baseline_anon,
                               "peak_anon": sampler.stop(), "build_s": built - start, "load_s": end - built,
                               "held": held_bytes(model)})
 
@@ -181,7 +187,7 @@ def main() -> None:
         variants = [v for v in VARIANTS if not VARIANTS[v][2] or fits_whole(params, n)]
         skipped += [f"{v} at {n} processes" for v in VARIANTS if v not in variants]
         runs = run_variants(__file__, [f"{v}@{n}" for v in variants], "--variant", n, rounds=1,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, smoke_together=True)
         for variant in variants:
             ranks = runs[f"{variant}@{n}"][0]
             busiest = max(ranks, key=lambda r: (r["peak_anon"] - r["baseline_anon"]) / r["held"])

@@ -3,6 +3,7 @@ A100s), on CPU, in one run.
 
     python bench/seed_table.py                         # 2 CPU processes (gloo), Llama 3x1024, seq 2048, ~2 min
     python bench/seed_table.py --seq 4096 --layers 2   # a longer sequence
+    python bench/seed_table.py --smoke                 # tiny sizes: checks that it runs
     python bench/seed_table.py --device cuda --devices 8 --precision bf16-mixed --hidden 2048 --heads 16 --layers 16 --seq 8192 --vocab 32000
 
 Rows, all through Lightning Fabric with the registered strategies, same model, data and AdamW:
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import add_model_args, run_variants, sync  # noqa: E402
+from harness import add_model_args, each_variant, parse_smoke, run_variants, sync  # noqa: E402
 from tables import write_table  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
@@ -54,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed steps per round (after 1 warm-up step)")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # set for the child processes
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return parse_smoke(p, hidden=64, layers=1, seq=64, heads=2, vocab=128, steps=1)
 
 
 # Why the kernel's resident high-water mark: torch keeps no peak statistic for CPU memory and tracemalloc does not
@@ -90,13 +91,19 @@ def count_params(args) -> int:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One row on a fresh process group; rank 0 writes every rank's peak memory and its step times to --result."""
+    """The row(s) on a fresh process group; rank 0 writes every rank's peak memory and its step times to each row's
+    result."""
+    for row, result in each_variant(args.row, args.result):
+        run_row(args, row, result)
+
+
+def run_row(args: argparse.Namespace, row: str, result: str) -> None:
     import lightning as L
 
     import disttrain  # noqa: F401  (registers disttrain_ddp / disttrain_fsdp)
     from disttrain.callbacks.attention import apply_fast_attention, format_report
 
-    strategy, fast = ROWS[args.row]
+    strategy, fast = ROWS[row]
     fabric = L.Fabric(accelerator=args.device, devices=args.devices, strategy=strategy, precision=args.precision)
     fabric.launch()  # processes exist already (torchrun): this only connects Fabric to them
     cuda = fabric.device.type == "cuda"
@@ -133,7 +140,7 @@ def child(args: argparse.Namespace) -> None:
     peaks = [None] * fabric.world_size
     dist.all_gather_object(peaks, peak)
     if fabric.global_rank == 0:
-        with open(args.result, "w") as f:
+        with open(result, "w") as f:
             json.dump({"times": times, "peaks": peaks}, f)
     dist.barrier()
 
@@ -143,7 +150,7 @@ def main() -> None:
     if args.row is not None:
         return child(args)
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.devices))}
-    runs = run_variants(__file__, list(ROWS), "--row", args.devices, args.rounds, env=env)
+    runs = run_variants(__file__, list(ROWS), "--row", args.devices, args.rounds, env=env, smoke_together=True)
     times = {row: [t for out in outs for t in out["times"]] for row, outs in runs.items()}
     peaks = {row: [max(rank) for rank in zip(*(out["peaks"] for out in outs))] for row, outs in runs.items()}
     base = "DDP + standard attention"

@@ -2,6 +2,7 @@
 
     python bench/strategy_table.py            # 2 CPU processes (gloo), the "small" Llama of the accuracy test
     python bench/strategy_table.py --steps 5
+    python bench/strategy_table.py --smoke    # DDP only, the tiny model: checks that it runs
 
 This is the usual cross-framework comparison (DDP / FSDP / DeepSpeed ZeRO-3 / Megatron; memory and speed), rebuilt
 from our own measurements: rows ddp, fsdp, fsdp_offload, zero3, zero3_offload, megatron tp=2 and
@@ -19,7 +20,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planner_accuracy import run
+from harness import parse_smoke  # noqa: E402
+from planner_accuracy import run  # noqa: E402
 from tables import write_table  # noqa: E402
 
 ROWS = ["disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
@@ -30,12 +32,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--size", default="small", choices=("tiny", "small"))
+    p.add_argument("--rows", nargs="+", default=ROWS, help="strategies (the first is the baseline of the ratios)")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
-    args = p.parse_args()
+    args = parse_smoke(p, steps=1, size="tiny", rows=ROWS[:1])
     results = {}
-    for spec in ROWS:
+    for spec in args.rows:
         results[spec] = run(spec, args.size, "--steps", str(args.steps))
-    base = results["disttrain_ddp"][0][args.size]
+    base = results[args.rows[0]][0][args.size]
     mib = 2**20
     print(f"\n{'strategy':<44} {'measured MiB/rank':>17} {'estimate':>9} {'est device':>10} {'est host':>8}"
           f" {'step s':>7} {'x DDP':>6} {'est x DDP':>9}")

@@ -4,6 +4,7 @@ same run on the same model by tests/dist/zero3_shards.py.
 
     python bench/zero3_checkpoint_memory.py                          # ~18M parameters, 2 and 4 CPU processes
     python bench/zero3_checkpoint_memory.py --width 2048 --vocab 8192 --sizes 2 4 8
+    python bench/zero3_checkpoint_memory.py --smoke                  # tiny sizes: checks that it runs
 
 Per operation, the worst rank's figures: the resident set's high-water mark above the start (VmHWM, after the free
 heap pages are returned to the system) and the most tensor bytes alive at once (every allocation and free of
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import parse_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist" / "zero3_shards.py"
@@ -64,7 +67,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--vocab", type=int, default=4096)
-    args = p.parse_args()
+    args = parse_smoke(p, sizes=[2], width=64, depth=2, vocab=128)
     sizes = [f"--width={args.width}", f"--depth={args.depth}", f"--vocab={args.vocab}"]
     params = args.vocab * args.width + (args.depth + 1) * (args.width + 1) * args.width + 4
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,6 +3,7 @@ in one run; per-rank device and host memory with and without offload.
 
     python bench/zero3_overhead.py                                # 2 CPU processes (gloo), fp32
     python bench/zero3_overhead.py --device cuda --devices 1 --precision bf16-mixed --hidden 2048 --layers 8
+    python bench/zero3_overhead.py --smoke                        # tiny sizes: checks that it runs
 
 Rows: raw DeepSpeed loop (engine(ids), engine.backward, engine.step), disttrain_zero3 through Fabric and through
 the Trainer (ratios against the raw loop; target <= 1.05), and disttrain_zero3_offload through Fabric (memory).
@@ -29,6 +30,8 @@ from harness import (  # noqa: E402
     batches,
     build_model,
     count_params,
+    each_variant,
+    parse_smoke,
     run_variants,
     timed_loop,
     trainer_step_times,
@@ -45,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (after 3 warm-up steps)")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # set for the child processes
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return parse_smoke(p, hidden=64, layers=2, seq=32, batch=2, rounds=1, steps=1)
 
 
 def memory(device) -> dict[str, float]:
@@ -59,8 +62,9 @@ def memory(device) -> dict[str, float]:
 def raw_deepspeed(args, device, data):
     import deepspeed
 
-    from disttrain.parallel.zero import ZeroOptions, zero3_config
+    from disttrain.parallel.zero import ZeroOptions, import_dynamo_before_zero_init, zero3_config
 
+    import_dynamo_before_zero_init()  # the model's lazy transformers import reaches torch._dynamo: not inside zero.Init
     config = zero3_config(ZeroOptions(), precision=args.precision, micro_batch_size=args.batch, accumulation=1,
                           world_size=dist.get_world_size(), gradient_clipping=None, device_type=device.type)
     with deepspeed.zero.Init(config_dict_or_path=config):
@@ -114,7 +118,7 @@ RUNS = {"raw deepspeed.initialize": raw_deepspeed, "disttrain_zero3 (Fabric)": f
 
 
 def child(args: argparse.Namespace) -> None:
-    """One variant on this process group; rank 0 writes times and every rank's memory to --result."""
+    """The variant(s) on this process group; rank 0 writes times and every rank's memory to each one's result."""
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -123,20 +127,21 @@ def child(args: argparse.Namespace) -> None:
 
     deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
     data = batches(args, device)
-    times, mem = RUNS[args.variant](args, device, data)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mem)
-    if dist.get_rank() == 0:
-        with open(args.result, "w") as f:
-            json.dump({"times": times, "memory": gathered}, f)
-    dist.barrier()
+    for variant, result in each_variant(args.variant, args.result):
+        times, mem = RUNS[variant](args, device, data)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mem)
+        if dist.get_rank() == 0:
+            with open(result, "w") as f:
+                json.dump({"times": times, "memory": gathered}, f)
+        dist.barrier()
 
 
 def main() -> None:
     args = parse_args()
     if args.variant is not None:
         return child(args)
-    runs = run_variants(__file__, list(RUNS), "--variant", args.devices, args.rounds)
+    runs = run_variants(__file__, list(RUNS), "--variant", args.devices, args.rounds, smoke_together=True)
     times = {name: [t for out in outs for t in out["times"]] for name, outs in runs.items()}
     memory_of = {name: outs[-1]["memory"] for name, outs in runs.items()}
     n_params = count_params(args)

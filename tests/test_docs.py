@@ -465,12 +465,23 @@ class BlockFailed(Exception):
     pass
 
 
+# `lightning` as its console script (pyproject's [project.scripts]) runs it
+LIGHTNING_COMMAND = ("import sys; from disttrain.cli import lightning_main; sys.argv[0] = 'lightning';"
+                     " sys.exit(lightning_main())")
+
+
 def python_argv(command: str) -> Optional[list[str]]:
-    """What ``python`` runs for ``command`` when it is ``python[3] SCRIPT.py ...`` or ``disttrain ...`` (not its
-    launcher, ``disttrain run``), with no shell syntax beyond a trailing comment; None for anything else."""
+    """What ``python`` runs for ``command`` when it is ``python[3] SCRIPT.py ...``, ``python[3] -c "CODE"``,
+    ``disttrain ...`` (not its launcher, ``disttrain run``) or ``lightning ... --help``, with no shell syntax beyond a
+    trailing comment (inside -c's quoted code, any); None for anything else."""
+    code = shlex.split(command) if command.rstrip().endswith(("'", '"')) else []
+    if len(code) == 3 and code[0] in ("python", "python3") and code[1] == "-c":
+        return code[1:]
     if any(c in command.split(" #")[0] for c in "|&;<>$`*?~(){}"):
         return None
     words = shlex.split(command, comments=True)
+    if words and words[0] == "lightning" and "--help" in words:  # the console script disttrain provides
+        return ["-c", LIGHTNING_COMMAND, *words[1:]]
     if len(words) > 1 and words[0] in ("python", "python3") and words[1].endswith(".py"):
         return words[1:]
     if len(words) > 1 and words[0] == "disttrain" and words[1] != "run":
@@ -544,6 +555,12 @@ def test_commands_ports_and_shown_output_are_read_as_documented():
     assert a.split()[2] == b.split("=")[1].split()[0] == ports["29500"] != "29500"  # one free port for both nodes
     assert printed("model: llama ...\n...\nrecommendation: x", "noise\nmodel: llama, 10B\nrow\nrecommendation: x") is None
     assert printed("second\nfirst", "first\nsecond") == "first"  # in order
+    # what runs in a fork of the zygote: python -c (its quoted code may hold any character), lightning's help
+    assert python_argv('python -c "import torch; print(torch.cuda.is_available())"') == [
+        "-c", "import torch; print(torch.cuda.is_available())"]
+    assert python_argv('python -c "print(1)" > out') is None and python_argv("python -c 'print(1)' | wc") is None
+    assert python_argv("lightning run model --help") == ["-c", LIGHTNING_COMMAND, "run", "model", "--help"]
+    assert python_argv("lightning run model s.py --devices 2") is None  # a launch: its ranks are the launcher's
 
 
 def runnable_pages() -> list[Path]:

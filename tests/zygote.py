@@ -119,7 +119,8 @@ def serve(requests: int, replies: int) -> dict | None:
 
 def become(request: dict) -> tuple[str, str]:
     """Turn this fork into the rank ``python -u <script> <args>`` would have started under torchrun (or the one
-    process of ``python -u [-m] <script|module> <args>``); returns what to run: ("path"|"module", target)."""
+    process of ``python -u [-m|-c] <script|module|code> <args>``); returns what to run: ("path"|"module"|"code",
+    target)."""
     import random
 
     os.setsid()
@@ -133,10 +134,15 @@ def become(request: dict) -> tuple[str, str]:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    if request["argv"][0] == "-m":  # `python -m module args`: runpy puts the module's file in sys.argv[0]
+    kind = {"-m": "module", "-c": "code"}.get(request["argv"][0], "path")
+    if kind == "module":  # `python -m module args`: runpy puts the module's file in sys.argv[0]
         target = request["argv"][1]
         sys.argv = list(request["argv"][1:])
         sys.path[0] = os.getcwd()
+    elif kind == "code":  # `python -c code args`: sys.argv[0] is "-c", the current folder first on sys.path
+        target = request["argv"][1]
+        sys.argv = ["-c", *request["argv"][2:]]
+        sys.path[0] = ""
     else:
         target = os.path.abspath(request["argv"][0])
         sys.argv = list(request["argv"])
@@ -149,7 +155,7 @@ def become(request: dict) -> tuple[str, str]:
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     rank_zero_only.rank = _get_rank() or 0
-    return ("module" if request["argv"][0] == "-m" else "path"), target
+    return kind, target
 
 
 def zygote_main() -> dict | None:
@@ -283,7 +289,7 @@ class Launcher:
         ``subprocess.run(capture_output=True, text=True)`` gives them (``subprocess.TimeoutExpired`` past
         ``timeout``). ``run_env``: variables the program reads only after its imports (they are not the zygote's);
         ``cwd``: where it runs (default: the launcher's folder)."""
-        out, err = self.logs(Path(argv[1] if argv[0] == "-m" else argv[0]).stem, 2)
+        out, err = self.logs("code" if argv[0] == "-c" else Path(argv[1] if argv[0] == "-m" else argv[0]).stem, 2)
         zygote = self._zygotes(1, env)[0]
         zygote.send({"argv": argv, "cwd": str(cwd or self.cwd), "log": str(out), "err": str(err),
                      "env": {**env, **run_env}})
@@ -336,5 +342,7 @@ if __name__ == "__main__":
 
         if _kind == "module":
             runpy.run_module(_target, run_name="__main__", alter_sys=True)
+        elif _kind == "code":
+            exec(compile(_target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         else:
             runpy.run_path(_target, run_name="__main__")

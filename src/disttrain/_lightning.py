@@ -25,7 +25,12 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from disttrain.parallel.engine import Engine
 from disttrain.parallel import registry, watchdog
-from disttrain.parallel.zero import hf_init_after_partitioning, skip_inference_comm_op, trim_while_partitioning
+from disttrain.parallel.zero import (
+    hf_init_after_partitioning,
+    import_dynamo_before_zero_init,
+    skip_inference_comm_op,
+    trim_while_partitioning,
+)
 
 # Seconds a rank may stay silent (its heartbeat) before every other rank ends the run (parallel/watchdog.py); the
 # process group's collectives wait a few heartbeats longer. Lightning waits 30 minutes, with no word of which rank;
@@ -148,9 +153,10 @@ class DeepSpeedPlumbing(EngineAdapter):
         return self.engine.device_for(super().root_device, self.local_rank)  # type: ignore[misc]
 
     # Lightning's zero.Init contexts (Fabric's module_sharded_context, the Trainer's model_sharded_context), with Hugging
-    # Face models initialised as transformers does under ZeRO-3, and memory freed by partitioning given back as it goes
-    # (parallel/zero.py explains both)
+    # Face models initialised as transformers does under ZeRO-3, memory freed by partitioning given back as it goes, and
+    # torch._dynamo imported before (a first import inside fails; parallel/zero.py explains all three)
     def module_sharded_context(self) -> AbstractContextManager:
+        import_dynamo_before_zero_init()
         stack = ExitStack()
         stack.enter_context(hf_init_after_partitioning())  # initialises after zero.Init has closed
         stack.enter_context(trim_while_partitioning())
@@ -159,6 +165,7 @@ class DeepSpeedPlumbing(EngineAdapter):
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
+        import_dynamo_before_zero_init()
         with hf_init_after_partitioning(), trim_while_partitioning(), super().model_sharded_context():  # type: ignore[misc]
             yield
 

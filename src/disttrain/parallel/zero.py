@@ -216,6 +216,17 @@ def release_freed_memory() -> None:
         pass
 
 
+def import_dynamo_before_zero_init() -> None:
+    """Import ``torch._dynamo`` before ``deepspeed.zero.Init`` is entered (a no-op once imported).
+
+    Why: zero.Init replaces ``torch.Tensor.__new__`` while it is open, and torch._dynamo, on its first import, checks
+    that its polyfill of ``torch.Tensor.__new__`` has the signature of the one in place. A first import inside
+    zero.Init (a model that imports transformers -> torchvision -> torch._dynamo lazily, or calls torch.compile)
+    fails with ``TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor>
+    and <function tensor_pynew>``. Lightning imports it first only where torchvision is installed."""
+    import torch._dynamo  # noqa: F401
+
+
 @contextmanager
 def trim_while_partitioning(min_bytes: int = 8 * 2**20) -> Iterator[None]:
     """Around ``deepspeed.zero.Init``: after each module with at least ``min_bytes`` of its own parameters is
