@@ -88,6 +88,16 @@ class FabricAdapter(EngineAdapter):
                 metadata[key] = value.state_dict() if callable(getattr(value, "state_dict", None)) else value
         self.engine.save_checkpoint(self.broadcast(path), module, tensors, metadata)
 
+    def wait_checkpoint(self) -> None:
+        """Collective: block until the checkpoint written in the background (``async_checkpoint=True``) is complete
+        and raise its error (a full disk) here; call it once training ends (Fabric has no end-of-run hook). No-op
+        for synchronous saves."""
+        self.engine.wait_checkpoint()
+
+    def teardown(self) -> None:
+        self.engine.wait_checkpoint()
+        super().teardown()  # type: ignore[misc]
+
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore modules, optimizers and stateful objects of ``state`` in place from a disttrain checkpoint of any
@@ -95,6 +105,7 @@ class FabricAdapter(EngineAdapter):
         What the engine does not read (single files under disttrain_ddp, DeepSpeed folders under disttrain_zero3) is
         loaded as Lightning loads it."""
         path = self.broadcast(path)
+        self.engine.wait_checkpoint()  # a checkpoint written in the background exists once it is complete
         if not self.engine.reads_checkpoint(path):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore
         if isinstance(state, nn.Module):
