@@ -119,6 +119,22 @@ class FabricAdapter(EngineAdapter):
         return restore_rest(state, targets, metadata)
 
 
+def use_async_checkpoint(strategy: Any, where: str) -> None:
+    """Recipes: turn on ``async_checkpoint`` on the strategy their Fabric runs (named by a launcher or a flag);
+    ``where`` names the recipe's setting in the one-line error of a strategy that cannot write in the background."""
+    if not isinstance(strategy, FabricAdapter):
+        raise ValueError(f"{where}: async checkpoints are written by disttrain_fsdp, disttrain_ddp and"
+                         f" disttrain_megatron, not by {type(strategy).__name__}; choose one of them or turn it off")
+    strategy.set_async_checkpoint()
+
+
+def wait_checkpoint(strategy: Any) -> None:
+    """Recipes, once training ends: the checkpoint written in the background is complete, or its error raised
+    (no-op for synchronous saves and Lightning's own strategies)."""
+    if isinstance(strategy, FabricAdapter):
+        strategy.wait_checkpoint()
+
+
 def builds_empty(strategy: Any) -> bool:
     """Whether ``fabric.init_module(empty_init=True)`` gives a trained-from-scratch model under ``strategy``: every
     disttrain strategy builds on the meta device (or under ``deepspeed.zero.Init``) and initialises the weights in
