@@ -4,7 +4,7 @@ a full disk in the background write, refusals. One kill run and one comparison r
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT, run_dist, run_torchrun
+from conftest import ROOT, run_dist, run_python, run_torchrun
 
 from disttrain.parallel import registry
 from disttrain.parallel.async_checkpoint import HOLD_ENV
@@ -79,3 +79,10 @@ def test_unsupported_combinations_are_refused_in_one_line(name, options, message
     with pytest.raises((ValueError, TypeError)) as error:
         registry.lookup(name).options(**options)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_bench_smoke_prints_its_table():
+    proc = run_python(str(ROOT / "bench/async_checkpoint.py"), "--smoke", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ratio async / sync (time lost per checkpoint):" in proc.stdout

@@ -115,7 +115,9 @@ class EngineAdapter:
         if not any(f.name == "async_checkpoint" for f in dataclasses.fields(options)):
             raise ValueError(f"async_checkpoint is not an option of {self.strategy_name}; checkpoints are written in the"
                              " background by disttrain_fsdp, disttrain_ddp and disttrain_megatron")
-        self.engine.options = dataclasses.replace(options, async_checkpoint=enabled)
+        new = dataclasses.replace(options, async_checkpoint=enabled)  # refused in one line where it cannot work
+        self.engine.wait_checkpoint()  # a synchronous save never runs beside a background one
+        self.engine.options = new
 
     def _lightning_checkpoint(self, path: Any, module: Any, targets: dict[str, Any], trainer: bool,
                               weights_only: Optional[bool]) -> Any:
