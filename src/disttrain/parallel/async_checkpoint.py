@@ -17,6 +17,7 @@ each rank. torchtitan's async mode does the same.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -63,6 +64,8 @@ class AsyncSaver:
         ``meta`` as ``meta.pt``, into the folder ``path`` in the background. Call :meth:`wait` first (save_sharded
         does)."""
         self.wait()
+        # meta.pt is written in the background too: from a copy taken now, as training changes the loop state it holds.
+        meta = copy.deepcopy(meta)
         distributed = dist.is_available() and dist.is_initialized()
         if self._group is None and distributed:
             self._group = dist.new_group(backend="gloo")  # collective: every rank's first save creates it
