@@ -3,12 +3,18 @@ a full disk in the background write, refusals. One kill run and one comparison r
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from conftest import ROOT, run_dist, run_python, run_torchrun
 
+from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel import registry
-from disttrain.parallel.async_checkpoint import HOLD_ENV
+from disttrain.parallel.async_checkpoint import HOLD_ENV, AsyncSaver
 from disttrain.parallel.checkpoint import CheckpointError, check_checkpoint, latest_checkpoint
+from disttrain.parallel.diskspace import FAIL_ENV, DiskFullError
+from disttrain.parallel.integrity import verify_checkpoint
 
 STRATEGIES = ("disttrain_fsdp", "disttrain_ddp", "disttrain_megatron")
 
@@ -64,6 +70,35 @@ def test_a_full_disk_during_the_background_write_is_the_synchronous_line(runs):
     assert got["True"].startswith("DiskFullError: disk full while writing the checkpoint's shards") and \
         "\n" not in got["True"]
     assert got["True_left"] == got["False_left"] == []  # no half folder left behind
+
+
+def test_one_process_async_save_is_the_synchronous_folder_and_its_full_disk_line(tmp_path, monkeypatch):
+    """One process, no process group: the same files and checksums (shards, meta.pt); a full disk at each write of
+    the background (shards, meta.pt, manifest) raises the synchronous save's line at the next save, keeps the previous
+    checkpoint verifying and leaves no temporary folder."""
+    saver = AsyncSaver()
+    state = {"w": torch.arange(6.0), "step": 1}
+    ckpt.save_sharded(tmp_path / "sync" / "ckpt", {"model": state}, {"step": 1})
+    ckpt.save_sharded(tmp_path / "async" / "ckpt", {"model": state}, {"step": 1}, saver=saver)
+    state["w"] += 100  # after the save returned: not in the checkpoint
+    saver.wait()
+    files = [json.loads((tmp_path / kind / "ckpt" / "manifest.json").read_text())["files"] for kind in ("sync", "async")]
+    assert files[0].keys() == files[1].keys() and files[0]["meta.pt"] == files[1]["meta.pt"]
+    assert files[0]["__0_0.distcp"] == files[1]["__0_0.distcp"]
+    path = tmp_path / "async" / "ckpt"
+    for point in ("shard", "metadata", "manifest"):
+        monkeypatch.setenv(FAIL_ENV, point)
+        with pytest.raises(DiskFullError) as sync_error:
+            ckpt.save_sharded(tmp_path / "sync" / "ckpt", {"model": {"w": torch.zeros(6)}}, {"step": 2})
+        ckpt.save_sharded(path, {"model": {"w": torch.zeros(6)}}, {"step": 2}, saver=saver)  # returns: in flight
+        with pytest.raises(DiskFullError) as async_error:
+            saver.wait()
+        monkeypatch.delenv(FAIL_ENV)
+        assert str(async_error.value) == str(sync_error.value).replace(str(tmp_path / "sync"), str(tmp_path / "async"))
+        assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]
+        verify_checkpoint(path)
+        assert ckpt.read_meta(path)["step"] == 1
+    saver.close()
 
 
 @pytest.mark.parametrize("name, options, message", [
