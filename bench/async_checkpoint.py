@@ -130,6 +130,10 @@ def main() -> None:
         calls_ratio = statistics.median(calls["async"]) / statistics.median(calls["sync"])
         print(f"  ratio async / sync (time lost per checkpoint): {async_lost / sync_lost:.3f}   (target <= 0.2)")
         print(f"  ratio async / sync (save call, training blocked): {calls_ratio:.3f}")
+        spread = (max(base) - min(base)) / statistics.median(base)
+        if min(sync_lost, async_lost) < 0 or spread > 0.2:
+            print(f"  note: step times varied by {spread:.0%} of the median (a loaded machine): the time lost is"
+                  " within that noise; rerun on a quiet machine or with more --rounds")
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     fabric.barrier()
