@@ -284,9 +284,12 @@ def test_recipe_resumes_with_the_next_unseen_batch(tmp_path, demo):
                 if line.startswith("step") and line.split()[2:4] == ["train", "loss"] and len(line.split()) == 5}
 
     demo_config = ("--config", "configs/nlp/dialogue_demo.yaml")  # what `make demo` runs, as docs/recipes shows it
+    # The checkpoints are written in the background (--async-checkpoint); the resume reads the one of step 3.
     full = recipe("disttrain_fsdp", tmp_path / "a", demo[0], *demo_config, "--steps", "6", "--eval-every", "100",
-                  "--log-every", "1", "--save-every", "3")
+                  "--log-every", "1", "--save-every", "3", "--async-checkpoint")
     ckpt = tmp_path / "a" / "out" / "checkpoints" / "step-000003"
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["step-000003", "step-000006"]  # the last one waited for
+    assert (ckpt.parent / "step-000006" / "manifest.json").is_file()
     resumed = recipe("disttrain_fsdp", tmp_path / "b", demo[0], *demo_config, "--steps", "6", "--eval-every", "100",
                      "--log-every", "1", "--resume", str(ckpt))
     assert "resumed at step 3" in resumed.stdout

@@ -20,7 +20,8 @@ exported model's greedy reply to a sample prompt. A progress bar (rank 0, in a t
 follows training; TensorBoard and CSV logs go under --out/logs (--logger), and --out/report.png + report.md sum the
 run up at the end (`disttrain report OUT`, OUT being the --out folder, redraws them, also for an interrupted run).
 --save-every N writes resumable checkpoints (model, optimizer, schedule and the data position) under
---out/checkpoints; --resume PATH continues with the next unseen batch.
+--out/checkpoints (--async-checkpoint or train.async_checkpoint: written in the background while training goes on);
+--resume PATH continues with the next unseen batch.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from safetensors.torch import load_file
 
 import disttrain  # registers the disttrain_* names
 from disttrain.callbacks import GradientAccumulation, Throughput, apply_fast_attention
-from disttrain.fabric import builds_empty
+from disttrain.fabric import builds_empty, use_async_checkpoint, wait_checkpoint
 from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_datasets, export_hf, load_tokenizer, \
     read_jsonl, read_recipe_config, reply_from_export
 from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
@@ -84,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logger", default="tensorboard,csv", help="tensorboard,csv | csv | tensorboard | none")
     p.add_argument("--no-report", action="store_true", help="do not draw --out/report.png at the end")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: none)")
+    p.add_argument("--async-checkpoint", action="store_true", default=None,
+                   help="write the checkpoints in the background while training goes on (default:"
+                        " train.async_checkpoint)")
     p.add_argument("--log-every", type=int, default=0, help="print the train loss every N steps (0: at evals)")
     p.add_argument("--resume", default=None, help="a checkpoint folder written by --save-every")
     p.add_argument("--prompt", default=None, help="sample prompt answered after training (default: train.prompt)")
@@ -113,7 +117,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     train = dict(config.get("train", {}))
     for key, value in (("steps", args.steps), ("eval_every", args.eval_every), ("micro_batch_size", args.micro_batch),
                        ("global_batch_size", args.global_batch), ("lr", args.lr), ("prompt", args.prompt),
-                       ("precision", args.precision)):
+                       ("precision", args.precision), ("async_checkpoint", args.async_checkpoint)):
         if value is not None:
             train[key] = value
     data = dict(config.get("data", {}))
@@ -168,6 +172,8 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     fabric = L.Fabric(precision=precision, **cli_kwargs) if cli else L.Fabric(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         precision=precision, **{"strategy": strategy, **cli_kwargs})
+    if train.get("async_checkpoint"):
+        use_async_checkpoint(fabric.strategy, "--async-checkpoint (train.async_checkpoint)")
     dp = _sampler_kwargs(fabric)["num_replicas"]
     accumulation = GradientAccumulation(global_batch_size=int(train.get("global_batch_size") or micro * dp))
     accumulation.attach(fabric, micro)  # before launch: feeds disttrain_zero3's DeepSpeed config
@@ -290,6 +296,7 @@ def fit(fabric: L.Fabric, state: dict[str, Any], run: dict[str, Any]) -> None:
     with progress:
         for step in range(state["step"] + 1, steps + 1):
             train_step(fabric, state, run, step, data, throughput, progress, start)
+    wait_checkpoint(fabric.strategy)  # the last checkpoint written in the background is complete
     state["seconds"] = time.perf_counter() - start
 
 

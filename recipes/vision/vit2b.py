@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.callbacks import Throughput
-from disttrain.fabric import builds_empty
+from disttrain.fabric import builds_empty, use_async_checkpoint, wait_checkpoint
 from disttrain.parallel import watchdog
 from disttrain.parallel.failures import one_line_failures
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
@@ -128,6 +128,8 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict, dict]:
         if args.pretrained and not args.resume else None
 
     fabric = make_fabric(args, accelerator, vit.train_config.precision, devices)
+    if vit.train_config.async_checkpoint:
+        use_async_checkpoint(fabric.strategy, f"{config_path}: train.async_checkpoint")
     if not os.environ.get("LT_CLI_USED"):
         fabric.launch()  # only with plain `python`: the launcher already started every process
     fabric.seed_everything(vit.train_config.seed)
@@ -256,6 +258,7 @@ def main() -> None:
             fabric.print(f"already trained: val_acc {metrics['val_acc']:.4f}")
         else:
             metrics = fit(fabric, state, run, out, args.log_every)
+            wait_checkpoint(fabric.strategy)  # the last checkpoint written in the background is complete
         if not math.isfinite(metrics["val_loss"]):  # a diverged model is never exported
             raise SystemExit(f"held-out loss is {metrics['val_loss']}: training diverged, nothing exported to "
                              f"{out / 'export'}; lower train.lr or use precision 32-true in"

@@ -4,6 +4,7 @@ the same attribute names): process-group start and clean exit, ranks, launcher, 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import sys
 import time
@@ -111,6 +112,17 @@ class EngineAdapter:
     def _init_engine(self, options: dict[str, Any]) -> None:
         """Called first in every adapter's ``__init__``: the engine exists before Lightning sets the precision."""
         self.engine = self.engine_cls(registry.lookup(self.strategy_name).options(**options), self.strategy_name)
+
+    def set_async_checkpoint(self, enabled: bool = True) -> None:
+        """The option ``async_checkpoint`` on a strategy already built (one a launcher or a Trainer/Fabric name
+        made), checked as the option is: a strategy that cannot save in the background refuses in one line."""
+        options = self.engine.options
+        if not any(f.name == "async_checkpoint" for f in dataclasses.fields(options)):
+            raise ValueError(f"async_checkpoint is not an option of {self.strategy_name}; checkpoints are written in the"
+                             " background by disttrain_fsdp, disttrain_ddp and disttrain_megatron")
+        new = dataclasses.replace(options, async_checkpoint=enabled)  # refused in one line where it cannot work
+        self.engine.wait_checkpoint()  # a synchronous save never runs beside a background one
+        self.engine.options = new
 
     def _lightning_checkpoint(self, path: Any, module: Any, targets: dict[str, Any], trainer: bool,
                               weights_only: Optional[bool]) -> Any:

@@ -88,6 +88,16 @@ class FabricAdapter(EngineAdapter):
                 metadata[key] = value.state_dict() if callable(getattr(value, "state_dict", None)) else value
         self.engine.save_checkpoint(self.broadcast(path), module, tensors, metadata)
 
+    def wait_checkpoint(self) -> None:
+        """Collective: block until the checkpoint written in the background (``async_checkpoint=True``) is complete
+        and raise its error (a full disk) here; call it once training ends (Fabric has no end-of-run hook). No-op
+        for synchronous saves."""
+        self.engine.wait_checkpoint()
+
+    def teardown(self) -> None:
+        self.engine.wait_checkpoint()
+        super().teardown()  # type: ignore[misc]
+
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore modules, optimizers and stateful objects of ``state`` in place from a disttrain checkpoint of any
@@ -95,6 +105,7 @@ class FabricAdapter(EngineAdapter):
         What the engine does not read (single files under disttrain_ddp, DeepSpeed folders under disttrain_zero3) is
         loaded as Lightning loads it."""
         path = self.broadcast(path)
+        self.engine.wait_checkpoint()  # a checkpoint written in the background exists once it is complete
         if not self.engine.reads_checkpoint(path):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore
         if isinstance(state, nn.Module):
@@ -106,6 +117,22 @@ class FabricAdapter(EngineAdapter):
         metadata = self.engine.load_checkpoint(path, the_model(state), targets, strict=strict,
                                                weights_only=weights_only, source=source)
         return restore_rest(state, targets, metadata)
+
+
+def use_async_checkpoint(strategy: Any, where: str) -> None:
+    """Recipes: turn on ``async_checkpoint`` on the strategy their Fabric runs (named by a launcher or a flag);
+    ``where`` names the recipe's setting in the one-line error of a strategy that cannot write in the background."""
+    if not isinstance(strategy, FabricAdapter):
+        raise ValueError(f"{where}: async checkpoints are written by disttrain_fsdp, disttrain_ddp and"
+                         f" disttrain_megatron, not by {type(strategy).__name__}; choose one of them or turn it off")
+    strategy.set_async_checkpoint()
+
+
+def wait_checkpoint(strategy: Any) -> None:
+    """Recipes, once training ends: the checkpoint written in the background is complete, or its error raised
+    (no-op for synchronous saves and Lightning's own strategies)."""
+    if isinstance(strategy, FabricAdapter):
+        strategy.wait_checkpoint()
 
 
 def builds_empty(strategy: Any) -> bool:

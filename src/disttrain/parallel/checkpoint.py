@@ -52,19 +52,20 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _all_ranks_ok(error: Exception | None) -> None:
-    """Raise the same error on every rank if any rank failed, instead of leaving the others in a collective."""
+def _all_ranks_ok(error: Exception | None, group: Any = None) -> None:
+    """Raise the same error on every rank if any rank failed, instead of leaving the others in a collective.
+    ``group``: the ranks that agree (default: all; an async save's own group, see ``async_checkpoint.py``)."""
     if not (dist.is_available() and dist.is_initialized()):
         if error is not None:
             raise error
         return
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=group)
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         if error is not None:
@@ -74,7 +75,7 @@ def _all_ranks_ok(error: Exception | None) -> None:
         raise CheckpointError(f"another rank failed: {first[0]}: {first[1]}")
 
 
-def _on_rank0(fn: Any, *args: Any) -> None:
+def _on_rank0(fn: Any, *args: Any, group: Any = None) -> None:
     """Collective: ``fn`` runs on rank 0 and its error is raised on every rank (no rank is left in a collective
     the failed one never reaches)."""
     error: Exception | None = None
@@ -83,7 +84,7 @@ def _on_rank0(fn: Any, *args: Any) -> None:
             fn(*args)
         except Exception as e:
             error = e
-    _all_ranks_ok(error)
+    _all_ranks_ok(error, group)
 
 
 KEPT = "the previous checkpoint is kept until a new one is complete"
@@ -221,10 +222,9 @@ def recover_interrupted_save(path: str | os.PathLike) -> Path | None:
     return source
 
 
-@contextmanager
-def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
-    """Collective: every rank writes into the yielded temporary folder; afterwards rank 0 swaps it in for
-    ``path``, so readers never see a half-written checkpoint and an old one is replaced only when complete."""
+def begin_folder(path: str | os.PathLike) -> Path:
+    """Collective: the empty temporary folder ``.NAME.tmp`` next to ``path`` that a save writes into (what an
+    earlier interrupted save left there is cleared first)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if _rank() == 0:
@@ -233,35 +233,67 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         tmp.mkdir(parents=True)
     _barrier()
+    return tmp
+
+
+def abandon_folder(tmp: Path) -> None:
+    """What a failed save wrote goes (a full disk gets its space back); ``path`` keeps the previous checkpoint."""
+    if _rank() == 0:
+        remove(tmp)
+
+
+def commit_folder(tmp: Path, path: str | os.PathLike, group: Any = None) -> None:
+    """Collective (over ``group``): once every rank has written its part of ``tmp``, rank 0 swaps it in for
+    ``path``."""
+    _barrier(group)
+    if _rank() == 0:
+        _replace_atomically(tmp, Path(path))
+    _barrier(group)
+
+
+@contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """Collective: every rank writes into the yielded temporary folder; afterwards rank 0 swaps it in for
+    ``path``, so readers never see a half-written checkpoint and an old one is replaced only when complete."""
+    tmp = begin_folder(path)
     try:
         yield tmp
     except BaseException:
-        if _rank() == 0:
-            remove(tmp)  # what the failed save wrote: a full disk gets its space back
+        abandon_folder(tmp)
         raise
-    _barrier()
-    if _rank() == 0:
-        _replace_atomically(tmp, path)
-    _barrier()
+    commit_folder(tmp, path)
 
 
-def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
-    """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``."""
+def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any],
+                 saver: Any = None) -> Path:
+    """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``. ``saver``: an
+    :class:`~disttrain.parallel.async_checkpoint.AsyncSaver`, which returns once the tensors are staged in host
+    memory and writes the same folder in the background (``async_checkpoint=True``)."""
     meta = {**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}
+    if saver is not None:
+        saver.wait()  # at most one save in flight; its error (a full disk) is raised here, as a synchronous save's
     check_space(path, [tensors, meta if _rank() == 0 else None])
+    if saver is not None:
+        return saver.save(path, tensors, meta)
     with phase(f"saving checkpoint {path}"), atomic_folder(path) as tmp:
         writer = ChecksumWriter(tmp)  # each rank hashes the shard it writes, while writing it
         with writing(path, "the checkpoint's shards", kept=KEPT):  # DCP raises on every rank
             dcp.save(tensors, storage_writer=writer)
-
-        def write_meta() -> None:
-            with writing(tmp / META_FILE, "the checkpoint's meta.pt", "metadata", KEPT):
-                torch.save(meta, tmp / META_FILE)
-
-        _on_rank0(write_meta)
-        with writing(tmp / MANIFEST_FILE, "the checkpoint's manifest", kept=KEPT):
-            write_manifest(tmp, writer.digests)  # its error reaches every rank (see write_manifest)
+        finish_folder(tmp, meta, writer.digests)
     return Path(path)
+
+
+def finish_folder(tmp: Path, meta: dict[str, Any], digests: dict[str, Any], group: Any = None) -> None:
+    """Collective (over ``group``), once the DCP shards are in ``tmp``: rank 0 writes ``meta.pt``, then the manifest
+    of every file, which marks the folder finished."""
+
+    def write_meta() -> None:
+        with writing(tmp / META_FILE, "the checkpoint's meta.pt", "metadata", KEPT):
+            torch.save(meta, tmp / META_FILE)
+
+    _on_rank0(write_meta, group=group)
+    with writing(tmp / MANIFEST_FILE, "the checkpoint's manifest", kept=KEPT):
+        write_manifest(tmp, digests, group)  # its error reaches every rank (see write_manifest)
 
 
 def save_full(path: str | os.PathLike, state: dict[str, Any]) -> Path:

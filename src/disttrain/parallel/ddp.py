@@ -32,6 +32,9 @@ class DDPOptions:
     find_unused_parameters, static_graph: passed to DistributedDataParallel.
     activation_checkpointing: recompute each block's activations in backward (blocks found as disttrain_fsdp finds
         them).
+    async_checkpoint: write sharded checkpoints in the background: a save copies the tensors to host memory and
+        training goes on while they are written (the same folder, manifest and checksums; at most one save in flight;
+        the run's end waits for the last one).
     """
 
     gradient_compression: Optional[str] = None
@@ -40,6 +43,7 @@ class DDPOptions:
     find_unused_parameters: bool = False
     static_graph: bool = False
     activation_checkpointing: bool = False
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.gradient_compression is not None and self.gradient_compression not in COMPRESSIONS:

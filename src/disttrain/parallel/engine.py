@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from disttrain.parallel import checkpoint as ckpt
+from disttrain.parallel.async_checkpoint import AsyncSaver
 from disttrain.parallel.buffers import (
     broadcast_buffers,
     convert_sync_batchnorm,
@@ -83,6 +84,7 @@ class Engine:
         self.mesh: DeviceMesh | None = None  # the world mesh of engines that shard over device meshes
         # Functions that change the plain model right before it is parallelised (the FP8 callback's Linear swap).
         self.module_transforms: list[Callable[[nn.Module], None]] = []
+        self._saver: AsyncSaver | None = None  # writes checkpoints in the background (option async_checkpoint)
 
     # -- processes --------------------------------------------------------------------------------------------
     @classmethod
@@ -273,8 +275,23 @@ class Engine:
     def save_checkpoint(self, path: str | os.PathLike, module: nn.Module, tensors: dict[str, Any],
                         metadata: dict[str, Any]) -> Path:
         """Collective: ``tensors`` (``{key: model_state | optimizer_state}``) as one DCP folder, ``metadata``
-        (step, loop state) in its ``meta.pt``, written atomically."""
-        return ckpt.save_sharded(path, tensors, metadata)
+        (step, loop state) in its ``meta.pt``, written atomically (in the background under ``async_checkpoint``)."""
+        return ckpt.save_sharded(path, tensors, metadata, saver=self.async_saver())
+
+    def async_saver(self) -> AsyncSaver | None:
+        """The background writer of the option ``async_checkpoint`` (None: saves are synchronous)."""
+        if not getattr(self.options, "async_checkpoint", False):
+            return None
+        if self._saver is None:
+            self._saver = AsyncSaver()
+        return self._saver
+
+    def wait_checkpoint(self, path: str | os.PathLike | None = None) -> None:
+        """Collective: block until the checkpoint being written in the background is complete (no-op without
+        ``async_checkpoint``); its error (a full disk) is raised here. Loads, the next save and the end of a run
+        call it. ``path``: wait only if that folder is the one being written (before removing it)."""
+        if self._saver is not None and (path is None or self._saver.writes(path)):
+            self._saver.wait()
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
                         strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
@@ -283,6 +300,7 @@ class Engine:
         metadata. Non-tensor state is unpickled safely unless the caller explicitly passes ``weights_only=False``.
         ``source``: a checkpoint Lightning's own strategies wrote, seen in the one layout (``reader``, ``metadata``
         and ``stored``: ``disttrain.checkpoint_loading.LightningCheckpoint``), read in place of ``path``."""
+        self.wait_checkpoint()
         return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False,
                                  source=source)
 
@@ -429,11 +447,12 @@ class FSDPEngine(Engine):
         """Sharded, or one full file written by rank 0 when ``save_distributed_checkpoint=False``."""
         if self.sharded:
             self.storage_layout().before_save(tensors)
-            return ckpt.save_sharded(path, tensors, metadata)
+            return ckpt.save_sharded(path, tensors, metadata, saver=self.async_saver())
         return ckpt.save_full(path, {**tensors, **metadata})
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
                         strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
+        self.wait_checkpoint()  # a folder written in the background exists once it is complete
         # Each loader checks the path (a missing one goes to load_full, which names it).
         if source is not None or ckpt.is_sharded_checkpoint(path):
             return ckpt.load_sharded(path, targets, module, strict=strict, weights_only=weights_only is not False,

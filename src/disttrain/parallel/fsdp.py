@@ -31,6 +31,9 @@ class FSDPOptions:
     empty_init: build the model on the meta device when the Trainer/Fabric does not say (``configure_model`` /
         ``init_module()``), so no rank ever holds the whole model; shards are initialised after sharding.
     save_distributed_checkpoint: sharded (torch.distributed.checkpoint) checkpoints; False writes one full file.
+    async_checkpoint: write sharded checkpoints in the background: a save copies the tensors to host memory and
+        training goes on while they are written (the same folder, manifest and checksums; at most one save in flight;
+        the run's end waits for the last one).
     hybrid_shard: HSDP on a 2D mesh: shard within a group of ``shard_size`` ranks (default: the processes of one
         node), replicate across groups (nodes): all-gathers stay on the fast intra-node links, only the gradient
         all-reduce crosses nodes.
@@ -48,10 +51,17 @@ class FSDPOptions:
     reshard_after_forward: Union[bool, int] = True
     empty_init: bool = False
     save_distributed_checkpoint: bool = True
+    async_checkpoint: bool = False
     hybrid_shard: bool = False
     shard_size: Optional[int] = None
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.async_checkpoint and not self.save_distributed_checkpoint:
+            raise ValueError("async_checkpoint=True writes sharded checkpoints in the background, but"
+                             " save_distributed_checkpoint=False writes one full file from rank 0; set"
+                             " save_distributed_checkpoint=True, or remove async_checkpoint")
 
 
 def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:

@@ -172,16 +172,17 @@ class ChecksumWriter(FileSystemWriter):
         self.fs = _HashingFileSystem(self.digests)
 
 
-def write_manifest(folder: str | os.PathLike, digests: dict[str, Any]) -> Path:
-    """Collective: gather every rank's shard digests; rank 0 hashes the other files of ``folder`` (``.metadata``,
-    ``meta.pt``: everything present that no rank hashed) and writes ``manifest.json`` last, which marks the
-    checkpoint finished. Call after every file of the checkpoint is written."""
+def write_manifest(folder: str | os.PathLike, digests: dict[str, Any], group: Any = None) -> Path:
+    """Collective (over ``group``, default all ranks): gather every rank's shard digests; rank 0 hashes the other
+    files of ``folder`` (``.metadata``, ``meta.pt``: everything present that no rank hashed) and writes
+    ``manifest.json`` last, which marks the checkpoint finished. Call after every file of the checkpoint is
+    written."""
     folder = Path(folder)
     gathered = [digests]
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, digests)
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, digests, group=group)
     error: Optional[Exception] = None
     if _rank() == 0:
         files: dict[str, Any] = {}
@@ -201,7 +202,7 @@ def write_manifest(folder: str | os.PathLike, digests: dict[str, Any]) -> Path:
             error = e
     if distributed:
         box = [error]
-        dist.broadcast_object_list(box, 0)
+        dist.broadcast_object_list(box, 0, group=group)
         error = box[0]
     if error is not None:
         raise error

@@ -75,6 +75,7 @@ class MegatronOptions(FSDPOptions):
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # Every option a user sets is read or refused: these are read only by the dimension they belong to.
         unused = []
         if self.pipeline_parallel_size == 1:

@@ -41,6 +41,8 @@ class ZeroOptions:
         training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
     sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's
         ``sync_batchnorm=True`` does the same.
+    async_checkpoint: not offered here (refused): DCP's host-memory staging cannot copy the ShardedTensors that
+        hold DeepSpeed's partitions; disttrain_fsdp (the same ZeRO-3 sharding) offers it.
     """
 
     offload_optimizer: Optional[str] = None
@@ -53,8 +55,14 @@ class ZeroOptions:
     gradient_accumulation_steps: int = 1
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
+        if self.async_checkpoint:
+            raise ValueError("async_checkpoint=True is not offered on disttrain_zero3: its checkpoints hold DeepSpeed's"
+                             " partitions as ShardedTensors, which DCP's host-memory staging (DefaultStager) cannot"
+                             " copy; use disttrain_fsdp (the same ZeRO-3 sharding) for async checkpoints, or remove"
+                             " async_checkpoint")
         for name in ("offload_optimizer", "offload_parameters"):
             if getattr(self, name) not in OFFLOAD_DEVICES or isinstance(getattr(self, name), bool):
                 said = " (Lightning's True is 'cpu' here)" if getattr(self, name) is True else ""

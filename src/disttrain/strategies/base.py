@@ -142,6 +142,7 @@ class TrainerAdapter(EngineAdapter):
         strategies wrote (``disttrain.checkpoint_loading``); what the engine does not read (single files under
         disttrain_ddp, DeepSpeed folders under disttrain_zero3) is loaded as Lightning loads it."""
         path = self.broadcast(checkpoint_path)  # type: ignore[attr-defined]
+        self.engine.wait_checkpoint()  # a checkpoint written in the background exists once it is complete
         self._restored_in_place = self.engine.reads_checkpoint(path)
         if not self._restored_in_place:
             return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
@@ -157,6 +158,7 @@ class TrainerAdapter(EngineAdapter):
             super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        self.engine.wait_checkpoint(filepath)  # only when it is the one being written (async_checkpoint)
         if self.is_global_zero:
             path = Path(filepath)
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -278,7 +280,13 @@ class EngineStrategy(TrainerAdapter, DistributedPlumbing, ParallelStrategy):
         with self.engine.no_sync(self.model):
             yield
 
+    @override
+    def on_train_end(self) -> None:
+        self.engine.wait_checkpoint()  # the run's last checkpoint (async_checkpoint) is complete when fit returns
+        super().on_train_end()
+
     def teardown(self) -> None:
+        self.engine.wait_checkpoint()
         # The module stays where the engine put it (shards are not moved to the CPU as Lightning's teardown would).
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()

@@ -35,7 +35,8 @@ class TrainConfig:
     hard-label loss (mixup has its own). activation_checkpointing: recompute each block in backward (timm's
     ``set_grad_checkpointing``). sdpa: attention through ``scaled_dot_product_attention`` (FlashAttention-2 on
     GPU). precision: the Fabric/Trainer precision unless the launcher sets one. seed, val_every_epochs,
-    checkpoint_every_epochs: as named.
+    checkpoint_every_epochs: as named. async_checkpoint: the checkpoints are written in the background while training
+    goes on (disttrain_fsdp, disttrain_ddp, disttrain_megatron).
     """
 
     epochs: int = 10
@@ -51,6 +52,7 @@ class TrainConfig:
     seed: int = 0
     val_every_epochs: int = 1
     checkpoint_every_epochs: int = 1
+    async_checkpoint: bool = False
 
 
 def recipe_schema() -> Schema:

@@ -1,0 +1,143 @@
+"""Training time lost per checkpoint: async_checkpoint=True against synchronous saves, side by side in one run.
+
+    python bench/async_checkpoint.py            # Llama 13 x 1024 (157M parameters), disttrain_fsdp, 2 CPU processes
+    python bench/async_checkpoint.py --smoke    # a tiny model, a few steps: checks that the bench runs
+
+One Fabric, one model and optimizer (AdamW: a checkpoint holds parameters and both moments, ~12 bytes a parameter
+over the ranks); the strategy's ``set_async_checkpoint`` switches between the two kinds of save. Each round is
+``--every`` training steps without a checkpoint (the baseline step time), then ``--saves`` times "save, then
+``--every`` steps" synchronously, then the same asynchronously, ending with the wait for the last background write.
+Time lost per checkpoint = (the stretch's seconds - its steps x the baseline step time) / saves. An async save costs
+its staging copy (the state to host memory) and whatever the background write takes from the training steps it
+overlaps (on a CPU machine the same cores train and write); the save call alone (the time training is blocked) is
+printed beside it. On a loaded machine the step times vary by more than a save costs: compare rounds, or rerun quiet. Checkpoints go to --dir (default: a temporary folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import build_model, count_params  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=13)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="micro batch per rank")
+    p.add_argument("--every", type=int, default=4, help="training steps between two checkpoints")
+    p.add_argument("--saves", type=int, default=2, help="checkpoints per stretch")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    p.add_argument("--smoke", action="store_true", help="tiny model, few steps (checks that the bench runs)")
+    args = p.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.seq, args.every, args.saves, args.rounds = 64, 2, 32, 2, 2, 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes
+        import socket
+
+        from torch.distributed import run as torchrun
+
+        with socket.socket() as s:  # a free port: the smoke run may overlap another run of this bench
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torchrun.main([f"--nproc_per_node={args.devices}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                       __file__, *sys.argv[1:]])
+        return
+    import lightning as L
+
+    import disttrain  # noqa: F401  (registers the strategy names)
+
+    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy="disttrain_fsdp")
+    fabric.launch()  # processes exist already (torchrun): this only connects Fabric to them
+    with fabric.init_module(empty_init=True):
+        model = build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = fabric.setup(model, optimizer)
+    g = torch.Generator().manual_seed(100 + fabric.global_rank)
+    ids = torch.randint(0, 4096, (args.batch, args.seq), generator=g)
+    root = Path(fabric.broadcast(args.dir or tempfile.mkdtemp(prefix="async-checkpoint-bench-")))
+
+    def step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def stretch(kind: str, round_: int) -> tuple[float, list[float]]:
+        """--saves x (save, then --every steps); the seconds of the whole and of each save call."""
+        fabric.strategy.set_async_checkpoint(kind == "async")
+        calls = []
+        fabric.barrier()
+        start = time.perf_counter()
+        for save in range(args.saves):
+            called = time.perf_counter()
+            fabric.save(root / kind / f"step-{round_}-{save}", {"model": model, "optimizer": optimizer})
+            calls.append(time.perf_counter() - called)
+            for _ in range(args.every):
+                step()
+        fabric.strategy.wait_checkpoint()
+        fabric.barrier()
+        return time.perf_counter() - start, calls
+
+    step()  # warm-up
+    base, lost, calls = [], {"sync": [], "async": []}, {"sync": [], "async": []}
+    for round_ in range(args.rounds):
+        for _ in range(args.every):
+            fabric.barrier()
+            start = time.perf_counter()
+            step()
+            fabric.barrier()
+            base.append(time.perf_counter() - start)
+        t_step = statistics.median(base)
+        for kind in ("sync", "async"):
+            seconds, call = stretch(kind, round_)
+            lost[kind].append((seconds - args.saves * args.every * t_step) / args.saves)
+            calls[kind] += call
+        if fabric.is_global_zero:
+            for kind in ("sync", "async"):
+                shutil.rmtree(root / kind, ignore_errors=True)
+    if fabric.is_global_zero:
+        n_params = count_params(args)
+        sync_lost, async_lost = statistics.median(lost["sync"]), statistics.median(lost["async"])
+        print(f"\nasync_checkpoint: {args.devices} x cpu, disttrain_fsdp, Llama {args.layers}x{args.hidden}"
+              f" ({n_params / 1e6:.1f}M params, AdamW: {12 * n_params / 2**30:.2f} GiB a checkpoint), micro batch"
+              f" {args.batch}x{args.seq}, a checkpoint every {args.every} steps, {args.rounds} rounds x"
+              f" {args.saves} saves")
+        print(f"  step time without checkpoints  {statistics.median(base):8.3f} s")
+        print(f"  {'':<14} {'save call (s)':>14} {'lost per checkpoint (s)':>24}")
+        for kind, value in (("sync", sync_lost), ("async", async_lost)):
+            print(f"  {kind:<14} {statistics.median(calls[kind]):14.3f} {value:24.3f}")
+        calls_ratio = statistics.median(calls["async"]) / statistics.median(calls["sync"])
+        print(f"  ratio async / sync (time lost per checkpoint): {async_lost / sync_lost:.3f}   (target <= 0.2)")
+        print(f"  ratio async / sync (save call, training blocked): {calls_ratio:.3f}")
+        spread = (max(base) - min(base)) / statistics.median(base)
+        if min(sync_lost, async_lost) < 0 or spread > 0.2:
+            print(f"  note: step times varied by {spread:.0%} of the median (a loaded machine): the time lost is"
+                  " within that noise; rerun on a quiet machine or with more --rounds")
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    fabric.barrier()
+
+
+if __name__ == "__main__":
+    main()
