@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, run_dist, run_python, run_torchrun
+from conftest import ROOT, run_dist, run_torchrun
 
 from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel import registry
@@ -114,10 +114,3 @@ def test_unsupported_combinations_are_refused_in_one_line(name, options, message
     with pytest.raises((ValueError, TypeError)) as error:
         registry.lookup(name).options(**options)
     assert message in str(error.value) and "\n" not in str(error.value)
-
-
-@pytest.mark.slow
-def test_bench_smoke_prints_its_table():
-    proc = run_python(str(ROOT / "bench/async_checkpoint.py"), "--smoke", timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ratio async / sync (time lost per checkpoint):" in proc.stdout
