@@ -1,7 +1,7 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``, made to look like a plain ``model(...)`` call.
 
-The model's blocks are split into stages (balanced by parameter count, or at explicit block indices); each rank
-keeps only the stages it runs and drops every other parameter. The model object stays the user's model (the
+The model's blocks are split into stages (balanced by measured forward FLOPs, or at explicit block indices); each
+rank keeps only the stages it runs and drops every other parameter. The model object stays the user's model (the
 same class, the same fully qualified parameter names, so checkpoints keep their keys); only its ``forward``
 becomes the pipeline: ``model(input_ids=..., labels=...)`` runs the schedule (forward and backward of every
 microbatch) and returns the mean loss on every rank of the pipeline, whose ``backward()`` does nothing because
