@@ -232,6 +232,10 @@ def test_pipeline_schedules_and_splits_match_one_process(fabric_pp2, case):
     # the balanced split of 4 equal layers (the small head on the last stage) is 2 | 2; split_points=[1] is 1 | 3
     bounds = {"1f1b": [[0, 2], [2, 4]], "1f1b-split": [[0, 1], [1, 4]]}.get(case, [[0, 1], [1, 2], [2, 3], [3, 4]])
     assert fabric_pp2[0][case]["bounds"] == bounds
+    if case == "zbv":  # a model with parameters outside its stages: refused in one line
+        assert re.search(r"pipeline_schedule='zbv' computes weight gradients of the stage modules only, and"
+                         r" VisionTransformer has 2 parameters outside them .* use pipeline_schedule='1f1b'",
+                         fabric_pp2[0]["vit-zbv-refused"])
 
 
 # -- 3D: tensor x data parallel on 4 processes, pipeline x data parallel on 4 ---------------------------------
