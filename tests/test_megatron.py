@@ -60,6 +60,53 @@ def test_stages_balance_parameters_and_respect_split_points():
     assert plan_stages([1] * 6, pp=2, split_points=[4]).bounds == ((0, 4), (4, 6))
     plan = plan_stages([1] * 8, pp=2, virtual_stages=2)
     assert plan.stages_of(0) == [0, 2] and plan.stages_of(1) == [1, 3]
+    # V-shaped (zbv, dualpipev): rank 0 runs the first and the last stage
+    plan = plan_stages([1] * 8, pp=2, virtual_stages=2, style="v")
+    assert plan.stages_of(0) == [0, 3] and plan.stages_of(1) == [1, 2] and plan.rank_of(3) == 0
+
+
+def test_balanced_split_minimises_the_costliest_stage():
+    # cutting where the running cost nears each stage's share gave 1 | 3 + 1 | 2 (the costliest stage: 4)
+    assert plan_stages([1, 3, 1, 2], pp=3).bounds == ((0, 1), (1, 2), (2, 4))  # 1 | 3 | 1 + 2
+    # a head and loss worth 2.5 blocks on the last stage: it gets fewer blocks (7 | 3 + 2.5)
+    assert plan_stages([1] * 10, pp=2, last_extra=2.5).bounds == ((0, 6), (6, 10))
+    # three stages, embeddings worth 3 blocks on the first: 1 + 3 | 4 | 4
+    assert plan_stages([1] * 9, pp=3, first_extra=3).bounds == ((0, 1), (1, 5), (5, 9))
+
+
+def test_block_costs_count_the_head_and_loss_and_balance_the_stages():
+    from common import tiny_llama
+
+    from disttrain.parallel.pipeline import block_costs, block_sizes
+
+    model = tiny_llama(layers=8)
+    model.config.vocab_size = 1024  # a head worth ~1.5 blocks of this tiny model
+    model.lm_head = torch.nn.Linear(64, 1024, bias=False)
+    costs, first, last = block_costs(model)
+    # matmul and attention FLOPs of one 64-token sample: equal blocks; the embedding lookup costs none; the head
+    # (2 x 64 x 1024 per token) and the loss's log-softmax over the vocabulary (5 per logit) after the last block
+    assert len(set(costs)) == 1 and first == 0
+    assert last == 64 * (2 * 64 * 1024 + 5 * 1024)
+    plan = plan_stages(costs, pp=2, first_extra=first, last_extra=last)
+    assert plan.bounds == ((0, 5), (5, 8))  # the last stage takes fewer blocks: 5 | 3 + head
+    # a model whose forward cannot run on the meta device is balanced by parameter count
+    assert block_sizes(model)[0] == [36992] * 8
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"pipeline_schedule": "zbv", "virtual_stages": 3}, "'zbv' runs exactly 2 stages per rank .* set it to 2"),
+    ({"pipeline_schedule": "1f1b", "virtual_stages": 2}, "virtual_stages=2 needs a schedule with several stages"),
+    ({"pipeline_schedule": "interleaved_zero_bubble", "microbatches": 3},
+     "'interleaved_zero_bubble' needs microbatches a multiple of pipeline_parallel_size=2; got microbatches=3"),
+    ({"pipeline_schedule": "dualpipev", "microbatches": 2}, "'dualpipev' needs microbatches at least the number"
+                                                             " of stages, 2 \\* pipeline_parallel_size = 4"),
+    ({"pipeline_schedule": "zbv", "microbatches": 2}, "'zbv' needs microbatches at least 2 \\*"),
+    ({"pipeline_schedule": "1f1b", "microbatches": 1}, "'1f1b' needs microbatches at least pipeline_parallel"),
+    ({"pipeline_schedule": "zero_bubble"}, "unknown pipeline_schedule='zero_bubble'; choose one of"),
+])
+def test_invalid_schedule_combinations_are_refused_when_the_strategy_is_made(options, message):
+    with pytest.raises(ValueError, match=message):
+        MegatronOptions(pipeline_parallel_size=2, **options)
 
 
 def test_fused_qkv_reorder_gives_each_rank_its_heads_and_is_undone_for_export():
@@ -145,12 +192,19 @@ def test_clip_equals_torch_in_one_process_and_refuses_nonfinite_norms(norm_type)
         clip_grad_norm_(ours.parameters(), 0.1, norm_type)
 
 
-# -- pipeline parallel through Fabric: 1F1B, memory per rank, DCP save and resume -------------------------------
+# -- pipeline parallel through Fabric: 1F1B, memory per rank, DCP save and resume; every schedule ----------------
+@pytest.fixture(scope="module")
+def fabric_pp2(tmp_path_factory) -> list[dict]:
+    """One launch: 1F1B trained, saved and resumed ("train"), then each schedule and split ("schedules")."""
+    return run_dist("megatron_fabric.py", tmp_path_factory.mktemp("fabric_pp2"),
+                    megatron(pipeline_parallel_size=2, microbatches=2), "train+schedules")
+
+
 @pytest.mark.slow
-def test_fabric_pp2_1f1b_trains_keeps_one_stage_and_resumes(tmp_path):
+def test_fabric_pp2_1f1b_trains_keeps_one_stage_and_resumes(fabric_pp2):
     from common import reference_losses, tiny_llama
 
-    results = run_dist("megatron_fabric.py", tmp_path, megatron(pipeline_parallel_size=2, microbatches=2), "train")
+    results = fabric_pp2
     expected = reference_losses(3, world_size=1)
     for result in results:
         assert result["losses"] == pytest.approx(expected, abs=TOL)
@@ -160,6 +214,28 @@ def test_fabric_pp2_1f1b_trains_keeps_one_stage_and_resumes(tmp_path):
     assert sum(locals_) == results[0]["total_params"] and max(locals_) < 0.6 * results[0]["total_params"]
     exported = load_file(results[0]["export"])
     assert sorted(exported) == sorted(tiny_llama().state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["1f1b", "1f1b-split", "interleaved_zero_bubble", "zbv", "dualpipev"])
+def test_pipeline_schedules_and_splits_match_one_process(fabric_pp2, case):
+    """Losses of 2 steps, this rank's gradients and parameters after the first, and an evaluation loss, against
+    one process (fp32, 2 processes: 4 stages of a 4-layer Llama for the schedules with 2 stages per rank)."""
+    for result in fabric_pp2:
+        run = result[case]
+        assert run["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+        assert run["grad_diff"] <= TOL and run["param_diff"] <= TOL, run
+        assert run["eval"] == pytest.approx(result["ref_eval"], abs=TOL)
+    placement = {"1f1b": [[0], [1]], "1f1b-split": [[0], [1]], "interleaved_zero_bubble": [[0, 2], [1, 3]],
+                 "zbv": [[0, 3], [1, 2]], "dualpipev": [[0, 3], [1, 2]]}[case]
+    assert [r[case]["stages"] for r in fabric_pp2] == placement
+    # the balanced split of 4 equal layers (the small head on the last stage) is 2 | 2; split_points=[1] is 1 | 3
+    bounds = {"1f1b": [[0, 2], [2, 4]], "1f1b-split": [[0, 1], [1, 4]]}.get(case, [[0, 1], [1, 2], [2, 3], [3, 4]])
+    assert fabric_pp2[0][case]["bounds"] == bounds
+    if case == "zbv":  # a model with parameters outside its stages: refused in one line
+        assert re.search(r"pipeline_schedule='zbv' computes weight gradients of the stage modules only, and"
+                         r" VisionTransformer has 2 parameters outside them .* use pipeline_schedule='1f1b'",
+                         fabric_pp2[0]["vit-zbv-refused"])
 
 
 # -- 3D: tensor x data parallel on 4 processes, pipeline x data parallel on 4 ---------------------------------

@@ -4,6 +4,10 @@ MODE "train": a tiny Llama (LAYERS decoder layers) trains 3 steps on the data-pa
     writes the losses, this rank's parameter count, the loss after a save/resume round trip and an export.
 MODE "clip": 3 steps with ``fabric.clip_gradients(max_norm=0.05)``; writes the losses and gradient norms and the
     same from one process clipping with torch.
+MODE "schedules" (with pipeline_parallel_size=2): for each pipeline schedule and split of SCHEDULE_CASES, a new
+    Fabric trains a 4-layer Llama 2 SGD steps on 4-sample batches; writes the stage bounds, the losses, the largest
+    difference of this rank's gradients (step 1) and parameters (after step 1) from one process, and an evaluation
+    loss; and the refusal of a ViT under "zbv". Modes join with "+" to run in one launch ("train+schedules").
 MODE "grads-llama" / "grads-vit": one forward and backward of a tiny Llama / timm ViT; writes the largest
     difference of logits and of every parameter's gradient from the same model run whole in this process.
 """
@@ -18,7 +22,7 @@ import torch
 import disttrain  # noqa: F401  (registers the strategy names)
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import global_batch, probe_input, strategy_from_spec, tiny_llama, tmpdir, write_result  # noqa: E402
+from common import dataset, global_batch, probe_input, strategy_from_spec, tiny_llama, tmpdir, write_result  # noqa: E402
 
 spec, mode = sys.argv[2], sys.argv[3]
 layers = int(sys.argv[4]) if len(sys.argv) > 4 else 2
@@ -35,12 +39,12 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def tiny_vit(seed: int = 0):
+def tiny_vit(seed: int = 0, depth: int = 2):
     import timm
 
     torch.manual_seed(seed)
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=64,
-                             depth=2, num_heads=4, num_classes=10)
+                             depth=depth, num_heads=4, num_classes=10)
 
 
 def grads_check(fabric: L.Fabric, family: str) -> dict:
@@ -145,7 +149,80 @@ def clip(fabric: L.Fabric, max_norm: float = 0.05) -> dict:
     return {"losses": losses, "norms": norms, "ref_losses": ref[0], "ref_norms": ref[1], "max_norm": max_norm}
 
 
+# name: MegatronStrategy options (pipeline_parallel_size=2); "1f1b-split" is 1F1B at explicit split_points, the
+# same model's other split: its losses equal the balanced split's.
+SCHEDULE_CASES = {
+    "1f1b": {"pipeline_schedule": "1f1b"},
+    "1f1b-split": {"pipeline_schedule": "1f1b", "split_points": [1]},
+    "interleaved_zero_bubble": {"pipeline_schedule": "interleaved_zero_bubble"},
+    "zbv": {"pipeline_schedule": "zbv"},
+    "dualpipev": {"pipeline_schedule": "dualpipev"},
+}
+
+
+def schedules(_: L.Fabric) -> dict:
+    ids = dataset().tensors[0]
+    batches = [ids[4 * i: 4 * i + 4] for i in range(3)]  # step 1, step 2, evaluation
+    reference = tiny_llama(layers=4)
+    # SGD: a parameter differs by lr x its gradient's difference (Adam's normalisation would magnify tiny ones)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    ref_losses = []
+    for i in range(2):
+        loss = reference(input_ids=batches[i], labels=batches[i]).loss
+        loss.backward()
+        if i == 0:
+            ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if i == 0:
+            ref_params = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        ref_losses.append(loss.item())
+    with torch.no_grad():
+        ref_eval = reference.eval()(input_ids=batches[2], labels=batches[2]).loss.item()
+    out = {"ref_losses": ref_losses, "ref_eval": ref_eval}
+    for name, options in SCHEDULE_CASES.items():
+        fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                          strategy=disttrain.fabric.MegatronStrategy(pipeline_parallel_size=2, microbatches=4,
+                                                                     **options))
+        fabric.launch()
+        model = tiny_llama(layers=4)
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        losses, grad_diff, param_diff = [], 0.0, 0.0
+        for i in range(2):
+            loss = model(input_ids=batches[i], labels=batches[i]).loss
+            fabric.backward(loss)
+            named = [(n, p) for n, p in model.module.named_parameters()]
+            if i == 0:
+                missing = [n for n, p in named if p.grad is None]
+                assert not missing, f"{name}: no gradient for {missing}"
+                grad_diff = max((full(p.grad) - ref_grads[n]).abs().max().item() for n, p in named)
+            optimizer.step()
+            optimizer.zero_grad()
+            if i == 0:
+                param_diff = max((full(p.detach()) - ref_params[n]).abs().max().item() for n, p in named)
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad():
+            eval_loss = model(input_ids=batches[2], labels=batches[2]).loss.item()
+        pipe = fabric.strategy.engine.pipeline
+        out[name] = {"bounds": pipe.plan.bounds, "stages": pipe.stage_ids, "losses": losses, "eval": eval_loss,
+                     "grad_diff": grad_diff, "param_diff": param_diff, "params": len(named)}
+    # timm's ViT keeps cls_token/pos_embed outside its stages: the split backward would leave them without gradients
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                      strategy=disttrain.fabric.MegatronStrategy(pipeline_parallel_size=2, pipeline_schedule="zbv"))
+    fabric.launch()
+    try:
+        vit = tiny_vit(depth=4)
+        fabric.setup(vit, torch.optim.SGD(vit.parameters(), lr=0.5))
+    except ValueError as e:
+        out["vit-zbv-refused"] = str(e)
+    return out
+
+
 fabric = make_fabric()
-result = {"train": train, "clip": clip}[mode](fabric) if mode in ("train", "clip") \
-    else grads_check(fabric, mode.split("-")[1])
+result = {}
+for part in mode.split("+"):
+    result.update({"train": train, "clip": clip, "schedules": schedules}[part](fabric) if part in ("train", "clip",
+                                                                                                   "schedules")
+                  else grads_check(fabric, part.split("-")[1]))
 write_result(result)

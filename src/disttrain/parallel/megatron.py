@@ -23,7 +23,7 @@ from disttrain.parallel.families import family_of, find_model
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, shard_blocks, shard_root
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
-from disttrain.parallel.pipeline import Pipeline, pipeline_model
+from disttrain.parallel.pipeline import SPLIT_BACKWARD, Pipeline, check_schedule, pipeline_model
 from disttrain.parallel.tp import Plan, TPResult, apply_tp
 
 
@@ -36,10 +36,15 @@ class MegatronOptions(FSDPOptions):
     tp_plan: your own plan, ``{"path.in.block": ColwiseParallel(), ...}`` relative to one block; default: the plan of
         the model's family (HF Llama family, GPT-2, BERT-style encoders, timm ViT and DeiT) or the one an HF model's
         config declares (``base_model_tp_plan``: Phi-3, Gemma-2, GPT-NeoX, the MoE families and most HF decoders).
-    pipeline_schedule: "gpipe", "1f1b" or "interleaved_1f1b" (virtual stages: ``virtual_stages`` per rank, >= 2).
-    virtual_stages: stages per rank under "interleaved_1f1b" (1 means 2, the least it needs); other schedules: 1.
+    pipeline_schedule: "gpipe", "1f1b", "interleaved_1f1b" or "interleaved_zero_bubble" (``virtual_stages`` stages per
+        rank, >= 2), "zbv" or "dualpipev" (two stages per rank in a V: rank 0 runs the first and the last stage).
+        The zero-bubble schedules ("interleaved_zero_bubble", "zbv", "dualpipev") fill the bubble with the weight
+        gradients' half of the backward.
+    virtual_stages: stages per rank under "interleaved_1f1b"/"interleaved_zero_bubble" (1 means 2, the least they
+        need); 2 under "zbv"/"dualpipev"; other schedules: 1.
     microbatches: microbatches per batch under PP (default ``2 * pipeline_parallel_size``); divides the batch.
-    split_points: block indices where stages 1, 2, ... start; default: balanced by parameter count.
+    split_points: block indices where stages 1, 2, ... start; default: balanced by cost (forward FLOPs measured on
+        the meta device, the embeddings, LM head and loss counted with the first and last stage).
     pipeline_module: attribute of the LightningModule holding the model to split/shard (default ``"model"``;
         found automatically when the attribute does not exist).
     context_parallel_size: ranks that split each sequence (context parallelism, long dialogues) of an HF Llama-family
@@ -90,6 +95,8 @@ class MegatronOptions(FSDPOptions):
             unused.append(("context_parallel_attention", "context_parallel_size > 1"))
         for name, needs in unused:
             raise ValueError(f"{name}={getattr(self, name)!r} applies with {needs}; set it, or remove {name}")
+        if self.pipeline_parallel_size > 1:  # refused when the strategy is made, not at set-up
+            check_schedule(self.pipeline_schedule, self.pipeline_parallel_size, self.virtual_stages, self.microbatches)
 
 
 class MegatronEngine(FSDPEngine):
@@ -239,10 +246,15 @@ class MegatronEngine(FSDPEngine):
         :func:`apply_fsdp` shards a whole model: the schedule calls the stage modules, so FSDP's root hooks run
         around every microbatch."""
         assert self.pipeline is not None and self.meshes is not None
+        options = self.options
+        if self.pipeline.schedule_name in SPLIT_BACKWARD:
+            # torch's split backward (weight gradients in a pass of their own) reads the gathered parameters, which
+            # FSDP frees after each forward otherwise: gradients then go missing or wrong. Keep them for the step.
+            options = replace(options, reshard_after_forward=False)
         for stage in self.pipeline.stage_modules:
             blocks = list((stage.layers if hasattr(stage, "layers") else stage.blocks).values())
-            shard_blocks(stage, blocks, self.meshes.fsdp, self.options, precision, device)
-            shard_root(stage, self.meshes.fsdp, self.options, precision, device)
+            shard_blocks(stage, blocks, self.meshes.fsdp, options, precision, device)
+            shard_root(stage, self.meshes.fsdp, options, precision, device)
 
     # -- checkpoints and export -----------------------------------------------------------------------------
     def storage_layout(self) -> ckpt.StorageLayout:

@@ -1,7 +1,7 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``, made to look like a plain ``model(...)`` call.
 
-The model's blocks are split into stages (balanced by parameter count, or at explicit block indices); each rank
-keeps only the stages it runs and drops every other parameter. The model object stays the user's model (the
+The model's blocks are split into stages (balanced by measured forward FLOPs, or at explicit block indices); each
+rank keeps only the stages it runs and drops every other parameter. The model object stays the user's model (the
 same class, the same fully qualified parameter names, so checkpoints keep their keys); only its ``forward``
 becomes the pipeline: ``model(input_ids=..., labels=...)`` runs the schedule (forward and backward of every
 microbatch) and returns the mean loss on every rank of the pipeline, whose ``backward()`` does nothing because
@@ -16,6 +16,7 @@ labels=...)``, HF's classification loss), and timm's VisionTransformer (the loss
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -25,42 +26,67 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from disttrain.parallel.families import Family, family_of, unsupported_reason
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+if hasattr(torch_schedules, "ScheduleDualPipeV"):  # torch >= 2.9
+    SCHEDULES["dualpipev"] = torch_schedules.ScheduleDualPipeV
+# Several stages per rank, placed round-robin (stage s on rank s % pp): ``virtual_stages`` of them, at least 2.
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
+# Exactly two stages per rank, placed in a V (rank r runs stages r and 2 * pp - 1 - r: the first and the last stage
+# share rank 0, so the embeddings and the head share its time).
+V_SHAPED = ("zbv", "dualpipev")
+# Schedules that split each backward into an input-gradient and a weight-gradient pass over the stage modules'
+# parameters (the weight passes fill the bubble).
+SPLIT_BACKWARD = ("interleaved_zero_bubble", *V_SHAPED)
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Which blocks each stage runs: ``bounds[s] = (first block, end block)``; stage s lives on pp rank s % pp."""
+    """Which blocks each stage runs: ``bounds[s] = (first block, end block)``; stage s lives on pp rank s % pp
+    (``style="loop"``) or, with two stages per rank in a V (``style="v"``), on rank s for s < pp and on rank
+    ``2 * pp - 1 - s`` after that."""
 
     bounds: tuple[tuple[int, int], ...]
     pp: int
+    style: str = "loop"
 
     @property
     def num_stages(self) -> int:
         return len(self.bounds)
 
+    def rank_of(self, stage: int) -> int:
+        if self.style == "v":
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
+
     def stages_of(self, pp_rank: int) -> list[int]:
-        return [s for s in range(self.num_stages) if s % self.pp == pp_rank]
+        return [s for s in range(self.num_stages) if self.rank_of(s) == pp_rank]
 
 
-def plan_stages(block_sizes: Sequence[int], pp: int, virtual_stages: int = 1, first_extra: int = 0,
-                last_extra: int = 0, split_points: Optional[Sequence[int]] = None) -> StagePlan:
-    """Split ``len(block_sizes)`` blocks into ``pp * virtual_stages`` stages.
+def plan_stages(block_costs: Sequence[float], pp: int, virtual_stages: int = 1, first_extra: float = 0,
+                last_extra: float = 0, split_points: Optional[Sequence[int]] = None, style: str = "loop") -> StagePlan:
+    """Split ``len(block_costs)`` blocks into ``pp * virtual_stages`` stages.
 
     ``split_points`` are the block indices where stages 1, 2, ... start. Without them, stages are balanced by
-    parameter count, counting the embeddings (``first_extra``) with the first stage and the head with the last.
+    cost: what runs before the first block (``first_extra``: the embeddings) counts with the first stage and what
+    runs after the last (``last_extra``: final norm, head and loss) with the last, like layers of their own; the
+    split is the one whose costliest stage costs least (a pipeline runs at the pace of its slowest stage), the most
+    even of those on a tie.
     """
     n_stages = pp * virtual_stages
-    n_blocks = len(block_sizes)
+    n_blocks = len(block_costs)
     if n_blocks < n_stages:
         raise ValueError(f"{n_blocks} blocks cannot fill pipeline_parallel_size*virtual_stages={n_stages} stages;"
                          f" choose at most {n_blocks} stages in all")
@@ -70,24 +96,40 @@ def plan_stages(block_sizes: Sequence[int], pp: int, virtual_stages: int = 1, fi
             raise ValueError(f"split_points={points} must be {n_stages - 1} increasing block indices between 1 and"
                              f" {n_blocks - 1} (where stages 1..{n_stages - 1} start)")
     else:
-        sizes = list(block_sizes)
-        sizes[0] += first_extra
-        sizes[-1] += last_extra
-        total = sum(sizes)
-        points, running = [], 0
-        for i, size in enumerate(sizes[:-1]):
-            running += size
-            stage = len(points) + 1
-            left_blocks, left_stages = n_blocks - (i + 1), n_stages - stage
-            target = total * stage / n_stages
-            # Cut where the stage comes closest to its share, or when the remaining blocks are just enough for the
-            # remaining stages.
-            closest = abs(running - target) <= abs(running + sizes[i + 1] - target)
-            if stage < n_stages and (closest or left_blocks == left_stages):
-                points.append(i + 1)
-        points = points[: n_stages - 1]
+        costs = [float(c) for c in block_costs]
+        costs[0] += first_extra
+        costs[-1] += last_extra
+        points = _min_max_split(costs, n_stages)
     edges = [0, *points, n_blocks]
-    return StagePlan(tuple(zip(edges[:-1], edges[1:])), pp)
+    return StagePlan(tuple(zip(edges[:-1], edges[1:])), pp, style)
+
+
+def _min_max_split(costs: list[float], n_stages: int) -> list[int]:
+    """Where stages 1.. start so that the costliest of ``n_stages`` contiguous stages (each at least one block)
+    costs least; on a tie, the smallest sum of squared stage costs. Exact (dynamic programming, O(blocks^2 x
+    stages)); a model has at most a few hundred blocks."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: (max stage cost, sum of squares, cut before the last stage) of the first i blocks in k stages
+    inf = (float("inf"), float("inf"), 0)
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = (0.0, 0.0, 0)
+    for k in range(1, n_stages + 1):
+        for i in range(k, n - (n_stages - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j][0] == float("inf"):
+                    continue
+                stage = prefix[i] - prefix[j]
+                candidate = (max(best[k - 1][j][0], stage), best[k - 1][j][1] + stage * stage, j)
+                if candidate[:2] < best[k][i][:2]:
+                    best[k][i] = candidate
+    points, i = [], n
+    for k in range(n_stages, 1, -1):
+        i = best[k][i][2]
+        points.append(i)
+    return points[::-1]
 
 
 def pipeline_family(model: nn.Module) -> Family:
@@ -104,8 +146,89 @@ def pipeline_family(model: nn.Module) -> Family:
 
 def block_sizes(model: nn.Module) -> tuple[list[int], int, int]:
     """Parameters per block, plus those of the first stage's embeddings and the last stage's head: the weights
-    that balance the stages (matmul parameters stand for compute)."""
+    that balance the stages when the forward cannot be measured (matmul parameters stand for compute)."""
     return pipeline_family(model).pipeline_sizes(model)
+
+
+# FLOPs per element of a log-softmax (max, subtract, exp, sum, log): the loss's work over the vocabulary, which
+# torch's FlopCounterMode (matmuls and attention only) leaves out.
+_SOFTMAX_FLOPS = 5
+
+
+def block_costs(model: nn.Module, seq_len: Optional[int] = None) -> tuple[list[float], float, float]:
+    """Forward FLOPs of one sample per block, before the first block (embeddings) and after the last (final norm,
+    head and loss), measured by running the model's own forward on the meta device under torch's
+    ``FlopCounterMode`` (nothing is allocated or computed). LMs are measured at ``seq_len`` tokens (default: the
+    config's positions, at most 2048), which weighs attention against the head as training will.
+
+    Falls back to :func:`block_sizes` (parameter counts) for a model whose forward does not run that way."""
+    sizes, first, last = block_sizes(model)
+    try:
+        blocks = _stage_blocks(model, len(sizes))
+        costs = _measure_flops(model, blocks, _example_inputs(model, seq_len))
+    except Exception:  # a forward that needs real data: parameters stand for compute, as before measuring
+        return [float(s) for s in sizes], float(first), float(last)
+    return costs
+
+
+def _stage_blocks(model: nn.Module, n_blocks: int) -> list[nn.Module]:
+    """The model's repeated blocks in order: the stack of ``n_blocks`` identical modules the family splits."""
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == n_blocks:
+            children = list(module.children())
+            if len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters()):
+                return children
+    raise ValueError(f"no stack of {n_blocks} blocks in {type(model).__name__}")
+
+
+def _example_inputs(model: nn.Module, seq_len: Optional[int]) -> tuple[tuple, dict]:
+    """One sample on the meta device, as the pipelined model is called: token ids and labels (HF), or an image."""
+    config = getattr(model, "config", None)
+    if config is None:  # timm VisionTransformer
+        patch = model.patch_embed
+        size = patch.img_size if isinstance(patch.img_size, (tuple, list)) else (patch.img_size,) * 2
+        return (torch.zeros(1, patch.proj.in_channels, *size, device="meta"),), {}
+    positions = next((int(v) for n in ("max_position_embeddings", "n_positions")
+                      if isinstance(v := getattr(config, n, None), int)), 2048)
+    ids = torch.zeros(1, seq_len or min(positions, 2048), dtype=torch.long, device="meta")
+    labels = ids if type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")) else \
+        torch.zeros(1, dtype=torch.long, device="meta")
+    return (), {"input_ids": ids, "labels": labels}
+
+
+def _measure_flops(model: nn.Module, blocks: list[nn.Module],
+                   inputs: tuple[tuple, dict]) -> tuple[list[float], float, float]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.utils.flop_counter import FlopCounterMode
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    state = {n: fake.from_tensor(t.detach().to("meta")) for n, t in [*model.named_parameters(),
+                                                                      *model.named_buffers()]}
+    softmax = {torch.ops.aten._log_softmax: lambda shape, *a, **k: _SOFTMAX_FLOPS * math.prod(shape)}
+    counter = FlopCounterMode(display=False, custom_mapping=softmax)
+    marks: dict[int, float] = {}
+    per_block = [0.0] * len(blocks)
+
+    def enter(i: int) -> Callable:
+        return lambda module, args: marks.__setitem__(i, counter.get_total_flops())
+
+    def leave(i: int) -> Callable:
+        return lambda module, args, output: per_block.__setitem__(i, counter.get_total_flops() - marks[i])
+
+    handles = [h for i, b in enumerate(blocks) for h in (b.register_forward_pre_hook(enter(i)),
+                                                         b.register_forward_hook(leave(i)))]
+    args, kwargs = inputs
+    try:
+        with counter, fake:
+            functional_call(model, state, tuple(fake.from_tensor(a) for a in args),
+                            {k: fake.from_tensor(v) for k, v in kwargs.items()}, tie_weights=True, strict=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    total = float(counter.get_total_flops())
+    first = float(marks[0])
+    return per_block, first, total - first - sum(per_block)
 
 
 def split_model(model: nn.Module, plan: StagePlan, pp_rank: int) -> list[nn.Module]:
@@ -153,7 +276,7 @@ class Pipeline:
         self._pending: Optional[tuple[tuple, dict]] = None
         self._pending_marker = torch.empty(0)
         self._anchor = torch.zeros((), requires_grad=True)
-        self.last_rank = (plan.num_stages - 1) % plan.pp
+        self.last_rank = plan.rank_of(plan.num_stages - 1)
         self._schedules: dict[bool, Any] = {}
         self._gradients: list[tuple[nn.Parameter, torch.Tensor]] = []
 
@@ -230,15 +353,57 @@ class Pipeline:
             self._gradients = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
             outputs = None
         else:
-            schedule = self._schedule(target is not None)
-            result = schedule.eval(*args, losses=losses, **kwargs) if target is not None else \
-                schedule.eval(*args)
+            if self.schedule_name in V_SHAPED:
+                result = self._eval_stage_by_stage(inputs, target, losses)
+            else:
+                schedule = self._schedule(target is not None)
+                result = schedule.eval(*args, losses=losses, **kwargs) if target is not None else \
+                    schedule.eval(*args)
             outputs = self._broadcast_from_last(result if self.has_last else None, inputs)
         local = torch.stack([l.detach().float() for l in losses]).mean() if losses else None
         loss = self._broadcast_from_last(local, inputs) if target is not None else None
         if loss is not None and train:
             loss = _ScheduleDidBackward.apply(loss, self._anchor, self)
         return loss, outputs
+
+    def _eval_stage_by_stage(self, inputs: torch.Tensor, target: Optional[torch.Tensor],
+                             losses: list[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Evaluation under the V-shaped schedules: each microbatch through the stages in order, sent between ranks
+        with plain send/recv. torch 2.14's ``eval`` of ZBV and DualPipeV still hands gradients between the two
+        stages at the tip of the V (with backward off) and fails; forward alone needs no schedule."""
+        modules = dict(zip(self.stage_ids, self.stage_modules))
+        targets = target.tensor_split(self.microbatches) if target is not None else [None] * self.microbatches
+        outputs = []
+        for chunk, chunk_target in zip(inputs.tensor_split(self.microbatches), targets):
+            value: Optional[torch.Tensor] = chunk if self.has_first else None
+            for stage in range(self.plan.num_stages):
+                owner = self.plan.rank_of(stage)
+                if stage > 0 and self.plan.rank_of(stage - 1) != owner:
+                    value = self._send_or_receive(value, self.plan.rank_of(stage - 1), owner, like=inputs)
+                if owner == self.pp_rank:
+                    value = modules[stage](value)
+            if self.has_last:
+                outputs.append(value)
+                if chunk_target is not None:
+                    losses.append(self._compute_loss(value, chunk_target))
+        return torch.cat(outputs) if self.has_last else None
+
+    def _send_or_receive(self, value: Optional[torch.Tensor], src: int, dst: int,
+                         like: torch.Tensor) -> Optional[torch.Tensor]:
+        """``value`` from pipeline rank ``src`` to ``dst`` (its shape first); other ranks pass through."""
+        if self.pp_rank == src:
+            assert value is not None
+            dist.send_object_list([(tuple(value.shape), value.dtype)], dst=dist.get_global_rank(self.group, dst),
+                                  group=self.group)
+            dist.send(value.contiguous(), dst=dist.get_global_rank(self.group, dst), group=self.group)
+            return None
+        if self.pp_rank == dst:
+            meta: list[Any] = [None]
+            dist.recv_object_list(meta, src=dist.get_global_rank(self.group, src), group=self.group)
+            out = torch.empty(meta[0][0], dtype=meta[0][1], device=like.device)
+            dist.recv(out, src=dist.get_global_rank(self.group, src), group=self.group)
+            return out
+        return value
 
     def restore_gradients(self) -> None:
         """Give back the gradients of the last training step if ``zero_grad(set_to_none=True)`` dropped them."""
@@ -312,27 +477,57 @@ def _is_trivial(key: str, value: torch.Tensor) -> bool:
     return bool((value == expected).all())
 
 
+def check_schedule(schedule: str, pp: int, virtual_stages: int = 1, microbatches: Optional[int] = None) -> \
+        tuple[int, int]:
+    """``(virtual_stages, microbatches)`` that ``schedule`` runs with on ``pp`` ranks (defaults filled in), or a
+    one-line refusal naming the value to change."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline_schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if schedule in INTERLEAVED:
+        virtual_stages = max(virtual_stages, 2)
+    elif schedule in V_SHAPED:
+        if virtual_stages not in (1, 2):
+            raise ValueError(f"pipeline_schedule={schedule!r} runs exactly 2 stages per rank (in a V); got"
+                             f" virtual_stages={virtual_stages}: remove virtual_stages or set it to 2")
+        virtual_stages = 2
+    elif virtual_stages != 1:
+        raise ValueError(f"virtual_stages={virtual_stages} needs a schedule with several stages per rank:"
+                         f" pipeline_schedule in {[*INTERLEAVED, *V_SHAPED]}")
+    m = microbatches or 2 * pp
+    stages = pp * virtual_stages
+    # torch's own conditions, checked here so that they fail at set-up, in one line, naming the option
+    if schedule in INTERLEAVED and m % pp:
+        need = f"a multiple of pipeline_parallel_size={pp}"
+    elif schedule == "1f1b" and m < pp:
+        need = f"at least pipeline_parallel_size={pp}"
+    elif schedule == "zbv" and m < 2 * pp - 1:
+        need = f"at least 2 * pipeline_parallel_size - 1 = {2 * pp - 1}"
+    elif schedule == "dualpipev" and m < stages:
+        need = f"at least the number of stages, 2 * pipeline_parallel_size = {stages}"
+    else:
+        return virtual_stages, m
+    raise ValueError(f"pipeline_schedule={schedule!r} needs microbatches {need}; got microbatches={m}")
+
+
 def pipeline_model(model: nn.Module, pp_mesh: DeviceMesh, device: torch.device, *, schedule: str = "1f1b",
                    microbatches: Optional[int] = None, virtual_stages: int = 1,
                    split_points: Optional[Sequence[int]] = None,
                    loss_fn: Optional[Callable] = None) -> Pipeline:
     """Split ``model`` over ``pp_mesh`` in place: this rank keeps its stages only, and ``model(...)`` runs the
-    schedule. Returns the :class:`Pipeline` (also ``model.pipeline``)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline_schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
+    schedule. Returns the :class:`Pipeline` (also ``model.pipeline``).
+
+    Without ``split_points`` the stages are balanced by measured cost (:func:`block_costs`)."""
     pp = pp_mesh.size()
-    if schedule == "interleaved_1f1b" and virtual_stages < 2:
-        virtual_stages = 2
-    if schedule != "interleaved_1f1b" and virtual_stages != 1:
-        raise ValueError(f"virtual_stages={virtual_stages} needs pipeline_schedule='interleaved_1f1b'")
-    microbatches = microbatches or 2 * pp
-    if schedule == "interleaved_1f1b" and microbatches % pp:
-        raise ValueError(f"interleaved_1f1b needs microbatches divisible by pipeline_parallel_size={pp}; got"
-                         f" {microbatches}")
-    sizes, first_extra, last_extra = block_sizes(model)
-    plan = plan_stages(sizes, pp, virtual_stages, first_extra, last_extra, split_points)
+    virtual_stages, microbatches = check_schedule(schedule, pp, virtual_stages, microbatches)
+    costs, first_extra, last_extra = block_costs(model) if split_points is None else (block_sizes(model)[0], 0, 0)
+    style = "v" if schedule in V_SHAPED else "loop"
+    plan = plan_stages(costs, pp, virtual_stages, first_extra, last_extra, split_points, style)
     stage_modules = split_model(model, plan, pp_mesh.get_local_rank())
     pipe = Pipeline(model, stage_modules, plan, pp_mesh, device, schedule, microbatches, loss_fn)
+    if schedule in SPLIT_BACKWARD and (stray := pipe.stray_parameters()):
+        raise ValueError(f"pipeline_schedule={schedule!r} computes weight gradients of the stage modules only, and"
+                         f" {type(model).__name__} has {len(stray)} parameters outside them (e.g. timm's cls_token/"
+                         f"pos_embed); use pipeline_schedule='1f1b' or 'interleaved_1f1b' for it")
     model.pipeline = pipe
     model.forward = types.MethodType(lambda self, *a, **k: self.pipeline.forward(*a, **k), model)
     return pipe

@@ -292,8 +292,9 @@ class HFPlansFamily(HFFamily):
     def split(self, model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
         names = self._pp_names(model)
         if plan.num_stages != plan.pp:
-            raise ValueError(f"pipeline_schedule='interleaved_1f1b' (several stages per rank) splits the Llama family,"
-                             f" GPT-2, BERT and ViT; for {type(model).__name__} use '1f1b' or 'gpipe'")
+            raise ValueError(f"pipeline schedules with several stages per rank (interleaved_1f1b,"
+                             f" interleaved_zero_bubble, zbv, dualpipev) split the Llama family, GPT-2, BERT and"
+                             f" ViT; for {type(model).__name__} use pipeline_schedule='1f1b' or 'gpipe'")
         if getattr(model.config, "tie_word_embeddings", False):
             raise ValueError("pipeline parallelism cannot split a model with tie_word_embeddings=True (the embedding"
                              " and the LM head live on different stages); set tie_word_embeddings=False")
