@@ -49,7 +49,7 @@ from disttrain.parallel.buffers import (
     sync_buffers_after_forward,
 )
 from disttrain.parallel.clip import clip_grad_norm_
-from disttrain.parallel.compress import Traffic, install_reduce_scatter
+from disttrain.parallel.compress import Traffic
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, gathered, set_gradient_sync
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import Meshes, ParallelDims
@@ -396,10 +396,8 @@ class FSDPEngine(Engine):
             refuse_user_sharding(module, self.name)
             for transform in self.module_transforms:
                 transform(module)
-            apply_fsdp(module, self.meshes.fsdp, self.options, precision, device)
             self.traffic = self.traffic or Traffic()
-            install_reduce_scatter([m for m in module.modules() if isinstance(m, FSDPModule)],
-                                   self.options.gradient_compression, self.traffic)
+            apply_fsdp(module, self.meshes.fsdp, self.options, precision, device, traffic=self.traffic)
             register_forward_methods(module, forward_methods)
         if self.allocates:
             materialize(module, device)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from disttrain.parallel.ac import apply_ac
 from disttrain.parallel.blocks import BlockSpec, find_blocks
+from disttrain.parallel.compress import Traffic, install_reduce_scatter
 from disttrain.parallel.precision import mixed_precision_policy
 
 
@@ -87,9 +88,11 @@ def apply_fsdp(
     options: FSDPOptions,
     precision: str = "32-true",
     device: torch.device | None = None,
+    traffic: Traffic | None = None,
 ) -> list[nn.Module]:
     """Shard ``model`` in place: activation checkpointing and ``fully_shard`` per block, then per sub-network (see
-    :func:`sub_networks`), then the root.
+    :func:`sub_networks`), then the root; gradients reduced as ``options.gradient_compression`` says, their bytes
+    counted into ``traffic`` when given.
 
     Returns the FSDP units of the blocks (or their checkpoint wrappers). ``mesh`` is the data-parallel mesh.
     """
@@ -99,6 +102,9 @@ def apply_fsdp(
     for child in sub_networks(model, blocks):
         shard_root(child, mesh, options, precision, device)
     shard_root(model, mesh, options, precision, device)
+    if traffic is not None or options.gradient_compression == "int8":
+        install_reduce_scatter([m for m in model.modules() if isinstance(m, FSDPModule)],
+                               options.gradient_compression, traffic or Traffic())
     guard_sharded_calls(model, blocks, mesh)
     return blocks
 
