@@ -163,3 +163,40 @@ def test_exit_handler_leaves_process_groups_alone_after_an_uncaught_exception(mo
     monkeypatch.delattr(sys, "last_value")
     _lightning.destroy_process_groups_on_clean_exit()
     assert destroyed == [True]
+
+
+# disttrain_ddp's uncompressed run has the very losses of disttrain_fsdp's (both match one process:
+# test_losses_match_single_process), so one uncompressed run is the reference of both.
+COMPRESSED = [f"disttrain_{strategy}:gradient_compression={kind}" for strategy in ("fsdp", "ddp")
+              for kind in ("bf16", "int8")]
+
+
+@pytest.fixture(scope="module")
+def compression_runs(tmp_path_factory) -> dict:
+    return launch(tmp_path_factory, "compression_run.py", "200", "disttrain_fsdp", *COMPRESSED)[0]
+
+
+def _end(losses: list[float]) -> float:
+    return sum(losses[-20:]) / 20
+
+
+@pytest.mark.parametrize("spec", COMPRESSED)
+def test_compressed_loss_curve_ends_within_1_percent(compression_runs, spec):
+    plain, compressed = compression_runs["disttrain_fsdp"]["losses"], compression_runs[spec]["losses"]
+    assert plain[0] - _end(plain) > 1.5  # it learned: from ~log(96) down towards the bigram chain's entropy
+    assert compressed != plain  # the compressed reduction ran
+    assert abs(_end(compressed) - _end(plain)) <= 0.01 * _end(plain), (_end(compressed), _end(plain))
+
+
+def test_compressed_bytes_per_step_are_counted_and_reported(compression_runs):
+    numel = sum(p.numel() for p in tiny_llama().parameters())
+    sent = {spec: run["bytes_per_step"] for spec, run in compression_runs.items()}
+    # Per rank at 2 ranks: an fp32 reduce-scatter sends half the gradients (2 bytes per parameter), a ring
+    # all-reduce all of them (4 bytes); bf16 halves both; int8 is a byte per element plus a 4-byte scale per 256.
+    assert sent["disttrain_fsdp"] == 2 * numel
+    assert sent["disttrain_fsdp:gradient_compression=bf16"] == numel
+    assert sent["disttrain_ddp:gradient_compression=bf16"] == 2 * numel
+    assert sent["disttrain_fsdp:gradient_compression=int8"] <= 0.26 * 2 * numel
+    assert sent["disttrain_ddp:gradient_compression=int8"] <= 0.26 * 4 * numel
+    for spec, run in compression_runs.items():
+        assert run["reported"] == [sent[spec]] * 2, spec  # Throughput's comm/grad_bytes_per_step

@@ -55,8 +55,8 @@ def test_unknown_fsdp_option_names_the_value_and_the_fix(cls):
 def test_ddp_options(cls):
     with pytest.raises(TypeError, match="unknown option 'compression'.*gradient_compression"):
         cls(compression="fp16")
-    with pytest.raises(ValueError, match=r"gradient_compression='int8' is not known; choose None or one of fp16"):
-        cls(gradient_compression="int8")
+    with pytest.raises(ValueError, match=r"gradient_compression='int4' is not known; choose None or one of fp16"):
+        cls(gradient_compression="int4")
     assert cls(gradient_compression="powersgd").engine.options.gradient_compression == "powersgd"
 
 

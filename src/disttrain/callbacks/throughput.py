@@ -240,7 +240,10 @@ class Throughput(Callback):
       first step, warm-up included, is never in a window; validation time is left out);
     - ``throughput/tflops_per_device``: when the FLOPs of a step are known; ``throughput/mfu``: when the peak
       FLOP/s of a device is known too;
-    - ``memory/peak_mib`` (the largest over ranks) and ``memory/peak_mib_rank{r}`` for every rank.
+    - ``memory/peak_mib`` (the largest over ranks) and ``memory/peak_mib_rank{r}`` for every rank;
+    - ``comm/grad_bytes_per_step``: the bytes each rank sent to reduce gradients per optimizer step since the last
+      report (mean over ranks), under strategies that count them (disttrain_ddp, disttrain_fsdp: see their
+      ``gradient_compression``).
 
     Args:
         every_n_steps: report (and all-gather, one tiny collective) every this many optimizer steps.
@@ -315,7 +318,7 @@ class Throughput(Callback):
     # ---- the shared core: start, count a micro-batch, close an optimizer step, report ----
 
     def _start(self, device: torch.device, precision: str, world_size: int, module: nn.Module | None,
-               strategy: Any = None) -> None:
+               strategy: Any = None, steps_done: int = 0) -> None:
         if self.dims is None and self.flops_per_batch is None and module is not None:
             hf = _find_hf_model(module)
             if hf is not None:
@@ -342,6 +345,10 @@ class Throughput(Callback):
         self._t0 = time.perf_counter()
         self._paused_at: float | None = None
         self._started = True
+        # Gradient traffic: the bytes the engine counted since the last report over the steps since then.
+        engine = getattr(strategy, "engine", None)
+        self._comm_bytes = getattr(engine, "comm_bytes", lambda: None)
+        self._comm_mark = (self._comm_bytes(), steps_done)
 
     def _resolve_peak(self, device: torch.device, precision: str) -> float | None:
         if isinstance(self.peak_flops, (int, float)):
@@ -409,9 +416,9 @@ class Throughput(Callback):
         mine = [local.get("device/items_per_sec", nan) if self._counts_tokens else nan,
                 local.get("device/samples_per_sec", nan) if self._counts_samples else nan,
                 local.get("device/batches_per_sec", nan), local.get("device/flops_per_sec", nan),
-                peak_memory_mib(self._device)]
+                peak_memory_mib(self._device), self._comm_per_step()]
         ranks = gather(torch.tensor(mine, dtype=torch.float64, device=self._device)).reshape(-1, len(mine)).cpu()
-        tokens, samples, steps, flops, memory = ranks.unbind(1)
+        tokens, samples, steps, flops, memory, comm = ranks.unbind(1)
         # Ranks of one tensor/pipeline-parallel group work on the same samples: count each group once.
         share = self._dp / self._world_size
         out: dict[str, float] = {}
@@ -427,10 +434,20 @@ class Throughput(Callback):
             out["throughput/tflops_per_device"] = job_flops / self._world_size / 1e12
             if self._peak is not None:
                 out["throughput/mfu"] = mfu(job_flops, self._world_size, self._peak)
+        if not comm.isnan().any():
+            out["comm/grad_bytes_per_step"] = comm.mean().item()
         out["memory/peak_mib"] = memory.max().item()
         out.update({f"memory/peak_mib_rank{r}": m for r, m in enumerate(memory.tolist())})
         self.metrics = out
         return out
+
+    def _comm_per_step(self) -> float:
+        """Bytes this rank sent to reduce gradients per optimizer step since the last report (NaN: not counted)."""
+        (before, steps_before), now = self._comm_mark, self._comm_bytes()
+        self._comm_mark = (now, self._steps)
+        if before is None or now is None or self._steps == steps_before:
+            return math.nan
+        return (now - before) / (self._steps - steps_before)
 
     # ---- Trainer hooks ----
 
@@ -474,7 +491,7 @@ class Throughput(Callback):
             # The clock starts here: like the Trainer's first step, this one (warm-up) is in no window. Fabric has
             # no LightningModule to search, so FLOPs come from transformer= or flops_per_batch= only.
             self._start(fabric.device, fabric.strategy.precision.precision, fabric.world_size, None,
-                        fabric.strategy)
+                        fabric.strategy, steps_done=1)  # this step's gradients were reduced already
         self._count(batch, tokens=tokens, samples=samples)
         self._close_step()
         if self._steps % self.every_n_steps:

@@ -9,6 +9,7 @@ processes                                      ``setup_mesh``, ``data_parallel_g
 where modules are built                        ``init_context`` (the meta device, ``deepspeed.zero.Init``)
 set up a module and its optimizers             ``setup``, ``check_optimizers``, ``module_transforms`` (FP8)
 gradient accumulation                          ``no_sync`` (no gradient sync on non-final micro-steps)
+gradient traffic                               ``comm_bytes`` (bytes sent to reduce gradients, compressed or not)
 backward the engine owns                       ``prepare_step`` (the pipeline schedule); DeepSpeed's own backward
                                                runs through Lightning's DeepSpeed strategies we subclass
 a library's own engine (DeepSpeed), set up in  ``device_for``, ``configure`` (batch settings, precision, clipping),
@@ -49,6 +50,7 @@ from disttrain.parallel.buffers import (
     sync_buffers_after_forward,
 )
 from disttrain.parallel.clip import clip_grad_norm_
+from disttrain.parallel.compress import Traffic
 from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, gathered, set_gradient_sync
 from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import Meshes, ParallelDims
@@ -205,6 +207,11 @@ class Engine:
         """Around a non-final micro-step of gradient accumulation: gradients are not synchronised."""
         return nullcontext()
 
+    def comm_bytes(self) -> Optional[int]:
+        """Bytes this rank has sent to reduce gradients since set-up (None: the engine does not count them). The
+        ``Throughput`` callback reports them per step as ``comm/grad_bytes_per_step``."""
+        return None
+
     def prepare_step(self, module: nn.Module) -> None:
         """Before a training step's forward (Trainer), for engines whose backward runs inside the forward."""
 
@@ -339,6 +346,10 @@ class FSDPEngine(Engine):
 
     def __init__(self, options: FSDPOptions, name: str = "disttrain_fsdp") -> None:
         super().__init__(options, name)
+        self.traffic: Traffic | None = None  # counted once the model is sharded
+
+    def comm_bytes(self) -> Optional[int]:
+        return self.traffic.bytes_sent if self.traffic is not None else None
 
     # -- processes ------------------------------------------------------------------------------------------
     @classmethod
@@ -403,7 +414,8 @@ class FSDPEngine(Engine):
             refuse_user_sharding(module, self.name)
             for transform in self.module_transforms:
                 transform(module)
-            apply_fsdp(module, self.meshes.fsdp, self.options, precision, device)
+            self.traffic = self.traffic or Traffic()
+            apply_fsdp(module, self.meshes.fsdp, self.options, precision, device, traffic=self.traffic)
             register_forward_methods(module, forward_methods)
         if self.allocates:
             materialize(module, device)

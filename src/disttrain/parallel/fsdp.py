@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from disttrain.parallel.ac import apply_ac
 from disttrain.parallel.blocks import BlockSpec, find_blocks
+from disttrain.parallel.compress import Traffic, install_reduce_scatter
 from disttrain.parallel.precision import mixed_precision_policy
 
 
@@ -43,6 +44,8 @@ class FSDPOptions:
         its own.
     sync_batchnorm: BatchNorm layers as SyncBatchNorm over the data-parallel ranks (GPU only, as under DDP); the
         Trainer's ``sync_batchnorm=True`` does the same.
+    gradient_compression: None (gradients reduce-scattered in fp32, whatever the precision), "bf16" (in bf16: half
+        the bytes) or "int8" (a quarter: a scale per chunk of 256 elements, error feedback).
     """
 
     wrap_classes: BlockSpec = None
@@ -56,12 +59,28 @@ class FSDPOptions:
     shard_size: Optional[int] = None
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
+    gradient_compression: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.gradient_compression is not None and self.gradient_compression not in COMPRESSIONS:
+            raise ValueError(f"gradient_compression={self.gradient_compression!r} is not offered by FSDP; choose None"
+                             f" or one of {', '.join(COMPRESSIONS)} (fp16 and powersgd are disttrain_ddp's)")
+        if self.gradient_compression == "int8" and self.hybrid_shard:
+            raise ValueError("gradient_compression='int8' compresses the reduce-scatter within a shard group only;"
+                             " under hybrid_shard=True the all-reduce across groups would stay fp32: use"
+                             " gradient_compression='bf16' (both in bf16), or hybrid_shard=False")
         if self.async_checkpoint and not self.save_distributed_checkpoint:
             raise ValueError("async_checkpoint=True writes sharded checkpoints in the background, but"
                              " save_distributed_checkpoint=False writes one full file from rank 0; set"
                              " save_distributed_checkpoint=True, or remove async_checkpoint")
+
+    @property
+    def reduce_dtype(self) -> Optional[torch.dtype]:
+        """The dtype FSDP2 reduces gradients in (None: its default, fp32 here). int8 quantises from fp32."""
+        return torch.bfloat16 if self.gradient_compression == "bf16" else None
+
+
+COMPRESSIONS = ("bf16", "int8")
 
 
 def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
@@ -77,9 +96,11 @@ def apply_fsdp(
     options: FSDPOptions,
     precision: str = "32-true",
     device: torch.device | None = None,
+    traffic: Traffic | None = None,
 ) -> list[nn.Module]:
     """Shard ``model`` in place: activation checkpointing and ``fully_shard`` per block, then per sub-network (see
-    :func:`sub_networks`), then the root.
+    :func:`sub_networks`), then the root; gradients reduced as ``options.gradient_compression`` says, their bytes
+    counted into ``traffic`` when given.
 
     Returns the FSDP units of the blocks (or their checkpoint wrappers). ``mesh`` is the data-parallel mesh.
     """
@@ -89,6 +110,9 @@ def apply_fsdp(
     for child in sub_networks(model, blocks):
         shard_root(child, mesh, options, precision, device)
     shard_root(model, mesh, options, precision, device)
+    if traffic is not None or options.gradient_compression == "int8":
+        install_reduce_scatter([m for m in model.modules() if isinstance(m, FSDPModule)],
+                               options.gradient_compression, traffic or Traffic())
     guard_sharded_calls(model, blocks, mesh)
     return blocks
 
@@ -99,7 +123,7 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, op
     blocks compute in half precision under ``*-mixed``. Returns the units (the checkpoint wrappers under AC)."""
     if options.activation_checkpointing:
         blocks = apply_ac(model, blocks)
-    policy = mixed_precision_policy(precision)
+    policy = mixed_precision_policy(precision, reduce_dtype=options.reduce_dtype)
     common = dict(mesh=mesh, offload_policy=offload_policy(options.cpu_offload, device),
                   **({"mp_policy": policy} if policy else {}))
     for i, block in enumerate(blocks):
@@ -129,7 +153,7 @@ def shard_root(module: nn.Module, mesh: DeviceMesh, options: FSDPOptions, precis
                device: torch.device) -> None:
     """One FSDP unit for ``module``'s parameters outside the units inside it: an entry point (the model, a
     sub-network, a pipeline stage) whose outputs stay fp32 under ``*-mixed``, for a loss computed outside it."""
-    policy = mixed_precision_policy(precision, root=True)
+    policy = mixed_precision_policy(precision, root=True, reduce_dtype=options.reduce_dtype)
     _shard(module, mesh=mesh, reshard_after_forward=options.reshard_after_forward,
            offload_policy=offload_policy(options.cpu_offload, device), **({"mp_policy": policy} if policy else {}))
 

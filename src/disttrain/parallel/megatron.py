@@ -80,6 +80,10 @@ class MegatronOptions(FSDPOptions):
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.gradient_compression is not None:
+            raise ValueError(f"gradient_compression={self.gradient_compression!r} is not offered by"
+                             " disttrain_megatron (its tensor- and pipeline-parallel traffic is activations); use"
+                             " disttrain_fsdp or disttrain_ddp, or remove gradient_compression")
         super().__post_init__()
         # Every option a user sets is read or refused: these are read only by the dimension they belong to.
         unused = []

@@ -60,12 +60,25 @@ LIGHTNING_OPTIONS = {
 }
 
 
+# Options of other disttrain strategies that a strategy leaves to its library, with what to use there instead (one
+# line, rather than "it is an option of disttrain_ddp, disttrain_fsdp").
+NOT_OFFERED = {
+    ("disttrain_zero3", "gradient_compression"): "DeepSpeed compresses its own gradient traffic: pass it in the"
+    " DeepSpeed config, e.g. config={'communication_data_type': 'bf16'}, or use disttrain_fsdp's"
+    " gradient_compression",
+}
+
+
 def build_options(cls: type[T], strategy: str, options: dict[str, Any]) -> T:
     """``cls(**options)``, but an unknown key names the strategy, the closest valid option and the full list (for an
     option of Lightning's own strategies, what to pass here instead)."""
     valid = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     for key in options:
         if key not in valid:
+            refused = next((why for (prefix, name), why in NOT_OFFERED.items()
+                            if name == key and strategy.startswith(prefix)), None)
+            if refused is not None:
+                raise ValueError(f"{key}={options[key]!r} is not offered by {strategy}; {refused}")
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             if strategy.startswith("disttrain_") and key in LIGHTNING_OPTIONS:

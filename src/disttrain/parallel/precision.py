@@ -17,14 +17,17 @@ def normalize_precision(precision: str | int | None) -> str:
     return value
 
 
-def mixed_precision_policy(precision: str, root: bool = False) -> MixedPrecisionPolicy | None:
-    """FSDP2 casts parameters for compute and reduces gradients in fp32; the root returns fp32 outputs so that a
-    loss computed outside the model (cross-entropy in ``training_step``) is not computed in half precision."""
+def mixed_precision_policy(precision: str, root: bool = False,
+                           reduce_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy | None:
+    """FSDP2 casts parameters for compute and reduces gradients in fp32 (``reduce_dtype``: in that dtype instead,
+    whatever the precision); the root returns fp32 outputs so that a loss computed outside the model (cross-entropy
+    in ``training_step``) is not computed in half precision."""
     precision = normalize_precision(precision)
     if not precision.endswith("-mixed"):
-        return None
+        # Parameters keep their dtype (fp32, or bf16/fp16 under *-true); only the reduction is cast.
+        return MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype is not None else None
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype or torch.float32,
                                 output_dtype=torch.float32 if root else None)
 
 
