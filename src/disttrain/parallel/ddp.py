@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from disttrain.parallel.ac import apply_ac, has_ac
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.checkpoint import is_sharded_checkpoint
+from disttrain.parallel.compile import compile_blocks, is_compiled
 from disttrain.parallel.engine import Engine, Optimizers, refuse_user_sharding
 from disttrain.parallel.tables import refuse_torchrec_tables
 
@@ -32,6 +33,8 @@ class DDPOptions:
     find_unused_parameters, static_graph: passed to DistributedDataParallel.
     activation_checkpointing: recompute each block's activations in backward (blocks found as disttrain_fsdp finds
         them).
+    compile: ``torch.compile`` each block (after activation checkpointing, before DDP wraps the model; DDP's
+        gradient hooks stay outside the graph); the compiled code is cached under ``TORCHINDUCTOR_CACHE_DIR``.
     """
 
     gradient_compression: Optional[str] = None
@@ -40,6 +43,7 @@ class DDPOptions:
     find_unused_parameters: bool = False
     static_graph: bool = False
     activation_checkpointing: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.gradient_compression is not None and self.gradient_compression not in COMPRESSIONS:
@@ -99,8 +103,11 @@ class DDPEngine(Engine):
         refuse_user_sharding(module, self.name)
         for transform in self.module_transforms:
             transform(module)
+        blocks = None
         if self.options.activation_checkpointing and not has_ac(module):
-            apply_ac(module, find_blocks(module))
+            blocks = apply_ac(module, find_blocks(module))
+        if self.options.compile and not is_compiled(module):
+            compile_blocks(blocks if blocks is not None else find_blocks(module))
         if sync_batchnorm:
             module = convert(module) if convert is not None else nn.SyncBatchNorm.convert_sync_batchnorm(module)
         return self.wrap(module.to(device), device), list(optimizers)

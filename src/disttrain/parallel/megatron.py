@@ -87,6 +87,12 @@ class MegatronOptions(FSDPOptions):
             unused.append(("tp_plan", "tensor_parallel_size > 1"))
         if self.context_parallel_size == 1 and self.context_parallel_attention != "all_to_all":
             unused.append(("context_parallel_attention", "context_parallel_size > 1"))
+        if self.compile and (self.context_parallel_size > 1 or self.expert_parallel_size > 1):
+            raise ValueError(f"compile=True with context_parallel_size={self.context_parallel_size} and"
+                             f" expert_parallel_size={self.expert_parallel_size}: the sequence exchange and the token"
+                             " dispatch run in hooks and data-dependent all-to-alls inside the blocks, which"
+                             " torch.compile does not trace here; compile with tensor, pipeline and data parallelism"
+                             " only, or set compile=False")
         for name, needs in unused:
             raise ValueError(f"{name}={getattr(self, name)!r} applies with {needs}; set it, or remove {name}")
 
@@ -183,10 +189,13 @@ class MegatronEngine(FSDPEngine):
             self.tp_result = apply_tp(target, meshes.tp, opts.tp_plan, opts.wrap_classes, ep=dims.ep)
         if dims.ep > 1:
             self._expert_parallel(target, device, precision)
+        # Tensor-parallel blocks compile with static shapes: torch 2.14 fails in the backward of DTensor layers
+        # traced with symbolic shapes ("unhashable type: non-nested SymInt"); a new shape is a new static graph.
+        dynamic = False if dims.tp > 1 else None
         if dims.pp > 1:
-            self._shard_stages(device, precision)
+            self._shard_stages(device, precision, dynamic)
         else:
-            apply_fsdp(module, meshes.fsdp, opts, precision, device)
+            apply_fsdp(module, meshes.fsdp, opts, precision, device, dynamic)
             register_forward_methods(module, forward_methods)
         if self.allocates:
             materialize(module, device)
@@ -223,7 +232,7 @@ class MegatronEngine(FSDPEngine):
                              f" models whose config declares an expert plan (Mixtral, Qwen2-MoE, Qwen3-MoE, ...), not"
                              f" {name}; use expert_parallel_size=1")
         experts = HF_PLANS.apply_ep(found[1], self.meshes.ep, self.meshes.ep_tokens, self.dims.tp)
-        unit_options = replace(self.options, activation_checkpointing=False)
+        unit_options = replace(self.options, activation_checkpointing=False, compile=False)
         for module in experts:
             shard_blocks(module, [module], self.meshes.expert_fsdp, unit_options, precision, device)
             assert isinstance(module, FSDPModule)
@@ -233,14 +242,14 @@ class MegatronEngine(FSDPEngine):
             if device.type == "cpu" and self.meshes.expert_fsdp.size() > 1:
                 module.set_force_sum_reduction_for_comms(True)
 
-    def _shard_stages(self, device: torch.device, precision: str) -> None:
+    def _shard_stages(self, device: torch.device, precision: str, dynamic: Optional[bool] = None) -> None:
         """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP), as
         :func:`apply_fsdp` shards a whole model: the schedule calls the stage modules, so FSDP's root hooks run
         around every microbatch."""
         assert self.pipeline is not None and self.meshes is not None
         for stage in self.pipeline.stage_modules:
             blocks = list((stage.layers if hasattr(stage, "layers") else stage.blocks).values())
-            shard_blocks(stage, blocks, self.meshes.fsdp, self.options, precision, device)
+            shard_blocks(stage, blocks, self.meshes.fsdp, self.options, precision, device, dynamic)
             shard_root(stage, self.meshes.fsdp, self.options, precision, device)
 
     # -- checkpoints and export -----------------------------------------------------------------------------
