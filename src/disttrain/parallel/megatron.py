@@ -89,10 +89,10 @@ class MegatronOptions(FSDPOptions):
             unused.append(("context_parallel_attention", "context_parallel_size > 1"))
         if self.compile and (self.context_parallel_size > 1 or self.expert_parallel_size > 1):
             raise ValueError(f"compile=True with context_parallel_size={self.context_parallel_size} and"
-                             f" expert_parallel_size={self.expert_parallel_size}: the sequence exchange and the token"
-                             " dispatch run in hooks and data-dependent all-to-alls inside the blocks, which"
-                             " torch.compile does not trace here; compile with tensor, pipeline and data parallelism"
-                             " only, or set compile=False")
+                             f" expert_parallel_size={self.expert_parallel_size} is not supported: their all-to-all"
+                             " exchanges run in hooks inside the blocks (the experts' with data-dependent sizes),"
+                             " which compiled blocks would have to trace; compile with tensor, pipeline and data"
+                             " parallelism only, or set compile=False")
         for name, needs in unused:
             raise ValueError(f"{name}={getattr(self, name)!r} applies with {needs}; set it, or remove {name}")
 
