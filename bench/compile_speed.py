@@ -64,8 +64,11 @@ def build(name: str, seq: int):
         from disttrain.vision.config import build_vit
 
         side, classes = section["img_size"], section["num_classes"]
-        return build_vit(section), lambda model, g, rows: F.cross_entropy(
-            model(torch.randn(4 * rows, 3, side, side, generator=g)), torch.randint(0, classes, (4 * rows,), generator=g))
+        def vit_loss(model, g, rows):
+            images = torch.randn(4 * rows, 3, side, side, generator=g)
+            return F.cross_entropy(model(images), torch.randint(0, classes, (4 * rows,), generator=g))
+
+        return build_vit(section), vit_loss
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(**section, use_cache=False, attn_implementation="sdpa"))
@@ -114,14 +117,14 @@ def main() -> None:
         return child(args)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     models = ["vit_tiny"] if args.smoke else list(CONFIGS)
-    if args.smoke:
-        cache = ROOT / ".cache" / "torchinductor-bench"
+    with tempfile.TemporaryDirectory(prefix="torchinductor-bench-") as empty:  # the first compiled run is cold
+        cache = ROOT / ".cache" / "torchinductor-bench" if args.smoke else Path(empty)
         cache.mkdir(parents=True, exist_ok=True)
-    else:
-        cache = Path(tempfile.mkdtemp(prefix="torchinductor-bench-"))  # empty: the first compiled run is cold
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    # in this order: "compiled, cached" finds what "compiled" left in the cache
-    runs = run_variants(__file__, [f"{m}:{v}" for m in models for v in VARIANTS], "--variant", 2, rounds=1, env=env)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        # in this order: "compiled, cached" finds what "compiled" left in the cache
+        runs = run_variants(__file__, [f"{m}:{v}" for m in models for v in VARIANTS], "--variant", 2, rounds=1,
+                            env=env)
     slowest = {key: {k: max(r[k] for r in res[0]) for k in ("warmup_s", "step_s")} for key, res in runs.items()}
     setup = (f"{args.strategy}, {args.device}, fp32, 2 processes; LLM: {args.rows} rows x {args.seq} tokens per rank;"
              f" ViT: {4 * args.rows} images per rank; median of {args.steps} steps after 2 warm-up steps")
@@ -140,7 +143,8 @@ def main() -> None:
              "compile warm-up s: the first step of a compiled run with an empty cache (tracing, inductor and the C++"
              " compiler); cached warm-up s: the same on the cache that run filled, as a second training run starts"
              + (" (--smoke keeps one cache across its runs: both may be cached)" if args.smoke else ""),
-             f"TORCHINDUCTOR_CACHE_DIR={cache}; eager warm-up s for comparison: "
+             "TORCHINDUCTOR_CACHE_DIR: " + (".cache/torchinductor-bench" if args.smoke else "a new folder")
+             + "; eager warm-up s for comparison: "
              + ", ".join(f"{m} {slowest[f'{m}:eager']['warmup_s']:.3f}" for m in models)]
     for note in notes:
         print(f"- {note}")

@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-import torch
 from torch import nn
 
 from conftest import ROOT, run_dist, run_python
@@ -54,7 +53,8 @@ def test_compile_is_an_option_of_ddp_fsdp_and_megatron():
         assert cls().engine.options.compile is False
 
 
-@pytest.mark.parametrize("row, why", [(registry.ZERO3, "use disttrain_fsdp"), (registry.ZERO3_OFFLOAD, "use disttrain_fsdp"),
+@pytest.mark.parametrize("row, why", [(registry.ZERO3, "use disttrain_fsdp"),
+                                      (registry.ZERO3_OFFLOAD, "use disttrain_fsdp"),
                                       (registry.RECSYS, "train with compile off")])
 def test_strategies_that_cannot_compile_refuse_in_one_line(row, why):
     with pytest.raises(ValueError, match=rf"^compile=True is not supported by {row.name}: .*{why}") as error:

@@ -78,7 +78,8 @@ def main() -> None:
                 results[f"{spec} {name}"] = {"refused": str(e).splitlines()[0]}
                 continue
             results[f"{spec} {name}"] = {
-                "eager": eager["losses"], "compiled": compiled["losses"], "same_names": eager["names"] == compiled["names"],
+                "eager": eager["losses"], "compiled": compiled["losses"],
+                "same_names": eager["names"] == compiled["names"],
                 "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
     write_result(results)
 
