@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from disttrain.parallel.ac import apply_ac, has_ac
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.checkpoint import is_sharded_checkpoint
+from disttrain.parallel.compile import compile_blocks, is_compiled
 from disttrain.parallel.compress import DDP_HOOKS, HookState, Traffic
 from disttrain.parallel.engine import Engine, Optimizers, refuse_user_sharding
 from disttrain.parallel.tables import refuse_torchrec_tables
@@ -37,6 +38,8 @@ class DDPOptions:
     async_checkpoint: write sharded checkpoints in the background: a save copies the tensors to host memory and
         training goes on while they are written (the same folder, manifest and checksums; at most one save in flight;
         the run's end waits for the last one).
+    compile: ``torch.compile`` each block (after activation checkpointing, before DDP wraps the model; DDP's
+        gradient hooks stay outside the graph); the compiled code is cached under ``TORCHINDUCTOR_CACHE_DIR``.
     """
 
     gradient_compression: Optional[str] = None
@@ -46,6 +49,7 @@ class DDPOptions:
     static_graph: bool = False
     activation_checkpointing: bool = False
     async_checkpoint: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.gradient_compression is not None and self.gradient_compression not in COMPRESSIONS:
@@ -109,8 +113,11 @@ class DDPEngine(Engine):
         refuse_user_sharding(module, self.name)
         for transform in self.module_transforms:
             transform(module)
+        blocks = None
         if self.options.activation_checkpointing and not has_ac(module):
-            apply_ac(module, find_blocks(module))
+            blocks = apply_ac(module, find_blocks(module))
+        if self.options.compile and not is_compiled(module):
+            compile_blocks(blocks if blocks is not None else find_blocks(module))
         if sync_batchnorm:
             module = convert(module) if convert is not None else nn.SyncBatchNorm.convert_sync_batchnorm(module)
         return self.wrap(module.to(device), device), list(optimizers)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from disttrain.parallel.ac import apply_ac
 from disttrain.parallel.blocks import BlockSpec, find_blocks
+from disttrain.parallel.compile import compile_blocks
 from disttrain.parallel.compress import Traffic, install_reduce_scatter
 from disttrain.parallel.precision import mixed_precision_policy
 
@@ -46,6 +47,8 @@ class FSDPOptions:
         Trainer's ``sync_batchnorm=True`` does the same.
     gradient_compression: None (gradients reduce-scattered in fp32, whatever the precision), "bf16" (in bf16: half
         the bytes) or "int8" (a quarter: a scale per chunk of 256 elements, error feedback).
+    compile: ``torch.compile`` each block (after activation checkpointing, before sharding; FSDP's hooks stay outside
+        the graph); the compiled code is cached under ``TORCHINDUCTOR_CACHE_DIR`` for the next run.
     """
 
     wrap_classes: BlockSpec = None
@@ -60,6 +63,7 @@ class FSDPOptions:
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
     gradient_compression: Optional[str] = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.gradient_compression is not None and self.gradient_compression not in COMPRESSIONS:
@@ -97,15 +101,17 @@ def apply_fsdp(
     precision: str = "32-true",
     device: torch.device | None = None,
     traffic: Traffic | None = None,
+    dynamic: Optional[bool] = None,
 ) -> list[nn.Module]:
     """Shard ``model`` in place: activation checkpointing and ``fully_shard`` per block, then per sub-network (see
     :func:`sub_networks`), then the root; gradients reduced as ``options.gradient_compression`` says, their bytes
     counted into ``traffic`` when given.
 
-    Returns the FSDP units of the blocks (or their checkpoint wrappers). ``mesh`` is the data-parallel mesh.
+    Returns the FSDP units of the blocks (or their checkpoint wrappers). ``mesh`` is the data-parallel mesh;
+    ``dynamic``: torch.compile's, under ``compile``.
     """
     device = device or torch.device(mesh.device_type)
-    blocks = shard_blocks(model, find_blocks(model, options.wrap_classes), mesh, options, precision, device)
+    blocks = shard_blocks(model, find_blocks(model, options.wrap_classes), mesh, options, precision, device, dynamic)
     # A sub-network is an entry point like the root (its outputs feed a loss computed outside it): fp32 outputs.
     for child in sub_networks(model, blocks):
         shard_root(child, mesh, options, precision, device)
@@ -118,11 +124,14 @@ def apply_fsdp(
 
 
 def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, options: FSDPOptions,
-                 precision: str, device: torch.device) -> list[nn.Module]:
-    """Activation checkpointing (when the options ask) and one FSDP unit per block of ``model``, in order; the
-    blocks compute in half precision under ``*-mixed``. Returns the units (the checkpoint wrappers under AC)."""
+                 precision: str, device: torch.device, dynamic: Optional[bool] = None) -> list[nn.Module]:
+    """Activation checkpointing and ``torch.compile`` (when the options ask) and one FSDP unit per block of
+    ``model``, in order; the blocks compute in half precision under ``*-mixed``. Returns the units (the checkpoint
+    wrappers under AC); ``dynamic``: torch.compile's, under ``compile``."""
     if options.activation_checkpointing:
         blocks = apply_ac(model, blocks)
+    if options.compile:
+        compile_blocks(blocks, dynamic=dynamic)
     policy = mixed_precision_policy(precision, reduce_dtype=options.reduce_dtype)
     common = dict(mesh=mesh, offload_policy=offload_policy(options.cpu_offload, device),
                   **({"mp_policy": policy} if policy else {}))

@@ -97,6 +97,12 @@ class MegatronOptions(FSDPOptions):
             unused.append(("tp_plan", "tensor_parallel_size > 1"))
         if self.context_parallel_size == 1 and self.context_parallel_attention != "all_to_all":
             unused.append(("context_parallel_attention", "context_parallel_size > 1"))
+        if self.compile and (self.context_parallel_size > 1 or self.expert_parallel_size > 1):
+            raise ValueError(f"compile=True with context_parallel_size={self.context_parallel_size} and"
+                             f" expert_parallel_size={self.expert_parallel_size} is not supported: their all-to-all"
+                             " exchanges run in hooks inside the blocks (the experts' with data-dependent sizes),"
+                             " which compiled blocks would have to trace; compile with tensor, pipeline and data"
+                             " parallelism only, or set compile=False")
         for name, needs in unused:
             raise ValueError(f"{name}={getattr(self, name)!r} applies with {needs}; set it, or remove {name}")
         if self.pipeline_parallel_size > 1:  # refused when the strategy is made, not at set-up
@@ -195,10 +201,13 @@ class MegatronEngine(FSDPEngine):
             self.tp_result = apply_tp(target, meshes.tp, opts.tp_plan, opts.wrap_classes, ep=dims.ep)
         if dims.ep > 1:
             self._expert_parallel(target, device, precision)
+        # Tensor-parallel blocks compile with static shapes: torch 2.14 fails in the backward of DTensor layers
+        # traced with symbolic shapes ("unhashable type: non-nested SymInt"); a new shape is a new static graph.
+        dynamic = False if dims.tp > 1 else None
         if dims.pp > 1:
-            self._shard_stages(device, precision)
+            self._shard_stages(device, precision, dynamic)
         else:
-            apply_fsdp(module, meshes.fsdp, opts, precision, device)
+            apply_fsdp(module, meshes.fsdp, opts, precision, device, dynamic=dynamic)
             register_forward_methods(module, forward_methods)
         if self.allocates:
             materialize(module, device)
@@ -235,7 +244,7 @@ class MegatronEngine(FSDPEngine):
                              f" models whose config declares an expert plan (Mixtral, Qwen2-MoE, Qwen3-MoE, ...), not"
                              f" {name}; use expert_parallel_size=1")
         experts = HF_PLANS.apply_ep(found[1], self.meshes.ep, self.meshes.ep_tokens, self.dims.tp)
-        unit_options = replace(self.options, activation_checkpointing=False)
+        unit_options = replace(self.options, activation_checkpointing=False, compile=False)
         for module in experts:
             shard_blocks(module, [module], self.meshes.expert_fsdp, unit_options, precision, device)
             assert isinstance(module, FSDPModule)
@@ -245,7 +254,7 @@ class MegatronEngine(FSDPEngine):
             if device.type == "cpu" and self.meshes.expert_fsdp.size() > 1:
                 module.set_force_sum_reduction_for_comms(True)
 
-    def _shard_stages(self, device: torch.device, precision: str) -> None:
+    def _shard_stages(self, device: torch.device, precision: str, dynamic: Optional[bool] = None) -> None:
         """FSDP2 per block, then each stage module as its root (torchtitan's layout for PP x FSDP), as
         :func:`apply_fsdp` shards a whole model: the schedule calls the stage modules, so FSDP's root hooks run
         around every microbatch."""
@@ -257,7 +266,7 @@ class MegatronEngine(FSDPEngine):
             options = replace(options, reshard_after_forward=False)
         for stage in self.pipeline.stage_modules:
             blocks = list((stage.layers if hasattr(stage, "layers") else stage.blocks).values())
-            shard_blocks(stage, blocks, self.meshes.fsdp, options, precision, device)
+            shard_blocks(stage, blocks, self.meshes.fsdp, options, precision, device, dynamic=dynamic)
             shard_root(stage, self.meshes.fsdp, options, precision, device)
 
     # -- checkpoints and export -----------------------------------------------------------------------------

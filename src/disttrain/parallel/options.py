@@ -71,9 +71,16 @@ NOT_OFFERED = {
 
 def build_options(cls: type[T], strategy: str, options: dict[str, Any]) -> T:
     """``cls(**options)``, but an unknown key names the strategy, the closest valid option and the full list (for an
-    option of Lightning's own strategies, what to pass here instead)."""
+    option of Lightning's own strategies, what to pass here instead). An option other strategies take that this one
+    cannot serve is listed in the class's ``refused`` (``{option: why, and what to use}``): set, it is that one line.
+    """
     valid = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    for key in options:
+    refused: dict[str, str] = getattr(cls, "refused", {})
+    for key, value in options.items():
+        if key in refused and key not in valid:
+            if value in (None, False):
+                continue  # the option's default: nothing asked
+            raise ValueError(f"{key}={value!r} is not supported by {strategy}: {refused[key]}")
         if key not in valid:
             refused = next((why for (prefix, name), why in NOT_OFFERED.items()
                             if name == key and strategy.startswith(prefix)), None)
@@ -86,4 +93,4 @@ def build_options(cls: type[T], strategy: str, options: dict[str, Any]) -> T:
             raise TypeError(
                 f"unknown option {key!r} for strategy {strategy!r}; {hint}valid options are: {', '.join(valid)}"
             )
-    return cls(**options)
+    return cls(**{k: v for k, v in options.items() if k in valid})

@@ -13,7 +13,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, ClassVar, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,12 @@ class RecsysOptions:
     sparse_lr: float = 0.05
     sparse_eps: float = 1e-8
     batch_size: int = 512
+
+    # Options of other disttrain strategies that this one cannot serve (parallel.options.build_options).
+    refused: ClassVar[dict[str, str]] = {
+        "compile": "torchrec's sharded tables run fbgemm kernels and input redistribution torch.compile does not"
+                   " trace, and the dense part has no repeated blocks to compile; train with compile off",
+    }
 
     def __post_init__(self) -> None:
         from torchrec.distributed.types import ShardingType

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 
@@ -56,6 +56,12 @@ class ZeroOptions:
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
     async_checkpoint: bool = False
+
+    # Options of other disttrain strategies that this one cannot serve (parallel.options.build_options).
+    refused: ClassVar[dict[str, str]] = {
+        "compile": "ZeRO-3 gathers and frees each layer's parameters in hooks on every submodule, inside the blocks"
+                   " torch.compile would trace; use disttrain_fsdp (the same sharding) with compile=True",
+    }
 
     def __post_init__(self) -> None:
         if self.async_checkpoint:
