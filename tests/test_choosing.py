@@ -3,7 +3,8 @@ command it shows prints what the guide shows below it, and every choice its tabl
 
 The guide's plan commands are marked ``covered:`` by this module, so tests/test_docs.py does not run them again; the
 ```text block after each (its lines in order, ``...`` for lines left out) is checked here with test_docs' matcher.
-The commands run in this process through the console script's entry point, ``disttrain.cli:main``.
+The commands run in this process through the console script's entry point, ``disttrain.cli:main``, with the flags the
+guide shows (--gpu, --micro-batch, --activation-checkpointing) as written there.
 """
 
 from __future__ import annotations

@@ -31,14 +31,17 @@ class AutoOptions:
     model: the model to plan for: a recipe YAML path, its ``model:`` dict, a ModelSpec or a module. Trainer: by
         default the LightningModule (its ``configure_model`` is run on the meta device if it builds the model
         there). Fabric: required.
-    micro_batch, seq_len: samples per device per step and tokens per sample (default: the recipe's when ``model`` is
-    a recipe YAML, else 1 and the model's length). activation_checkpointing: None (default: the recipe's, else
-    searched: the plan may turn it on), True or False.
-    headroom: fraction of device memory kept free. hardware: a preset name for bandwidths ("A100-40GB");
-    device_memory: overrides the detected memory per device ("40GiB"). Without ``hardware`` the planner uses this
-    machine's calibration (``disttrain calibrate``) when it has one.
-    trial: run ``trial_steps`` steps of each of the ``trial_top`` best plans on the devices present and choose the
-    fastest measured (needs ``model`` as a recipe YAML or its ``model:`` dict).
+    micro_batch: samples per device per step (default: the recipe's when ``model`` is a recipe YAML, else 1).
+    seq_len: tokens per sample (default: the recipe's, else the model's length).
+    headroom: fraction of device memory kept free.
+    hardware: a preset name for bandwidths ("A100-40GB"); None: the devices present, with this machine's
+        calibration (``disttrain calibrate``) when it has one.
+    device_memory: overrides the detected memory per device ("40GiB").
+    activation_checkpointing: None: the recipe's, else searched (the plan may turn it on); True or False fixes it.
+    trial: run the best plans for a few steps on the devices present and choose the fastest measured (needs
+        ``model`` as a recipe YAML or its ``model:`` dict).
+    trial_top: plans to try.
+    trial_steps: timed steps per plan (after one warm-up).
     """
 
     model: Any = None

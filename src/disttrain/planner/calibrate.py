@@ -285,15 +285,21 @@ def collective_sizes(device: torch.device) -> list[int]:
     return [1 << 14, 1 << 18, 1 << 21, 1 << 22] if device.type == "cpu" else [1 << 20, 1 << 24, 1 << 27, 1 << 28]
 
 
-def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repeats: int = 3) -> Calibration:
-    """Everything, measured in this process of an initialized process group (call it on every rank)."""
+def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repeats: int = 3,
+                 quick: bool = False) -> Calibration:
+    """Everything, measured in this process of an initialized process group (call it on every rank). ``quick``:
+    fewer shapes and sizes, one repeat (a smoke run's figures, not a machine's)."""
     import torch.distributed as dist
 
-    shapes = list(dict.fromkeys([tuple(s) for s in shapes] + default_shapes(device)))
+    ladder = default_shapes(device)[:3] if quick else default_shapes(device)
+    sizes = collective_sizes(device)[::2] if quick else collective_sizes(device)
+    repeats = 1 if quick else repeats
+    shapes = list(dict.fromkeys([tuple(s) for s in shapes] + ladder))
     matmul = measure_matmul(shapes, device, repeats)
-    memory_bw, optimizer_bw = measure_memory(device, (1 << 22) if device.type == "cpu" else (1 << 27), repeats)
-    links = {op: measure_link(op, collective_sizes(device), device, repeats=repeats) for op in OPS}
-    overlap = measure_overlap(device, collective_sizes(device)[-1], default_shapes(device)[2])
+    memory_bw, optimizer_bw = measure_memory(device, (1 << 20 if quick else 1 << 22) if device.type == "cpu"
+                                             else (1 << 27), repeats)
+    links = {op: measure_link(op, sizes, device, repeats=repeats) for op in OPS}
+    overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
                        links=links, overlap=overlap, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -305,7 +311,7 @@ WORKER = Path(__file__).with_name("calibrate_run.py")
 
 
 def calibrate(devices: int, accelerator: str = "cpu", shapes: Iterable[tuple[int, int, int]] = (),
-              path: Optional[str | os.PathLike] = None, timeout: float = 600.0) -> Calibration:
+              path: Optional[str | os.PathLike] = None, timeout: float = 600.0, quick: bool = False) -> Calibration:
     """Measure this machine on ``devices`` processes (``disttrain run``'s launcher: gloo on CPU, nccl on GPUs) and
     write the cache file (``path``, default :func:`cache_path`)."""
     device = torch.device("cuda" if accelerator in ("gpu", "cuda") else "cpu")
@@ -313,7 +319,8 @@ def calibrate(devices: int, accelerator: str = "cpu", shapes: Iterable[tuple[int
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "calibration.json"
         command = [sys.executable, "-m", "disttrain.cli", "run", str(WORKER), "--devices", str(devices),
-                   "--accelerator", accelerator, "--", str(out), json.dumps([list(s) for s in shapes])]
+                   "--accelerator", accelerator, "--", str(out), json.dumps([list(s) for s in shapes])] + \
+            (["--quick"] if quick else [])
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]

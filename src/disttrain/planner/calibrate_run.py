@@ -1,7 +1,8 @@
 """Run by ``disttrain calibrate`` in every process (``disttrain run``'s launcher): measure this machine over the
 process group and write the calibration from rank 0.
 
-Usage: calibrate_run.py OUT SHAPES_JSON   (SHAPES_JSON: extra [m, n, k] matmul shapes, e.g. a model's)
+Usage: calibrate_run.py OUT SHAPES_JSON [--quick]   (SHAPES_JSON: extra [m, n, k] matmul shapes, e.g. a model's;
+--quick: fewer sizes, one repeat)
 """
 
 import json
@@ -22,7 +23,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        calibration = measure_here(device, shapes)
+        calibration = measure_here(device, shapes, quick="--quick" in sys.argv[3:])
         if dist.get_rank() == 0:
             save(calibration, out)
         dist.barrier()
