@@ -251,7 +251,7 @@ def _plan(argv: list[str]) -> int:
     if args.intra_node_gbps:
         overrides["intra_node_bw"] = args.intra_node_gbps * 1e9
     from disttrain.planner import hardware
-    from disttrain.planner.calibrate import present
+    from disttrain.planner.hardware import present
 
     here = here_device(args.gpu, args.gpus)
     if args.trial and here is None:

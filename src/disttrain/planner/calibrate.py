@@ -347,25 +347,5 @@ def hardware_from(calibration: Calibration, base: Any) -> Any:
 
 
 __all__ = ["OPS", "Calibration", "CalibrationError", "Link", "cache_dir", "cache_path", "cached", "calibrate",
-           "hardware_from", "load", "measure_here", "model_shapes", "present", "save"]
+           "hardware_from", "load", "measure_here", "model_shapes", "save"]
 
-
-def present(kind: str, world_size: int, memory: Any = None, measure: bool = True, **overrides: Any) -> Any:
-    """The Hardware of ``world_size`` processes on this machine's ``kind`` ("cpu" or "cuda") devices, with this
-    machine's calibration: the cached one, else (``measure``) measured now and cached (said on stderr)."""
-    from dataclasses import replace
-
-    from disttrain.planner.hardware import detect
-
-    device = torch.device(kind)
-    hw = detect(device, world_size, calibrated=False)
-    if memory is not None:
-        hw = hw.with_memory(memory)
-    if overrides:
-        hw = replace(hw, **overrides)
-    calibration = cached(device, world_size)
-    if calibration is None and measure:
-        print(f"calibrating {world_size} {kind} processes (once; cached in {cache_path(device, world_size)})",
-              file=sys.stderr, flush=True)
-        calibration = calibrate(world_size, kind)
-    return hardware_from(calibration, hw) if calibration is not None else hw

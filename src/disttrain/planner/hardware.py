@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import sys
+
 import torch
 
 from disttrain.planner.spec import parse_bytes
@@ -127,3 +129,22 @@ def _detect(device: torch.device, world_size: int, gpus_per_node: int | None) ->
             break
     return replace(base, name=name, memory=props.total_memory,
                    gpus_per_node=gpus_per_node or torch.cuda.device_count())
+
+
+def present(kind: str, world_size: int, memory: Any = None, measure: bool = True, **overrides: Any) -> Any:
+    """The Hardware of ``world_size`` processes on this machine's ``kind`` ("cpu" or "cuda") devices, with this
+    machine's calibration: the cached one, else (``measure``) measured now and cached (said on stderr)."""
+    from disttrain.planner.calibrate import cache_path, cached, calibrate, hardware_from
+
+    device = torch.device(kind)
+    hw = detect(device, world_size, calibrated=False)
+    if memory is not None:
+        hw = hw.with_memory(memory)
+    if overrides:
+        hw = replace(hw, **overrides)
+    calibration = cached(device, world_size)
+    if calibration is None and measure:
+        print(f"calibrating {world_size} {kind} processes (once; cached in {cache_path(device, world_size)})",
+              file=sys.stderr, flush=True)
+        calibration = calibrate(world_size, kind)
+    return hardware_from(calibration, hw) if calibration is not None else hw

@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 
 from disttrain.planner.choose import Candidate, Plan
 
-WORKER = Path(__file__).with_name("trial_run.py")
+# The worker runs a Fabric loop, so it lives with the Fabric adapters (the planner itself never imports Lightning).
+WORKER = Path(__file__).parents[1] / "fabric" / "trial_run.py"
 
 
 def trial_source(source: Any) -> Any:
