@@ -59,7 +59,8 @@ def run_one(source: Any, c: Candidate, devices: int, accelerator: str, steps: in
         except subprocess.TimeoutExpired:
             return None, f"no result within {timeout:.0f} s"
         if done.returncode != 0 or not out.exists():
-            lines = [l for l in (done.stderr + done.stdout).splitlines() if "Error" in l or "error" in l]
+            lines = [l for l in (done.stderr + done.stdout).splitlines()
+                     if "Error" in l and "Warning" not in l and "register_constant" not in l]
             return None, (lines[-1].strip() if lines else f"exit {done.returncode}")[:200]
         return json.loads(out.read_text())["median"], ""
 
