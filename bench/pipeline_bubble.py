@@ -279,7 +279,7 @@ def main() -> None:
     print(f"model: Llama hidden={args.hidden} layers={args.layers} seq={args.seq}, {args.batch} samples per"
           f" microbatch, {args.device}, {args.precision}")
     pp = launch(args, "pp", 2)
-    print(f"\np=2                               step (s)   idle measured   idle theory   measured / theory   stages")
+    print("\np=2                               step (s)   idle measured   idle theory   measured / theory   stages")
     rows = []
     for name, row in pp.items():
         ratio = row["idle"] / row["theory"] if row["theory"] else float("nan")
