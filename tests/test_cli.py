@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env, free_port, run_python
+from conftest import ROOT, child_env, run_python
 
 # Every test here starts processes (launches or the CLI; the console scripts themselves where the launcher is tested,
 # `python -m disttrain.cli` forked from a zygote where only the command's output is).
@@ -19,8 +19,9 @@ BIN = Path(sys.executable).parent
 def test_lightning_run_model_launches_fabric_script_with_disttrain_fsdp(tmp_path):
     out = tmp_path / "cli"
     cmd = [str(BIN / "lightning"), "run", "model", "tests/dist/cli_fabric.py", "--accelerator", "cpu",
-           "--devices", "2", "--strategy", "disttrain_fsdp", "--main-port", str(free_port()), str(out),
-           "--script-flag", "7"]
+           "--devices", "2", "--strategy", "disttrain_fsdp", str(out), "--script-flag", "7"]
+    # No --main-port: the launcher takes a free one itself. A port picked here could be taken by a parallel test
+    # before the launcher binds it (tests/test_launch_port.py covers an explicit port).
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
