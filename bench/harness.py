@@ -285,11 +285,10 @@ def _run_rank(argv: list[str], env: dict[str, str], cwd: Optional[str], quiet: b
     into the parent's frames (their ``finally`` blocks would remove the parent's temporary folders)."""
     code = 1
     try:
-        # The parent's exit handlers and finalizers are the parent's (its TemporaryDirectory among them).
-        atexit._clear()
+        # The parent's finalizers are the parent's (its TemporaryDirectory among them): not run at this rank's exit.
+        # The exit handlers the libraries registered at import run, as in a fresh interpreter that imported them.
         for finalizer in list(weakref.finalize._registry):
             finalizer.atexit = False
-        weakref.finalize._registered_with_atexit = False
         if quiet:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
