@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from zygote import Launcher
@@ -33,14 +34,16 @@ def bench_scripts() -> list[str]:
                   if p.name not in OWN_TEST and 'if __name__ == "__main__":' in p.read_text())
 
 
-def smoke(name: str, out_dir: Path, zygote: Launcher) -> tuple[subprocess.CompletedProcess, float, Path]:
+def smoke(name: str, out_dir: Path, zygote: Optional[Launcher]) -> tuple[subprocess.CompletedProcess, float, Path]:
     """``python bench/NAME --smoke [--out-dir OUT]`` (tables in OUT, not in bench/out) as a user starts it: the
     completed process, its seconds and OUT. It runs in a fork of a zygote that has imported torch, Lightning and
     the rest once (tests/zygote.py: the same process a fresh interpreter would be), and a smoke run forks its ranks
-    from itself (harness.torchrun): no process of a smoke run imports them again."""
-    args = ["--out-dir", str(out_dir)] if "--out-dir" in (BENCH / name).read_text() else []
+    from itself (harness.torchrun): no process of a smoke run imports them again. ``zygote``: this thread's own, or
+    None for the session's (conftest.run_python)."""
+    argv = [str(BENCH / name), "--smoke", *(["--out-dir", str(out_dir)] if "--out-dir" in (BENCH / name).read_text()
+                                            else [])]
     start = time.perf_counter()
-    proc = zygote.run_one([str(BENCH / name), "--smoke", *args], child_env(), {}, timeout=600)
+    proc = zygote.run_one(argv, child_env(), {}, timeout=600) if zygote else run_python(*argv, timeout=600)
     return proc, time.perf_counter() - start, out_dir
 
 
@@ -50,17 +53,21 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, Future]:
     selected = [item.callspec.params["name"] for item in request.session.items
                 if item.path == Path(__file__) and hasattr(item, "callspec")]
     runnable = [name for name in selected if "--smoke" in (BENCH / name).read_text()]
-    zygotes: dict[int, Launcher] = {}  # one per thread of the pool (a zygote serves one request at a time)
+    # A zygote serves one request at a time: the pool's first thread uses the session's (this worker's other tests
+    # are waiting on the pool meanwhile), each other thread its own.
+    zygotes: dict[int, Optional[Launcher]] = {}
+    lock = threading.Lock()
 
     def run(name: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, float, Path]:
         thread = threading.get_ident()
-        if thread not in zygotes:
-            zygotes[thread] = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-bench-")))
+        with lock:
+            if thread not in zygotes:
+                zygotes[thread] = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-bench-"))) if zygotes else None
         return smoke(name, out_dir, zygotes[thread])
 
     def close() -> None:
         pool.shutdown()
-        for zygote in zygotes.values():
+        for zygote in filter(None, zygotes.values()):
             zygote.close()
             shutil.rmtree(zygote.log_dir, ignore_errors=True)
 
