@@ -89,14 +89,15 @@ sys.path.insert(0, "bench")
 from harness import torchrun
 with tempfile.TemporaryDirectory() as tmp:
     torchrun([sys.argv[1], tmp, sys.argv[2]], 2)
-    print(json.dumps({"pid": os.getpid(), "kept": os.path.isdir(tmp),
+    print(json.dumps({"pid": os.getpid(), "kept": os.path.isdir(tmp), "files": sorted(os.listdir(tmp)),
                       "ranks": [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(2)]}))
 """
 FORK_RANK = """
-import json, os, sys, time
+import atexit, json, os, sys, time
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
+atexit.register(lambda: open(os.path.join(sys.argv[1], os.environ["RANK"] + ".atexit"), "w").close())
 total = torch.ones(1)
 dist.all_reduce(total)
 rank = dist.get_rank()
@@ -114,8 +115,8 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_smoke_runs_fork_their_ranks_and_a_failing_rank_fails_the_run(tmp_path):
     """Under --smoke a bench's ranks are forks of the bench itself (no torchrun agent, no imports again): they
-    rendezvous as torchrun's do, the bench's own folders outlive them, and one rank's failure stops the others and
-    fails the bench with its exit code, as torchrun would."""
+    rendezvous as torchrun's do, run their exit handlers, the bench's own folders outlive them, and one rank's
+    failure stops the others and fails the bench with its exit code, as torchrun would."""
     parent, rank = tmp_path / "parent.py", tmp_path / "rank.py"
     parent.write_text(FORK_PARENT)
     rank.write_text(FORK_RANK)
@@ -123,6 +124,7 @@ def test_smoke_runs_fork_their_ranks_and_a_failing_rank_fails_the_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(proc.stdout.strip().splitlines()[-1])
     assert run["kept"], "a rank's exit removed the bench's temporary folder"
+    assert run["files"] == ["0.atexit", "0.json", "1.atexit", "1.json"], run["files"]  # each rank ran its atexit
     for r, seen in enumerate(run["ranks"]):
         assert seen == {"rank": r, "world": 2, "sum": 2.0, "ppid": run["pid"], "local_rank": str(r),
                         "argv": [seen["argv"][0], "ok"]}, seen
