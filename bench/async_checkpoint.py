@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import build_model, count_params  # noqa: E402
+from harness import build_model, count_params, torchrun  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,16 +52,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes
-        import socket
-
-        from torch.distributed import run as torchrun
-
-        with socket.socket() as s:  # a free port: the smoke run may overlap another run of this bench
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torchrun.main([f"--nproc_per_node={args.devices}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                       __file__, *sys.argv[1:]])
+    if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes (a free port: a smoke run may overlap)
+        torchrun([os.path.abspath(__file__), *sys.argv[1:]], args.devices)
         return
     import lightning as L
 

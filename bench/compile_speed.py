@@ -10,7 +10,9 @@ Each variant runs in fresh processes: eager; compiled with an empty compile cach
 compiled again on the cache the previous run filled, as a second training run would. Printed per model: the median
 step after the warm-up steps (forward, backward, AdamW), the eager/compiled ratio (above 1: compiled is faster), and
 the warm-up, the first step, that includes compiling: cold, then from the cache. ``--smoke`` keeps its cache in
-.cache/torchinductor-bench, so that only its first run on a machine compiles from nothing.
+TORCHINDUCTOR_CACHE_DIR when that is set (the test suite's), else in .cache/torchinductor-bench, so that only its
+first run on a machine compiles from nothing; its ViT batch (4 images per rank) is tests/dist/compile_run.py's, whose
+compiled blocks it then finds in the suite's cache.
 """
 
 from __future__ import annotations
@@ -44,13 +46,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=256, help="tokens per row of the LLM (its config's longest)")
     p.add_argument("--rows", type=int, default=4, help="rows (LLM) per rank per step; the ViT takes 4x as many images")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
-    p.add_argument("--smoke", action="store_true", help="the tiny ViT only, 8 images, 2 timed steps")
+    p.add_argument("--smoke", action="store_true", help="the tiny ViT only, 4 images, 2 timed steps")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
-        args.rows, args.steps = 2, 2
+        args.rows, args.steps = 1, 2
     return args
 
 
@@ -118,7 +120,8 @@ def main() -> None:
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     models = ["vit_tiny"] if args.smoke else list(CONFIGS)
     with tempfile.TemporaryDirectory(prefix="torchinductor-bench-") as empty:  # the first compiled run is cold
-        cache = ROOT / ".cache" / "torchinductor-bench" if args.smoke else Path(empty)
+        kept = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or ROOT / ".cache" / "torchinductor-bench"
+        cache = Path(kept) if args.smoke else Path(empty)
         cache.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "TORCHINDUCTOR_CACHE_DIR": str(cache)}
@@ -143,7 +146,7 @@ def main() -> None:
              "compile warm-up s: the first step of a compiled run with an empty cache (tracing, inductor and the C++"
              " compiler); cached warm-up s: the same on the cache that run filled, as a second training run starts"
              + (" (--smoke keeps one cache across its runs: both may be cached)" if args.smoke else ""),
-             "TORCHINDUCTOR_CACHE_DIR: " + (".cache/torchinductor-bench" if args.smoke else "a new folder")
+             "TORCHINDUCTOR_CACHE_DIR: " + (str(cache) if args.smoke else "a new folder")
              + "; eager warm-up s for comparison: "
              + ", ".join(f"{m} {slowest[f'{m}:eager']['warmup_s']:.3f}" for m in models)]
     for note in notes:

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import add_model_args, batches, build_model, free_port, sync  # noqa: E402
+from harness import add_model_args, batches, build_model, sync, torchrun  # noqa: E402
 from tables import write_table  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
@@ -96,9 +95,7 @@ def main() -> None:
         return child(args)
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.devices}",
-                        "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__),
-                        *sys.argv[1:], "--result", result], check=True)
+        torchrun([os.path.abspath(__file__), *sys.argv[1:], "--result", result], args.devices)
         with open(result) as f:
             results = json.load(f)
     rows = []

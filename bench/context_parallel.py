@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch.distributed as dist
 import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import fabric_steps, free_port, parse_smoke  # noqa: E402
+from harness import fabric_steps, parse_smoke, torchrun  # noqa: E402
 from tables import write_table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "nlp" / "dialogue_tiny.yaml"
@@ -110,9 +109,8 @@ def main() -> None:
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "r.json")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                        f"--master_port={free_port()}", os.path.abspath(__file__), *sys.argv[1:], "--child",
-                        "--result", result], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        torchrun([os.path.abspath(__file__), *sys.argv[1:], "--child", "--result", result], 2,
+                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         ranks = json.loads(Path(result).read_text())
     mib = 2**20
     setup = (f"dialogue_tiny's model (hidden 128, 4 layers, 4 heads / 2 kv heads), seq {args.seq}, {args.device},"

@@ -27,9 +27,9 @@ from harness import (  # noqa: E402
     batches,
     build_model,
     count_params,
-    free_port,
     parse_smoke,
     timed_loop,
+    torchrun,
     trainer_step_times,
 )
 from tables import write_table  # noqa: E402
@@ -98,10 +98,7 @@ def with_trainer(args, device, data) -> tuple[list[float], int]:
 def main() -> None:
     args = parse_args()
     if "LOCAL_RANK" not in os.environ:  # launch ourselves on N processes
-        from torch.distributed import run as torchrun
-
-        torchrun.main([f"--nproc_per_node={args.devices}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-                       __file__, *sys.argv[1:]])
+        torchrun([os.path.abspath(__file__), *sys.argv[1:]], args.devices)
         return
     device = torch.device(args.device, int(os.environ["LOCAL_RANK"])) if args.device == "cuda" \
         else torch.device("cpu")

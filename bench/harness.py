@@ -1,16 +1,23 @@
-"""Pieces the benchmarks share: the ``--smoke`` option, the model, the timing loop, a Trainer run timed per step, and
-variants run in fresh processes."""
+"""Pieces the benchmarks share: the ``--smoke`` option, the model, the timing loop, a Trainer run timed per step,
+variants run in fresh processes, and the launch of a bench's ranks."""
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
 import json
 import os
+import random
+import runpy
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -125,10 +132,11 @@ VARIANTS_SEP = "|"
 
 def run_variants(script: str, variants: list[str], flag: str, devices: int, rounds: int,
                  env: Optional[dict] = None, smoke_together: bool = False) -> dict[str, list[dict]]:
-    """Run ``script`` once per variant and round, each time in fresh processes (torchrun on 127.0.0.1), so one
-    variant's leftovers (engines, allocator caches) never inflate the next one's memory; rounds are interleaved so
-    that machine noise hits the variants alike. The child gets ``flag VARIANT --result FILE`` after this process's
-    own arguments, writes JSON there from rank 0; returns each variant's results, one per round.
+    """Run ``script`` once per variant and round, each time in fresh processes (torchrun on 127.0.0.1; forks of
+    this process under ``--smoke``: :func:`torchrun`), so one variant's leftovers (engines, allocator caches) never
+    inflate the next one's memory; rounds are interleaved so that machine noise hits the variants alike. The child
+    gets ``flag VARIANT --result FILE`` after this process's own arguments, writes JSON there from rank 0; returns
+    each variant's results, one per round.
 
     ``smoke_together``: under ``--smoke`` one launch runs all the variants in turn (a smoke run checks that each
     runs; its figures mean nothing): ``flag`` then carries them all, and the child runs the (variant, result file)
@@ -140,10 +148,8 @@ def run_variants(script: str, variants: list[str], flag: str, devices: int, roun
         for _ in range(rounds):
             for i, launch in enumerate(launches):
                 result = os.path.join(tmp, f"{i}.json")
-                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}",
-                       "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(script),
-                       *sys.argv[1:], flag, launch, "--result", result]
-                subprocess.run(cmd, check=True, env=env)
+                torchrun([os.path.abspath(script), *sys.argv[1:], flag, launch, "--result", result], devices,
+                         env=env)
                 for variant, path in each_variant(launch, result):
                     with open(path) as f:
                         results[variant].append(json.load(f))
@@ -194,3 +200,153 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launching the ranks
+
+# What the ranks of a smoke run find imported when they are forked (torchrun's ranks would each import them). What
+# only some benches need (deepspeed, timm, torchrec) the ranks import, unless this process has it already.
+SMOKE_PRELOAD = ("lightning", "transformers", "disttrain")
+GRACE_S = 30  # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one fails
+
+
+def torchrun(argv: list[str], nproc: int, env: Optional[dict] = None, cwd: Optional[str] = None,
+             quiet: bool = False) -> None:
+    """``python -m torch.distributed.run --nproc_per_node=NPROC --master_addr=127.0.0.1 ARGV`` on a free port, as
+    ``subprocess.run(..., check=True)`` runs it (``quiet``: the ranks' output to /dev/null).
+
+    Under ``--smoke`` the ranks are forked from this process instead (:func:`fork_ranks`): a smoke run checks that
+    the bench runs, and most of a tiny launch is each rank importing torch, Lightning and the rest again (seconds
+    of CPU per rank, and per launch for torchrun's agent). A full run always starts fresh interpreters: forked ranks
+    share this process's pages, which would count in the memory figures some benches report."""
+    if "--smoke" in sys.argv[1:] and fork_ranks(argv, nproc, env, cwd, quiet):
+        return
+    out = subprocess.DEVNULL if quiet else None
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    "--master_addr=127.0.0.1", f"--master_port={free_port()}", *argv],
+                   check=True, env=env, cwd=cwd, stdout=out, stderr=out)
+
+
+def fork_ranks(argv: list[str], nproc: int, env: Optional[dict], cwd: Optional[str], quiet: bool) -> bool:
+    """Run ``python ARGV`` on ``nproc`` ranks forked from this process, each with the environment torchrun gives
+    its worker (the ranks' own store on rank 0, as ``TORCHELASTIC_USE_AGENT_STORE=False`` says); raise
+    ``subprocess.CalledProcessError`` with the first failing rank's exit code, the others stopped as torchrun stops
+    them. False, with nothing run, when this process has started a thread (an OpenMP pool, a tensor operation's):
+    a fork would copy it half-done, so the caller launches fresh processes. tests/zygote.py forks the test suite's
+    ranks the same way; unlike its ranks, these share the parent's string-hash seed."""
+    for name in SMOKE_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional extra not installed: the ranks that need it fail as they would anyway
+            pass
+    if "deepspeed" in sys.modules:  # each rank would probe which ops can build (compiler runs): once, here
+        importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018
+    try:
+        if len(os.listdir("/proc/self/task")) != 1:
+            return False
+    except OSError:  # no /proc: not Linux
+        return False
+    sys.stdout.flush()
+    sys.stderr.flush()
+    port, base = free_port(), dict(os.environ if env is None else env)
+    pids: list[int] = []
+    codes: dict[int, int] = {}  # rank -> exit code, once reaped
+    try:
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:
+                _run_rank(argv, {**base, **_worker_env(rank, nproc, port)}, cwd, quiet)  # never returns
+            pids.append(pid)
+        _wait_ranks(pids, codes)
+    except BaseException:  # Ctrl-C, a failed fork: no rank outlives the bench
+        _signal_left(pids, codes, signal.SIGKILL)
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                os.waitpid(pid, 0)
+        raise
+    failed = next((code for code in codes.values() if code != 0), 0)  # the first to fail (codes: in exit order)
+    if failed:
+        raise subprocess.CalledProcessError(failed, ["forked ranks:", *argv])
+    return True
+
+
+def _worker_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """torchrun's worker environment for ``rank`` of a one-node run of ``nproc`` processes."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def _run_rank(argv: list[str], env: dict[str, str], cwd: Optional[str], quiet: bool) -> None:
+    """In a forked rank: run ``python ARGV`` as a fresh interpreter would from here on, then exit. It never returns
+    into the parent's frames (their ``finally`` blocks would remove the parent's temporary folders)."""
+    code = 1
+    try:
+        # The parent's finalizers are the parent's (its TemporaryDirectory among them): not run at this rank's exit.
+        # The exit handlers the libraries registered at import run, as in a fresh interpreter that imported them.
+        for finalizer in list(weakref.finalize._registry):
+            finalizer.atexit = False
+        if quiet:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            os.close(null)
+        if cwd is not None:
+            os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        random.seed()  # as a fresh interpreter starts: from the OS
+        torch.default_generator.seed()
+        if "lightning" in sys.modules:  # the one rank-dependent value Lightning reads at import (from RANK)
+            from lightning.fabric.utilities.rank_zero import _get_rank
+            from lightning_utilities.core.rank_zero import rank_zero_only
+
+            rank_zero_only.rank = _get_rank() or 0
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (printed as the interpreter prints an uncaught exception)
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _wait_ranks(pids: list[int], codes: dict[int, int]) -> None:
+    """Reap the ranks into ``codes``; when one fails, the others get SIGTERM, then SIGKILL after ``GRACE_S``."""
+    kill_at = None
+    while len(codes) < len(pids):
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+        failed = any(code != 0 for code in codes.values())
+        if failed and kill_at is None:
+            kill_at = time.monotonic() + GRACE_S
+            _signal_left(pids, codes, signal.SIGTERM)
+        elif kill_at is not None and time.monotonic() > kill_at:
+            _signal_left(pids, codes, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def _signal_left(pids: list[int], done: dict[int, int], sig: signal.Signals) -> None:
+    for rank, pid in enumerate(pids):
+        if rank not in done:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import add_model_args, build_model, free_port, parse_smoke, sync  # noqa: E402
+from harness import add_model_args, build_model, parse_smoke, sync, torchrun  # noqa: E402
 from tables import write_table  # noqa: E402
 
 
@@ -251,10 +250,8 @@ def child_tp(args, device) -> dict:
 def launch(args, mode: str, nproc: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__),
-               *sys.argv[1:], "--child", mode, "--result", result]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        torchrun([os.path.abspath(__file__), *sys.argv[1:], "--child", mode, "--result", result], nproc,
+                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         with open(result) as f:
             return json.load(f)
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import free_port, parse_smoke  # noqa: E402
+from harness import parse_smoke, torchrun  # noqa: E402
 from tables import write_table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,9 +37,7 @@ def run(spec: str, *args: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        "--master_addr=127.0.0.1", f"--master_port={free_port()}", SCRIPT, out, spec, *args],
-                       check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        torchrun([SCRIPT, out, spec, *args], 2, env=env, cwd=ROOT, quiet=True)
         return [json.load(open(f"{out}.{rank}.json")) for rank in range(2)]
 
 

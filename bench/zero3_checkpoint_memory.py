@@ -19,32 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from harness import parse_smoke
+from harness import parse_smoke, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist" / "zero3_shards.py"
 MIB = 2**20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(n: int, sizes: list[str], tmp: str) -> tuple[list[dict], int]:
     """One launch at ``n`` processes: every rank's result, and the bytes of tensors in the checkpoint it wrote."""
     out, ckpt = os.path.join(tmp, f"n{n}"), os.path.join(tmp, f"ckpt{n}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
-                    f"--master_port={free_port()}", str(SCRIPT), out, "--save", ckpt, "--baseline", *sizes],
-                   check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    torchrun([str(SCRIPT), out, "--save", ckpt, "--baseline", *sizes], n, env=env, cwd=str(ROOT), quiet=True)
     return [json.load(open(f"{out}.{rank}.json")) for rank in range(n)], checkpoint_bytes(ckpt)
 
 

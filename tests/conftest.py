@@ -26,6 +26,11 @@ sys.path.insert(0, str(DIST))
 # One folder per environment in this checkout: built once, then reused by every run of the session and the next.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
     ROOT / ".cache" / "torch_extensions" / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]))
+# Compiled blocks (compile=True) go to one inductor cache for the whole session, in this checkout (.cache/ is ignored):
+# a test or bench compiling a graph another one compiled loads it (still compiled code: only inductor's work is
+# saved), and the suite's next run reuses it. Set here, before any launch, because the zygotes serve only launches
+# with the environment they started in: a variable a test added later would send its ranks to torchrun.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "torchinductor"))
 # "torchrun": every rank of run_dist a fresh interpreter under torchrun, as a user launches the scripts.
 LAUNCHER = os.environ.get("DISTTRAIN_TEST_LAUNCHER", "zygote")
 _launcher = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-ranks-")))

@@ -7,15 +7,20 @@ Helper modules (no ``if __name__ == "__main__":``) are not benches; ``gpu_check.
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
-import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import pytest
+from zygote import Launcher
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, run_python
 
 BENCH = ROOT / "bench"
 OWN_TEST = {"gpu_check.py": "tests/test_gpu_check.py"}
@@ -29,14 +34,16 @@ def bench_scripts() -> list[str]:
                   if p.name not in OWN_TEST and 'if __name__ == "__main__":' in p.read_text())
 
 
-def smoke(name: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, float, Path]:
+def smoke(name: str, out_dir: Path, zygote: Optional[Launcher]) -> tuple[subprocess.CompletedProcess, float, Path]:
     """``python bench/NAME --smoke [--out-dir OUT]`` (tables in OUT, not in bench/out) as a user starts it: the
-    completed process, its seconds and OUT. (A fresh interpreter: the bench itself imports little; its ranks are
-    its own torchrun's.)"""
-    args = ["--out-dir", str(out_dir)] if "--out-dir" in (BENCH / name).read_text() else []
+    completed process, its seconds and OUT. It runs in a fork of a zygote that has imported torch, Lightning and
+    the rest once (tests/zygote.py: the same process a fresh interpreter would be), and a smoke run forks its ranks
+    from itself (harness.torchrun): no process of a smoke run imports them again. ``zygote``: this thread's own, or
+    None for the session's (conftest.run_python)."""
+    argv = [str(BENCH / name), "--smoke", *(["--out-dir", str(out_dir)] if "--out-dir" in (BENCH / name).read_text()
+                                            else [])]
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(BENCH / name), "--smoke", *args], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = zygote.run_one(argv, child_env(), {}, timeout=600) if zygote else run_python(*argv, timeout=600)
     return proc, time.perf_counter() - start, out_dir
 
 
@@ -46,15 +53,84 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, Future]:
     selected = [item.callspec.params["name"] for item in request.session.items
                 if item.path == Path(__file__) and hasattr(item, "callspec")]
     runnable = [name for name in selected if "--smoke" in (BENCH / name).read_text()]
+    # A zygote serves one request at a time: the pool's first thread uses the session's (this worker's other tests
+    # are waiting on the pool meanwhile), each other thread its own.
+    zygotes: dict[int, Optional[Launcher]] = {}
+    lock = threading.Lock()
+
+    def run(name: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, float, Path]:
+        thread = threading.get_ident()
+        with lock:
+            if thread not in zygotes:
+                zygotes[thread] = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-bench-"))) if zygotes else None
+        return smoke(name, out_dir, zygotes[thread])
+
+    def close() -> None:
+        pool.shutdown()
+        for zygote in filter(None, zygotes.values()):
+            zygote.close()
+            shutil.rmtree(zygote.log_dir, ignore_errors=True)
+
     pool = ThreadPoolExecutor(PARALLEL)
-    request.addfinalizer(pool.shutdown)
-    return {name: pool.submit(smoke, name, tmp_path_factory.mktemp(Path(name).stem)) for name in runnable}
+    request.addfinalizer(close)
+    return {name: pool.submit(run, name, tmp_path_factory.mktemp(Path(name).stem)) for name in runnable}
 
 
 def test_discovery_finds_the_benches_and_leaves_helpers_out():
     names = bench_scripts()
     assert {"fsdp_overhead.py", "zero3_overhead.py", "attention.py"} <= set(names)
     assert not {"harness.py", "tables.py", "gpu_check.py"} & set(names)
+
+
+# A smoke run's ranks (harness.torchrun): each writes what it saw, rank 1 fails when asked, rank 0 then waits in vain.
+FORK_PARENT = """
+import json, os, sys, tempfile
+sys.path.insert(0, "bench")
+from harness import torchrun
+with tempfile.TemporaryDirectory() as tmp:
+    torchrun([sys.argv[1], tmp, sys.argv[2]], 2)
+    print(json.dumps({"pid": os.getpid(), "kept": os.path.isdir(tmp), "files": sorted(os.listdir(tmp)),
+                      "ranks": [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(2)]}))
+"""
+FORK_RANK = """
+import atexit, json, os, sys, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+atexit.register(lambda: open(os.path.join(sys.argv[1], os.environ["RANK"] + ".atexit"), "w").close())
+total = torch.ones(1)
+dist.all_reduce(total)
+rank = dist.get_rank()
+if sys.argv[2] == "fail":
+    if rank == 1:
+        sys.exit(3)
+    time.sleep(600)  # stopped by the launcher when rank 1 fails
+with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "world": dist.get_world_size(), "sum": total.item(), "ppid": os.getppid(),
+               "local_rank": os.environ["LOCAL_RANK"], "argv": sys.argv[1:]}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_smoke_runs_fork_their_ranks_and_a_failing_rank_fails_the_run(tmp_path):
+    """Under --smoke a bench's ranks are forks of the bench itself (no torchrun agent, no imports again): they
+    rendezvous as torchrun's do, run their exit handlers, the bench's own folders outlive them, and one rank's
+    failure stops the others and fails the bench with its exit code, as torchrun would."""
+    parent, rank = tmp_path / "parent.py", tmp_path / "rank.py"
+    parent.write_text(FORK_PARENT)
+    rank.write_text(FORK_RANK)
+    proc = run_python(str(parent), str(rank), "ok", "--smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["kept"], "a rank's exit removed the bench's temporary folder"
+    assert run["files"] == ["0.atexit", "0.json", "1.atexit", "1.json"], run["files"]  # each rank ran its atexit
+    for r, seen in enumerate(run["ranks"]):
+        assert seen == {"rank": r, "world": 2, "sum": 2.0, "ppid": run["pid"], "local_rank": str(r),
+                        "argv": [seen["argv"][0], "ok"]}, seen
+    proc = run_python(str(parent), str(rank), "fail", "--smoke")
+    assert proc.returncode != 0 and "CalledProcessError" in proc.stderr and "exit status 3" in proc.stderr, \
+        proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from torch import nn
 
-from conftest import ROOT, run_dist, run_python
+from conftest import run_dist, run_python
 
 from disttrain.parallel import registry
 from disttrain.parallel.compile import compile_blocks, is_compiled
@@ -21,9 +20,8 @@ SPECS = ("disttrain_ddp", "disttrain_fsdp", "disttrain_megatron:tensor_parallel_
 
 @pytest.fixture(scope="module")
 def compiled_runs(tmp_path_factory):
-    # The compiled code goes to a cache in this checkout (.cache/ is ignored), which the suite's next run reuses:
-    # only a machine's first run pays the cold compiles.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "torchinductor"))
+    # The compiled code goes to the session's cache (conftest.py: TORCHINDUCTOR_CACHE_DIR), which the suite's next
+    # run reuses: only a machine's first run pays the cold compiles.
     return run_dist("compile_run.py", tmp_path_factory.mktemp("compile"), *SPECS, timeout=1500)[0]
 
 

@@ -2,23 +2,29 @@
 step losses of both runs, the parameter names (compiled blocks keep them) and the graph counters of torch._dynamo.
 
 Usage: compile_run.py OUT SPEC [SPEC ...]   (SPEC as common.strategy_from_spec reads it, without ``compile``)
-Models: a tiny HF Llama, a tiny timm ViT and a tiny HF GPT-2, 2 blocks each (the blocks share one compiled graph).
+Models: a tiny HF Llama and a tiny HF GPT-2, 2 blocks each, and the tiny ViT recipe's timm ViT
+(configs/vision/vit_tiny.yaml, 4 blocks) on bench/compile_speed.py --smoke's batch, so that the bench's smoke run and
+this script compile the same graphs once in the test suite's inductor cache (the blocks share one compiled graph).
 A spec the strategy refuses with compile=True records the error line instead. Under disttrain_megatron: the Llama.
 """
 
 import os
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+import yaml
 
 import disttrain  # noqa: F401  (registers the strategy names)
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import strategy_from_spec, tiny_llama, tiny_vit, write_result  # noqa: E402
+from common import strategy_from_spec, tiny_llama, write_result  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB = 5, 2, 16, 96
+VIT_BATCH = 4  # images per rank: bench/compile_speed.py --smoke's
+VIT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "vision" / "vit_tiny.yaml"
 MODELS = ("llama", "vit", "gpt2")
 
 
@@ -26,7 +32,10 @@ def build(name: str) -> torch.nn.Module:
     if name == "llama":
         return tiny_llama(layers=2)
     if name == "vit":
-        return tiny_vit()
+        from disttrain.vision.config import build_vit
+
+        torch.manual_seed(0)
+        return build_vit(yaml.safe_load(VIT_CONFIG.read_text())["model"])
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -37,7 +46,7 @@ def build(name: str) -> torch.nn.Module:
 def loss_of(name: str, model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
     if name == "vit":
-        x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+        x, y = torch.randn(VIT_BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (VIT_BATCH,), generator=g)
         return F.cross_entropy(model(x), y)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return model(input_ids=ids, labels=ids).loss
