@@ -1,0 +1,165 @@
+"""The planner's measured side: calibration files (cache, corrupt ones), the step-time model with measured links and
+overlap, trials that pick the measured-fastest plan (`disttrain plan --trial`, `AutoStrategy(trial=True)`), and the
+recipe's own settings. The fast tests use a synthetic calibration and a runner that stands in for the processes;
+the slow one calibrates and tries plans on 2 CPU processes for real."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+import disttrain
+from conftest import run_python
+from disttrain.planner import choose, estimate, hardware, model_spec
+from disttrain.planner import calibrate as cal
+from disttrain.planner.steptime import breakdown
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs/nlp/dialogue_tiny.yaml")
+
+
+def synthetic(**links: cal.Link) -> cal.Calibration:
+    fast = cal.Link(1e-4, 1e9)
+    return cal.Calibration(host="test", device="cpu", world_size=2, backend="gloo", matmul=[[64, 64, 64, 2e10]],
+                           memory_bw=5e9, optimizer_bw=1e9, links={op: links.get(op, fast) for op in cal.OPS},
+                           overlap=0.5)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTTRAIN_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_the_cache_file_round_trips_under_the_cache_dir(cache):
+    path = cal.cache_path("cpu", 2)
+    assert path.parent == cache / "calibration" and path.name.endswith("-cpu-2.json")
+    cal.save(synthetic(), path)
+    back = cal.cached("cpu", 2)
+    assert back.links == synthetic().links and back.path == str(path)
+    assert back.matmul_flops(60, 70, 64) == 2e10
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"version": 1, "host": "x"}', '{"version": 99}'])
+def test_a_corrupt_cache_file_is_one_error_naming_it_and_the_fix(cache, text, capsys):
+    from disttrain import cli
+
+    path = cal.cache_path("cpu", 2)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(cal.CalibrationError, match="calibrate --force"):
+        cal.cached("cpu", 2)
+    assert cli.main(["plan", "--model", TINY, "--gpus", "2", "--gpu", "cpu"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "delete it or run `disttrain calibrate --force`" in err[0], err
+
+
+def test_the_link_fit_recovers_latency_and_bandwidth():
+    points = [(b, 2e-3 + b / 5e8) for b in (1e4, 1e6, 4e6, 1.6e7)]
+    link = cal._fit(points)
+    assert link.latency == pytest.approx(2e-3) and link.bandwidth == pytest.approx(5e8)
+
+
+def test_the_step_time_uses_the_measured_links_and_overlap():
+    spec = model_spec(TINY)
+    cpu = hardware("cpu")
+    ddp, fsdp = (estimate(spec, s, 2, micro_batch=8, precision="32-true") for s in ("disttrain_ddp", "disttrain_fsdp"))
+    quick = cal.hardware_from(synthetic(), cpu)
+    slow_reduce = cal.hardware_from(synthetic(all_reduce=cal.Link(0.5, 1e6)), cpu)
+    # DDP's all-reduce is measured slow: its step grows by about the calls x latency; FSDP's does not use it.
+    assert breakdown(spec, ddp, slow_reduce).dp > breakdown(spec, ddp, quick).dp + 0.4
+    assert breakdown(spec, fsdp, slow_reduce).total == pytest.approx(breakdown(spec, fsdp, quick).total)
+    hidden = breakdown(spec, fsdp, replace(quick, overlap=1.0))
+    exposed = breakdown(spec, fsdp, replace(quick, overlap=0.0))
+    assert exposed.dp_exposed == pytest.approx(exposed.dp) and hidden.dp_exposed < exposed.dp_exposed
+
+
+def test_the_pipeline_bubble_follows_1f1b():
+    spec = model_spec(TINY)
+    a100 = hardware("A100-80GB")
+    # Two stages, m microbatches: the ideal compute / (1 - (p-1)/(m+p-1)); m=2 idles 1/3, m=8 idles 1/9.
+    two, eight = (breakdown(spec, estimate(spec, "disttrain_megatron", 2, micro_batch=8, pipeline_parallel_size=2,
+                                           microbatches=m), a100).compute for m in (2, 8))
+    assert two / eight == pytest.approx((8 / 9) / (2 / 3), rel=1e-6)
+
+
+def fake_runner(times: dict):
+    def run(model, c, devices, accelerator, steps):
+        return times.get(c.label), "" if c.label in times else "not runnable here"
+
+    return run
+
+
+def test_a_trial_picks_the_fastest_measured_plan():
+    from disttrain.planner.trial import trial
+
+    plan = choose(TINY, 2, "cpu")
+    first = plan.choice  # the estimate's choice is tried first, then the next fastest estimated
+    second, third = [c for c in plan.ranked() if c is not first][:2]
+    trial(plan, TINY, top=3, runner=fake_runner({first.label: 3.0, second.label: 1.0}))
+    assert plan.choice is second and first.measured == 3.0 and third.measured is None
+    report = plan.report()
+    assert "measured s" in report.splitlines()[2]  # the table's head: predicted and measured side by side
+    assert f"the fastest measured is {second.label} (the estimate preferred {first.label})" in report
+    assert f"trial failed: {third.label}: not runnable here" in report
+
+
+def test_a_trial_needs_a_model_it_can_build():
+    from disttrain.planner.trial import trial
+
+    plan = choose(model_spec(TINY), 2, "cpu")
+    with pytest.raises(ValueError, match="recipe YAML path or its `model:` dict"):
+        trial(plan, model_spec(TINY), runner=fake_runner({}))
+
+
+def test_auto_strategy_with_trial_becomes_the_measured_fastest(monkeypatch, cache):
+    from disttrain.planner import trial as trials
+
+    measured = {}
+
+    def run(model, c, devices, accelerator, steps):  # FSDP measured fastest, whatever the estimate says
+        measured[c.label] = 1.0 if c.label == "disttrain_fsdp" else 5.0
+        return measured[c.label], ""
+
+    monkeypatch.setattr(trials, "run_one", run)
+    auto = disttrain.fabric.AutoStrategy(model=TINY, trial=True, trial_top=4, activation_checkpointing=False)
+    fabric = L.Fabric(strategy=auto, accelerator="cpu", devices=2)
+    assert fabric.strategy.plan.choice.label == "disttrain_fsdp" and "disttrain_fsdp" in measured
+    assert type(fabric.strategy) is disttrain.fabric.FSDPStrategy
+    assert fabric.strategy.plan.choice.estimate.micro_batch == 8  # the recipe's train.micro_batch_size
+
+
+@pytest.mark.slow
+def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
+    """`disttrain calibrate` measures for real, `plan --trial` runs the two best plans; the estimate's favourite is
+    made slow by the test hook, so the other must win."""
+    env = {"DISTTRAIN_CACHE": str(tmp_path)}
+    model = tmp_path / "tiny.yaml"
+    model.write_text(json.dumps({"model": {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                                           "num_hidden_layers": 2, "num_attention_heads": 4,
+                                           "num_key_value_heads": 2, "max_position_embeddings": 32},
+                                 "train": {"micro_batch_size": 2, "precision": "32-true",
+                                           "activation_checkpointing": False}, "data": {"seq_len": 32}}))
+    out = run_python("-m", "disttrain.cli", "calibrate", "--devices", "2", env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    calibration = cal.load(next((tmp_path / "calibration").glob("*-cpu-2.json")))
+    assert set(calibration.links) == set(cal.OPS) and all(l.bandwidth > 0 for l in calibration.links.values())
+    import torch
+
+    from disttrain.planner.hardware import detect
+
+    here = cal.hardware_from(calibration, detect(torch.device("cpu"), 2, calibrated=False))  # what the CLI plans for
+    slow = choose(str(model), 2, here).choice.label  # tried first
+    out = run_python("-m", "disttrain.cli", "plan", "--model", str(model), "--gpus", "2", "--gpu", "cpu", "--trial",
+                     "--trial-top", "2", "--trial-steps", "1", env={**env, "DISTTRAIN_TRIAL_DELAY": f"{slow}=20"},
+                     timeout=900)
+    assert out.returncode == 0, out.stderr
+    rows = [line.rsplit(None, 1) for line in out.stdout.splitlines() if line.startswith("disttrain_")]
+    measured = {line[:46].strip(): float(value) for line, value in rows if value != "-"}
+    assert len(measured) == 2 and measured[slow] >= 20, out.stdout  # predicted and measured side by side
+    assert f"recommendation: {min(measured, key=measured.get)}" in out.stdout, out.stdout
+    assert f"the estimate preferred {slow}" in out.stdout
