@@ -87,6 +87,73 @@ def test_the_pipeline_bubble_follows_1f1b():
     assert two / eight == pytest.approx((8 / 9) / (2 / 3), rel=1e-6)
 
 
+def test_the_framework_overhead_counts_each_engine_s_blocks():
+    """Per block: plain under DDP, hooked under FSDP, DTensor under tensor parallelism; a pipeline stage runs its
+    blocks once per microbatch over m + p - 1 slots. CPU processes add it to the compute, GPUs take the longer."""
+    from disttrain.planner.hardware import Overheads
+
+    spec = model_spec(TINY)  # 4 layers: 4 blocks + the ends as one more
+    own = Overheads(eager=1e-3, sharded=4e-3, tensor_parallel=9e-3, microbatch=2e-3, overlaps=False)
+    cpu = replace(hardware("cpu"), overheads=own)
+    parts = {s: breakdown(spec, estimate(spec, s, 2, micro_batch=8, precision="32-true", **o), cpu)
+             for s, o in (("disttrain_ddp", {}), ("disttrain_fsdp", {}),
+                          ("disttrain_megatron", {"tensor_parallel_size": 2}))}
+    assert parts["disttrain_ddp"].overhead == pytest.approx(5e-3)
+    assert parts["disttrain_fsdp"].overhead == pytest.approx(20e-3)
+    assert parts["disttrain_megatron"].overhead == pytest.approx(45e-3)
+    pp = breakdown(spec, estimate(spec, "disttrain_megatron", 2, micro_batch=8, pipeline_parallel_size=2,
+                                  microbatches=4), cpu)
+    assert pp.overhead == pytest.approx((4 + 1) * (2 * 1e-3 + 2e-3))  # two blocks per stage, 5 slots
+    ddp = parts["disttrain_ddp"]
+    assert ddp.total == pytest.approx(ddp.compute + ddp.overhead + ddp.optimizer + ddp.dp_exposed + ddp.critical)
+    gpu = breakdown(spec, estimate(spec, "disttrain_ddp", 2, micro_batch=8, precision="32-true"),
+                    replace(cpu, overheads=replace(own, overlaps=True)))
+    assert gpu.total == pytest.approx(max(gpu.compute, gpu.overhead) + gpu.optimizer + gpu.dp_exposed + gpu.critical)
+
+
+def test_at_run_time_a_pipeline_splits_the_loader_s_batch_or_is_left_out():
+    """disttrain_auto's batch is each rank's DataLoader's: a pipeline gets microbatches that divide it (at least pp
+    of them, for 1F1B) and is not a candidate when none do; the planner's own global batch splits as before."""
+    def pipelines(plan):
+        return {c.label: c.strategy_options().get("microbatches") for c in plan.candidates
+                if c.estimate.dims.pp > 1 and not c.estimate.activation_checkpointing}
+
+    assert pipelines(choose(TINY, 2, "cpu", micro_batch=2, loader_batch=True)) == {
+        "disttrain_megatron tp=1 pp=2 dp=1": 2}
+    assert pipelines(choose(TINY, 2, "cpu", micro_batch=6, loader_batch=True)) == {
+        "disttrain_megatron tp=1 pp=2 dp=1": 3}
+    assert pipelines(choose(TINY, 2, "cpu", micro_batch=1, loader_batch=True)) == {}
+    assert pipelines(choose(TINY, 2, "cpu", micro_batch=1)) == {"disttrain_megatron tp=1 pp=2 dp=1": 2}
+
+
+def test_a_model_its_family_cannot_pipeline_gets_no_pipeline_plans():
+    import timm
+    import torch
+
+    with torch.device("meta"):
+        deit, vit = (timm.create_model(name, img_size=32, num_classes=10, depth=2, embed_dim=64, num_heads=2)
+                     for name in ("deit_tiny_distilled_patch16_224", "vit_tiny_patch16_224"))
+    assert not model_spec(deit).extra["pipeline"] and model_spec(vit).extra["pipeline"]
+    labels = {model: [c.label for c in choose(model, 2, "cpu", micro_batch=4).candidates] for model in (deit, vit)}
+    assert not any("pp=2" in label for label in labels[deit]) and any("tp=2" in label for label in labels[deit])
+    assert any("pp=2" in label for label in labels[vit])
+
+
+def test_the_calibration_s_overheads_replace_the_preset_s():
+    measured = replace(synthetic(), overheads={"eager": 1e-3, "sharded": 2e-3, "tensor_parallel": 3e-3,
+                                               "microbatch": 4e-3})
+    hw = cal.hardware_from(measured, hardware("cpu"))
+    assert (hw.overheads.eager, hw.overheads.microbatch, hw.overheads.overlaps) == (1e-3, 4e-3, False)
+    assert cal.hardware_from(synthetic(), hardware("cpu")).overheads == hardware("cpu").overheads  # older files
+
+
+def test_a_calibration_with_unknown_overheads_is_refused(cache):
+    path = cal.cache_path("cpu", 2)
+    cal.save(replace(synthetic(), overheads={"eager": 1e-3}), path)
+    with pytest.raises(cal.CalibrationError, match="overheads .* calibrate --force"):
+        cal.cached("cpu", 2)
+
+
 def fake_runner(times: dict):
     def run(model, c, devices, accelerator, steps):
         return times.get(c.label), "" if c.label in times else "not runnable here"
@@ -148,6 +215,8 @@ def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
     assert out.returncode == 0, out.stderr
     calibration = cal.load(next((tmp_path / "calibration").glob("*-cpu-2.json")))
     assert set(calibration.links) == set(cal.OPS) and all(l.bandwidth > 0 for l in calibration.links.values())
+    framework = calibration.overheads  # FSDP's hooks and DTensor dispatch cost more than a plain block
+    assert 0 < framework["eager"] < framework["sharded"] and framework["eager"] < framework["tensor_parallel"]
     import torch
 
     from disttrain.planner.hardware import detect

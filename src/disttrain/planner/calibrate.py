@@ -1,5 +1,6 @@
 """The machine the planner plans for, measured: matmul throughput at the model's shapes, memory and optimizer sweep
-bandwidth, and the latency and bandwidth of each collective over the real process group, cached per machine.
+bandwidth, the latency and bandwidth of each collective over the real process group, and the framework's own
+seconds per block (plain, sharded, tensor-parallel, pipelined), cached per machine.
 
     disttrain calibrate --devices 2                 # gloo on CPU, nccl on GPUs; writes the cache file it names
     disttrain calibrate --devices 8 --model configs/nlp/dialogue_1b.yaml   # also the model's own matmul shapes
@@ -34,6 +35,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+OVERHEADS = {"eager", "sharded", "tensor_parallel", "microbatch"}  # the measured fields of hardware.Overheads
 VERSION = 1  # of the file's layout: a file of another version is measured again, not misread
 
 
@@ -65,6 +67,7 @@ class Calibration:
     optimizer_bw: float  # bytes of parameters + gradients + AdamW state that torch's AdamW sweeps per second
     links: dict[str, Link]
     overlap: float
+    overheads: Optional[dict[str, float]] = None  # Overheads' seconds; None in older files: the preset's figures
     measured_at: str = ""
     torch_version: str = ""
     version: int = VERSION
@@ -120,6 +123,9 @@ def load(path: str | os.PathLike) -> Optional[Calibration]:
             raise CalibrationError(f"calibration cache {path} was written by another disttrain version "
                                    f"({data.get('version')!r}, this one reads {VERSION}): {fix}")
         data["links"] = {op: Link(**data["links"][op]) for op in OPS}
+        overheads = data.get("overheads")
+        if overheads is not None and set(overheads) != OVERHEADS:
+            raise ValueError(f"overheads {sorted(overheads)} are not {sorted(OVERHEADS)}")
         return Calibration(**data, path=str(path))
     except CalibrationError:
         raise
@@ -265,6 +271,69 @@ def measure_overlap(device: torch.device, link_bytes: int, shape: tuple[int, int
     return max(0.0, min(1.0, hidden / min(compute, comm)))
 
 
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block small enough that its compute is negligible: timing it times the framework."""
+
+    def __init__(self, hidden: int = 16, heads: int = 2):
+        super().__init__()
+        nn = torch.nn
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -> dict[str, float]:
+    """Seconds of framework work per block forward + backward (:class:`~disttrain.planner.hardware.Overheads`):
+    ``blocks`` tiny blocks timed plain, under ``fully_shard``, under a tensor-parallel plan, and as one pipeline
+    stage over 4 microbatches. Each engine runs over a mesh of this rank alone: its hooks and DTensor dispatch are
+    measured, while the collectives' latency stays in the links (measured on their own)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("all", "own"))["own"]
+    sync = _device_sync(device)
+
+    def stack() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[_Block() for _ in range(blocks)]).to(device)
+
+    def per_block(model: torch.nn.Module, samples: int = 1) -> float:
+        x = torch.randn(samples, 8, 16, device=device)
+        return _timed(lambda: model(x).sum().backward(), device, repeats, sync) / blocks
+
+    eager = per_block(stack())
+    sharded = stack()
+    for block in sharded:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    split = stack()
+    for block in split:
+        parallelize_module(block, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                                         "fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    micro = 4
+    stage = PipelineStage(stack(), 0, 1, device, group=mesh.get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=lambda out, target: out.sum())
+    x, target = torch.randn(micro, 8, 16, device=device), torch.zeros(micro, device=device)
+    pipelined = _timed(lambda: schedule.step(x, target=target), device, repeats, sync)
+    # the schedule's own work per microbatch: what its step takes beyond running the blocks once per microbatch
+    microbatch = max(0.0, pipelined / micro - blocks * eager)
+    found = torch.tensor([eager, per_block(sharded), per_block(split), microbatch], dtype=torch.float64)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace of a step
+    return dict(zip(("eager", "sharded", "tensor_parallel", "microbatch"), found.tolist()))
+
+
 def default_shapes(device: torch.device) -> list[tuple[int, int, int]]:
     """Square-ish matmuls from small to large, for models calibrated without their own shapes."""
     sizes = (128, 256, 512, 1024) if device.type == "cpu" else (1024, 2048, 4096, 8192)
@@ -300,9 +369,10 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
                                              else (1 << 27), repeats)
     links = {op: measure_link(op, sizes, device, repeats=repeats) for op in OPS}
     overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
+    overheads = measure_overheads(device, repeats=2 if quick else 5)
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
-                       links=links, overlap=overlap, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       links=links, overlap=overlap, overheads=overheads, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                        torch_version=torch.__version__)
 
 
@@ -342,8 +412,10 @@ def hardware_from(calibration: Calibration, base: Any) -> Any:
     the step-time model then uses them instead of the preset's peak FLOP/s x mfu and link bandwidths."""
     from dataclasses import replace
 
+    overheads = base.overheads if calibration.overheads is None else \
+        replace(base.overheads, **{k: float(v) for k, v in calibration.overheads.items()})
     return replace(base, calibration=calibration, memory_bw=calibration.memory_bw,
-                   optimizer_bw=calibration.optimizer_bw, overlap=calibration.overlap)
+                   optimizer_bw=calibration.optimizer_bw, overlap=calibration.overlap, overheads=overheads)
 
 
 __all__ = ["OPS", "Calibration", "CalibrationError", "Link", "cache_dir", "cache_path", "cached", "calibrate",

@@ -186,6 +186,19 @@ def candidates(spec: ModelSpec, world_size: int, hw: Hardware,
                                                                      int(seq_len or spec.tokens or 1))]
 
 
+def _split_batch(options: Mapping[str, Any], micro_batch: int, loader_batch: bool) -> dict | None:
+    """The ``microbatches`` option of a pipeline set-up: the most, up to the engine's default ``2 x pp``, that divide
+    the samples the pipeline gets and that its 1F1B schedule takes (at least ``pp``); None when none does. Empty
+    for set-ups without a pipeline or with microbatches given."""
+    pp = options.get("pipeline_parallel_size", 1)
+    if pp == 1 or options.get("microbatches"):
+        return {}
+    samples = micro_batch if loader_batch else micro_batch * options.get("tensor_parallel_size", 1) * pp * \
+        options.get("context_parallel_size", 1)
+    valid = [m for m in range(pp, 2 * pp + 1) if samples % m == 0]
+    return {"microbatches": max(valid)} if valid else None
+
+
 def recomputable(spec: ModelSpec) -> bool:
     """Activation checkpointing is estimated for blocks whose activations are known (analytic or measured)."""
     return spec.layers > 0 and (analytic(spec) or "activations" in spec.extra)
@@ -195,7 +208,7 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
            device_memory: str | int | None = None, micro_batch: int | None = None, seq_len: int | None = None,
            precision: str | None = None, headroom: float = 0.1, available: Iterable[str] | None = None,
            optimizer: str | None = None, activation_checkpointing: bool | None = None,
-           max_micro_batch: int = MAX_MICRO_BATCH) -> Plan:
+           max_micro_batch: int = MAX_MICRO_BATCH, loader_batch: bool = False) -> Plan:
     """The set-up with the highest estimated throughput among those that fit ``device_memory`` (minus ``headroom``
     and the runtime's reserve) on ``world_size`` devices of ``hardware`` (a :class:`Hardware`, a preset name such as
     "A100-40GB", or None for an A100-class node). ``available`` limits the choice to these strategy names (e.g. the
@@ -204,7 +217,12 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
     ``micro_batch``, ``precision``, ``activation_checkpointing`` and ``seq_len``: given here, else what the recipe
     YAML sets (``train.micro_batch_size`` / ``data.batch_size``, ``train.precision``,
     ``train.activation_checkpointing``, ``data.seq_len``), else searched: the largest micro-batch that fits (powers
-    of two up to ``max_micro_batch``), checkpointing on and off; precision ``bf16-mixed``."""
+    of two up to ``max_micro_batch``), checkpointing on and off; precision ``bf16-mixed``.
+
+    ``loader_batch``: each rank's DataLoader gives ``micro_batch`` samples whatever the strategy (``disttrain_auto``
+    at run time), so a pipeline splits those samples; otherwise it gets ``micro_batch x tp x pp x cp`` (the same
+    global batch as every other set-up, as ``--trial`` runs it). Pipeline set-ups whose batch no valid number of
+    microbatches divides are left out: the engine would refuse them."""
     spec = model_spec(model_or_config)
     hw = hardware if isinstance(hardware, Hardware) else make_hardware(hardware, device_memory)
     if isinstance(hardware, Hardware) and device_memory is not None:
@@ -244,8 +262,11 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
         for ac in ((False, True) if option and fixed is None else (False,)):
             best = None
             for b in batches:  # the largest micro-batch that fits (estimates grow with it)
+                split = _split_batch(options, b, loader_batch)
+                if split is None:
+                    continue
                 e = estimate(spec, row.name, world_size, micro_batch=b, seq_len=seq_len, precision=precision_,
-                             optimizer=optimizer, model_recomputes=by_model, **options,
+                             optimizer=optimizer, model_recomputes=by_model, **options, **split,
                              **({"activation_checkpointing": True} if ac else {}))
                 host_ok = e.host * ranks_per_node <= hw.host_memory * (1 - headroom)
                 fits = e.device <= usable and host_ok
@@ -255,8 +276,10 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
                     best = (e, fits, why)
                 if not fits:
                     break
+            if best is None:  # a pipeline no batch here splits into microbatches
+                continue
             e, fits, why = best
-            parts = breakdown(spec, e, hw)
+            parts = breakdown(spec, e, hw, loader_batch)
             plan.candidates.append(Candidate(e, fits, parts.total, usable, why, parts=parts))
     _decide(plan, allowed)
     note = measurement_note(spec)
@@ -360,7 +383,8 @@ def _why(choice: Candidate, by: str) -> str:
     e, p = choice.estimate, choice.parts
     comm = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in e.comm.items() if k != "bubble" and v)
     parts = (f"; compute {p.compute:.3g} s, optimizer {p.optimizer:.3g} s, data-parallel traffic {p.dp:.3g} s of"
-             f" which {p.dp_exposed:.3g} s not overlapped, critical-path traffic {p.critical:.3g} s") if p else ""
+             f" which {p.dp_exposed:.3g} s not overlapped, critical-path traffic {p.critical:.3g} s, framework"
+             f" overhead {p.overhead:.3g} s") if p else ""
     return (f"{choice.label} at micro-batch {e.micro_batch} fits ({_gib(e.device)} of {_gib(choice.usable)} GiB per"
             f" rank) with {by} ({choice.samples_per_s:.3g} samples/s, {choice.step_time:.3g} s per step{parts};"
             f" traffic per rank per step: {comm or 'none'})")

@@ -15,6 +15,28 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
+class Overheads:
+    """Seconds of framework work per step that is neither compute nor traffic (Python, operator dispatch, the
+    engines' hooks), which dominates small models: per transformer block's forward and backward ``eager`` (plain
+    module), ``sharded`` (under FSDP2's gather/reduce hooks; ZeRO-3 counted the same) and ``tensor_parallel`` (under
+    DTensor plans); ``microbatch``: a pipeline schedule's work for one microbatch on one stage beyond its blocks.
+    ``overlaps``: the device computes while the host dispatches (GPUs: a step takes the longer of the two; CPU
+    processes do both in turn: their sum)."""
+
+    eager: float
+    sharded: float
+    tensor_parallel: float
+    microbatch: float
+    overlaps: bool = True
+
+
+# A GPU's kernel launches (~5 us each, ~30 per block forward and backward), its hooks' and DTensor's Python; a CPU's
+# as measured on a 2-core host with gloo. `disttrain calibrate` measures them (planner/calibrate.py).
+GPU_OVERHEADS = Overheads(eager=1.5e-4, sharded=3e-4, tensor_parallel=6e-4, microbatch=1e-3)
+CPU_OVERHEADS = Overheads(eager=5e-4, sharded=2.5e-3, tensor_parallel=4.5e-3, microbatch=2.5e-3, overlaps=False)
+
+
+@dataclass(frozen=True)
 class Hardware:
     """One kind of device and its links. Bandwidths are bytes/s that one device achieves in a collective:
     ``intra_node_bw`` between devices of a node (NVLink, or PCIe where there is none), ``inter_node_bw`` per device
@@ -24,7 +46,7 @@ class Hardware:
     seconds one collective costs whatever its size; ``memory_bw`` the device memory's bytes/s (elementwise work),
     ``optimizer_bw`` the bytes of states the optimizer step sweeps per second (default half of ``memory_bw``: read and
     written); ``overlap`` the fraction of data-parallel traffic that can hide behind compute (1: its own engine, as
-    NCCL on GPUs). ``calibration``: what ``disttrain calibrate`` measured here (:mod:`disttrain.planner.calibrate`),
+    NCCL on GPUs); ``overheads`` the framework's own seconds (:class:`Overheads`). ``calibration``: what ``disttrain calibrate`` measured here (:mod:`disttrain.planner.calibrate`),
     used instead of ``peak_flops x mfu`` and the link figures when present."""
 
     name: str
@@ -42,6 +64,7 @@ class Hardware:
     memory_bw: float = 1.5e12
     optimizer_bw: float = 0.0
     overlap: float = 1.0
+    overheads: Overheads = GPU_OVERHEADS
     calibration: Any = field(default=None, compare=False, repr=False)
 
     @property
@@ -68,7 +91,7 @@ PRESETS: dict[str, Hardware] = {
     # millisecond per collective; its threads share the cores with the compute, so half of it overlaps). Run
     # `disttrain calibrate` to measure them instead.
     "cpu": Hardware("cpu", 8 * GiB, 1e11, 5e9, 1e9, pcie_bw=1e12, gpus_per_node=1024, reserved=0, latency=1e-3,
-                    memory_bw=10e9, overlap=0.5),
+                    memory_bw=10e9, overlap=0.5, overheads=CPU_OVERHEADS),
 }
 
 

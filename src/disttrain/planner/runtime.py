@@ -57,7 +57,7 @@ def plan_for(source: Any, options: AutoOptions, world_size: int, device: torch.d
     micro_batch = options.micro_batch or (None if "micro_batch" in spec.extra.get("recipe", {}) else 1)
     plan = choose(spec, world_size, hw, micro_batch=micro_batch, seq_len=options.seq_len,
                   precision=planned_precision(precision), headroom=options.headroom,
-                  available=available, activation_checkpointing=options.activation_checkpointing)
+                  available=available, activation_checkpointing=options.activation_checkpointing, loader_batch=True)
     if options.trial and plan.choice is not None:
         from disttrain.planner.trial import trial_once
 

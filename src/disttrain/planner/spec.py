@@ -143,6 +143,9 @@ def _from_module(module: nn.Module) -> ModelSpec:
     family = family_of(module)
     spec = family.spec_from_module(module) if family is not None else None
     if spec is not None:
+        # What this very module allows, as the engine will check it (DeiT's distillation token: no pipeline stages).
+        if spec.extra.get("pipeline"):
+            spec.extra["pipeline"] = generic.can_pipeline(family, module)
         return spec
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "model_type") and hasattr(module, "base_model_prefix"):

@@ -14,6 +14,11 @@ data-parallel rank). Its parts, as the engines schedule them:
   computes and reduce-scatter during backward; DDP all-reduces gradient buckets during backward. What exceeds
   ``overlap`` x the compute it can hide behind is exposed, and never less than one unit's (bucket's) share: the first
   gather (the last bucket) has nothing to hide behind.
+- **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
+  measured by ``disttrain calibrate``) per block executed: plain blocks under DDP, hooked ones under FSDP and
+  ZeRO-3, DTensor ones under tensor parallelism; a pipeline stage runs its blocks once per microbatch, plus the
+  schedule's own work per microbatch, over ``m + p - 1`` slots. On GPUs the device computes while the host
+  dispatches, so a step takes the longer of compute and overhead; CPU processes do both in turn.
 - **critical-path traffic**, not overlapped: tensor-parallel all-reduces (four per block per micro-batch), pipeline
   sends, context-parallel and expert all-to-alls, embedding all-to-alls (recsys), offload copies and the CPU
   optimizer.
@@ -46,10 +51,13 @@ class StepTime:
     dp: float  # data-parallel traffic in all
     dp_exposed: float  # of which not hidden behind compute
     critical: float  # traffic on the critical path
+    overhead: float = 0.0  # the framework's own work
+    overlaps: bool = True  # the device computes while the host dispatches: the longer of compute and overhead
 
     @property
     def total(self) -> float:
-        return self.compute + self.optimizer + self.dp_exposed + self.critical
+        busy = max(self.compute, self.overhead) if self.overlaps else self.compute + self.overhead
+        return busy + self.optimizer + self.dp_exposed + self.critical
 
 
 def _compute_bytes(precision: str) -> int:
@@ -82,7 +90,29 @@ def microbatches(e: Estimate) -> int:
     return max(1, min(e.options.get("microbatches") or 2 * d.pp, e.micro_batch * d.tp * d.pp * d.cp))
 
 
-def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware) -> StepTime:
+def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> float:
+    """Seconds of framework work in one step of ``e`` (see the module docstring). ``loader_batch``: each rank's
+    DataLoader gives ``micro_batch`` samples whatever the strategy, so a tensor/pipeline/context-parallel group
+    runs ``tp x pp x cp`` steps for the samples the step counts; otherwise one step of them all."""
+    o, d = hw.overheads, e.dims
+    engine = registry.lookup(e.strategy).engine
+    blocks = max(1, spec.layers // d.pp) + (1 if d.pp == 1 else 0)  # the ends (embeddings, head, loss) as one more
+    if d.tp > 1:
+        per_block = o.tensor_parallel
+    elif engine is DDPEngine or (d.pp > 1 and d.shard == 1):
+        per_block = o.eager
+    else:
+        per_block = o.sharded
+    if d.pp == 1:
+        step = blocks * per_block
+    else:
+        m = microbatches(e)
+        step = (m + d.pp - 1) * (blocks * per_block + o.microbatch)  # bubbles idle the host as much as the device
+    return step * (d.tp * d.pp * d.cp if loader_batch else 1)
+
+
+def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> StepTime:
+    """The parts of one step of ``e`` on ``hw`` (``loader_batch``: see :func:`overhead`)."""
     engine = registry.lookup(e.strategy).engine
     d, c = e.dims, e.comm
     flops = flops_per_sample(spec, e.seq_len) * e.micro_batch * (4 / 3 if e.activation_checkpointing else 1)
@@ -124,9 +154,10 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware) -> StepTime:
                 + _link(hw, "all_to_all", c.get("ep", 0), per_block, ep_bw)
                 + _link(hw, "all_to_all", c.get("a2a", 0), 4, dp_bw)  # ids out, embeddings back, and their gradients
                 + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
-    return StepTime(compute, optimizer, dp, dp_exposed, critical)
+    return StepTime(compute, optimizer, dp, dp_exposed, critical, overhead(spec, e, hw, loader_batch),
+                    hw.overheads.overlaps)
 
 
-def step_time(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
+def step_time(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> float:
     """Estimated seconds of one step (``micro_batch`` samples per device, forward, backward and optimizer)."""
-    return breakdown(spec, e, hw).total
+    return breakdown(spec, e, hw, loader_batch).total
