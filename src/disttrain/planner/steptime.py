@@ -15,7 +15,7 @@ data-parallel rank). Its parts, as the engines schedule them:
   ``overlap`` x the compute it can hide behind is exposed, and never less than one unit's (bucket's) share: the first
   gather (the last bucket) has nothing to hide behind.
 - **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
-  measured by ``disttrain calibrate``) per block executed: plain blocks under DDP, hooked ones under FSDP and
+  measured by ``disttrain calibrate``) per block executed (x 4/3 with checkpointing): plain blocks under DDP, hooked ones under FSDP and
   ZeRO-3, DTensor ones under tensor parallelism; a pipeline stage runs its blocks once per microbatch, plus the
   schedule's own work per microbatch, over ``m + p - 1`` slots. On GPUs the device computes while the host
   dispatches, so a step takes the longer of compute and overhead; CPU processes do both in turn.
@@ -108,7 +108,8 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
     else:
         m = microbatches(e)
         step = (m + d.pp - 1) * (blocks * per_block + o.microbatch)  # bubbles idle the host as much as the device
-    return step * (d.tp * d.pp * d.cp if loader_batch else 1)
+    recompute = 4 / 3 if e.activation_checkpointing else 1  # checkpointed blocks run their forward twice
+    return step * recompute * (d.tp * d.pp * d.cp if loader_batch else 1)
 
 
 def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> StepTime:
