@@ -215,8 +215,9 @@ def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
     assert out.returncode == 0, out.stderr
     calibration = cal.load(next((tmp_path / "calibration").glob("*-cpu-2.json")))
     assert set(calibration.links) == set(cal.OPS) and all(l.bandwidth > 0 for l in calibration.links.values())
-    framework = calibration.overheads  # FSDP's hooks and DTensor dispatch cost more than a plain block
-    assert 0 < framework["eager"] < framework["sharded"] and framework["eager"] < framework["tensor_parallel"]
+    framework = calibration.overheads  # each measured, and DTensor dispatch costs more than a plain block's
+    assert set(framework) == cal.OVERHEADS and all(0 <= v < 1 for v in framework.values())
+    assert 0 < framework["eager"] < framework["tensor_parallel"]
     import torch
 
     from disttrain.planner.hardware import detect
@@ -224,11 +225,11 @@ def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
     here = cal.hardware_from(calibration, detect(torch.device("cpu"), 2, calibrated=False))  # what the CLI plans for
     slow = choose(str(model), 2, here).choice.label  # tried first
     out = run_python("-m", "disttrain.cli", "plan", "--model", str(model), "--gpus", "2", "--gpu", "cpu", "--trial",
-                     "--trial-top", "2", "--trial-steps", "1", env={**env, "DISTTRAIN_TRIAL_DELAY": f"{slow}=20"},
+                     "--trial-top", "2", "--trial-steps", "1", env={**env, "DISTTRAIN_TRIAL_DELAY": f"{slow}=5"},
                      timeout=900)
     assert out.returncode == 0, out.stderr
     rows = [line.rsplit(None, 1) for line in out.stdout.splitlines() if line.startswith("disttrain_")]
     measured = {line[:46].strip(): float(value) for line, value in rows if value != "-"}
-    assert len(measured) == 2 and measured[slow] >= 20, out.stdout  # predicted and measured side by side
+    assert len(measured) == 2 and measured[slow] >= 5, out.stdout  # predicted and measured side by side
     assert f"recommendation: {min(measured, key=measured.get)}" in out.stdout, out.stdout
     assert f"the estimate preferred {slow}" in out.stdout

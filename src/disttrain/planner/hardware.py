@@ -33,7 +33,7 @@ class Overheads:
 # A GPU's kernel launches (~5 us each, ~30 per block forward and backward), its hooks' and DTensor's Python; a CPU's
 # as measured on a 2-core host with gloo. `disttrain calibrate` measures them (planner/calibrate.py).
 GPU_OVERHEADS = Overheads(eager=1.5e-4, sharded=3e-4, tensor_parallel=6e-4, microbatch=1e-3)
-CPU_OVERHEADS = Overheads(eager=5e-4, sharded=2.5e-3, tensor_parallel=4.5e-3, microbatch=2.5e-3, overlaps=False)
+CPU_OVERHEADS = Overheads(eager=5e-4, sharded=2.5e-3, tensor_parallel=5e-3, microbatch=2.5e-3, overlaps=False)
 
 
 @dataclass(frozen=True)
