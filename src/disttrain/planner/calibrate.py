@@ -374,8 +374,8 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     overheads = measure_overheads(device, repeats=3 if quick else 10)
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
-                       links=links, overlap=overlap, overheads=overheads, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       torch_version=torch.__version__)
+                       links=links, overlap=overlap, overheads=overheads,
+                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch_version=torch.__version__)
 
 
 # -- launching ----------------------------------------------------------------------------------------------------

@@ -46,8 +46,9 @@ class Hardware:
     seconds one collective costs whatever its size; ``memory_bw`` the device memory's bytes/s (elementwise work),
     ``optimizer_bw`` the bytes of states the optimizer step sweeps per second (default half of ``memory_bw``: read and
     written); ``overlap`` the fraction of data-parallel traffic that can hide behind compute (1: its own engine, as
-    NCCL on GPUs); ``overheads`` the framework's own seconds (:class:`Overheads`). ``calibration``: what ``disttrain calibrate`` measured here (:mod:`disttrain.planner.calibrate`),
-    used instead of ``peak_flops x mfu`` and the link figures when present."""
+    NCCL on GPUs); ``overheads`` the framework's own seconds (:class:`Overheads`). ``calibration``: what
+    ``disttrain calibrate`` measured here (:mod:`disttrain.planner.calibrate`), used instead of ``peak_flops x mfu``
+    and the link figures when present."""
 
     name: str
     memory: int

@@ -15,9 +15,9 @@ data-parallel rank). Its parts, as the engines schedule them:
   ``overlap`` x the compute it can hide behind is exposed, and never less than one unit's (bucket's) share: the first
   gather (the last bucket) has nothing to hide behind.
 - **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
-  measured by ``disttrain calibrate``) per block executed (x 4/3 with checkpointing): plain blocks under DDP, hooked ones under FSDP and
-  ZeRO-3, DTensor ones under tensor parallelism; a pipeline stage runs its blocks once per microbatch, plus the
-  schedule's own work per microbatch, over ``m + p - 1`` slots. On GPUs the device computes while the host
+  measured by ``disttrain calibrate``) per block executed (x 4/3 with checkpointing): plain blocks under DDP, hooked
+  ones under FSDP and ZeRO-3, DTensor ones under tensor parallelism; a pipeline stage runs its blocks once per
+  microbatch, plus the schedule's own work per microbatch, over ``m + p - 1`` slots. On GPUs the device computes while the host
   dispatches, so a step takes the longer of compute and overhead; CPU processes do both in turn.
 - **critical-path traffic**, not overlapped: tensor-parallel all-reduces (four per block per micro-batch), pipeline
   sends, context-parallel and expert all-to-alls, embedding all-to-alls (recsys), offload copies and the CPU
