@@ -2,6 +2,7 @@
 step time the calibrated step-time model predicted for it.
 
     python bench/planner_ranking.py            # tiny dialogue Llama, tiny ViT, GPT-2 and Qwen2-MoE (tiny configs)
+    python bench/planner_ranking.py --devices 2 4   # also on 4 processes (calibrated for 4 first)
     python bench/planner_ranking.py --smoke    # the tiny Llama, two plans, one step, a quick calibration
 
 First this machine is calibrated (``disttrain calibrate``: matmul, memory, the four collectives over 2 processes;
@@ -64,67 +65,76 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list, summary: list) -> None:
+    """Measure every plan that fits ``name`` on ``devices`` processes; print and collect predicted vs measured."""
+    from disttrain.planner import choose
+    from disttrain.planner.trial import run_one
+
+    mapping, micro, seq = MODELS[name]
+    plan = choose(mapping, devices, hw, micro_batch=micro, seq_len=seq, precision="32-true",
+                  activation_checkpointing=False)
+    fitting = [c for c in plan.ranked() if not c.estimate.host]  # offload moves nothing on CPU
+    if smoke:
+        fitting = [c for c in fitting if c.estimate.strategy in ("disttrain_ddp", "disttrain_fsdp")][:2]
+    measured = []
+    for c in fitting:
+        c.measured, why = run_one(mapping, c, devices, "cpu", steps)
+        if c.measured is None:
+            print(f"  {name}: {c.label} did not run: {why}")
+        else:
+            measured.append(c)
+    if not measured:
+        return
+    fastest = min(measured, key=lambda c: c.measured)
+    chosen = plan.choice if plan.choice in measured else min(measured, key=lambda c: c.step_time)
+    within = chosen.measured <= fastest.measured * 1.05
+    rho = spearman([c.step_time for c in measured], [c.measured for c in measured])
+    print(f"\n{name} on {devices} processes (micro batch {micro}; chosen: {plan.choice.label})")
+    print(f"{'plan':<46} {'predicted s':>11} {'measured s':>10} {'steps/s':>8} {'error':>7}")
+    for c in measured:
+        err = (c.step_time - c.measured) / c.measured
+        mark = " <- chosen" if c is chosen else (" <- fastest" if c is fastest else "")
+        print(f"{c.label:<46} {c.step_time:>11.3f} {c.measured:>10.3f} {1 / c.measured:>8.2f} {err:>+7.0%}{mark}")
+        rows.append([name, devices, c.label, c.step_time, c.measured, 1 / c.measured, 100 * err,
+                     "chosen" if c is chosen else ""])
+    print(f"chosen within 5% of the fastest measured: {'yes' if within else 'no'}"
+          f" ({chosen.measured / fastest.measured:.2f}x); Spearman rank correlation {rho:+.2f}")
+    summary.append(f"{name}, {devices} processes: chosen {chosen.label} at {chosen.measured / fastest.measured:.2f}x"
+                   f" the fastest measured ({fastest.label}); Spearman {rho:+.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--devices", type=int, nargs="+", default=[2], help="process counts to plan and measure for")
     p.add_argument("--smoke", action="store_true", help="the tiny Llama, two plans, one step, a quick calibration")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
     args = p.parse_args()
 
-    from disttrain.planner import choose, hardware
     from disttrain.planner import calibrate as cal
-    from disttrain.planner.trial import run_one
+    from disttrain.planner import hardware
 
     models = ["dialogue tiny"] if args.smoke else args.models
     steps = 1 if args.smoke else args.steps
-    if args.smoke:  # a quick calibration of its own: a smoke run's figures must not become the machine's cache
-        calibration = cal.calibrate(2, "cpu", path=os.path.join(tempfile.mkdtemp(), "smoke.json"), quick=True)
-    else:
-        calibration = cal.cached("cpu", 2) or cal.calibrate(2, "cpu")
-    hw = cal.hardware_from(calibration, hardware("cpu", gpus_per_node=2, host_memory=0))
-    print(f"calibration: {calibration.path or 'quick'}; overlap {calibration.overlap:.2f}, all-reduce latency"
-          f" {calibration.links['all_reduce'].latency * 1e3:.2f} ms")
     rows, summary = [], []
-    for name in models:
-        mapping, micro, seq = MODELS[name]
-        plan = choose(mapping, 2, hw, micro_batch=micro, seq_len=seq, precision="32-true",
-                      activation_checkpointing=False)
-        fitting = [c for c in plan.ranked() if not c.estimate.host]  # offload moves nothing on CPU
-        if args.smoke:
-            fitting = [c for c in fitting if c.estimate.strategy in ("disttrain_ddp", "disttrain_fsdp")][:2]
-        measured = []
-        for c in fitting:
-            c.measured, why = run_one(mapping, c, 2, "cpu", steps)
-            if c.measured is None:
-                print(f"  {name}: {c.label} did not run: {why}")
-            else:
-                measured.append(c)
-        if not measured:
-            continue
-        fastest = min(measured, key=lambda c: c.measured)
-        chosen = plan.choice if plan.choice in measured else min(measured, key=lambda c: c.step_time)
-        within = chosen.measured <= fastest.measured * 1.05
-        rho = spearman([c.step_time for c in measured], [c.measured for c in measured])
-        print(f"\n{name} (micro batch {micro}; chosen: {plan.choice.label})")
-        print(f"{'plan':<46} {'predicted s':>11} {'measured s':>10} {'steps/s':>8} {'error':>7}")
-        for c in measured:
-            err = (c.step_time - c.measured) / c.measured
-            mark = " <- chosen" if c is chosen else (" <- fastest" if c is fastest else "")
-            print(f"{c.label:<46} {c.step_time:>11.3f} {c.measured:>10.3f} {1 / c.measured:>8.2f} {err:>+7.0%}{mark}")
-            rows.append([name, c.label, c.step_time, c.measured, 1 / c.measured, 100 * err,
-                         "chosen" if c is chosen else ""])
-        print(f"chosen within 5% of the fastest measured: {'yes' if within else 'no'}"
-              f" ({chosen.measured / fastest.measured:.2f}x); Spearman rank correlation {rho:+.2f}")
-        summary.append(f"{name}: chosen {chosen.label} at {chosen.measured / fastest.measured:.2f}x the fastest"
-                       f" measured ({fastest.label}); Spearman {rho:+.2f}")
-    errors = [abs(r[5]) for r in rows]
+    for devices in ([2] if args.smoke else args.devices):
+        if args.smoke:  # a quick calibration of its own: a smoke run's figures must not become the machine's cache
+            calibration = cal.calibrate(2, "cpu", path=os.path.join(tempfile.mkdtemp(), "smoke.json"), quick=True)
+        else:
+            calibration = cal.cached("cpu", devices) or cal.calibrate(devices, "cpu")
+        hw = cal.hardware_from(calibration, hardware("cpu", gpus_per_node=devices, host_memory=0))
+        print(f"{devices} processes, calibration: {calibration.path or 'quick'}; overlap {calibration.overlap:.2f},"
+              f" all-reduce latency {calibration.links['all_reduce'].latency * 1e3:.2f} ms")
+        for name in models:
+            rank_plans(name, devices, hw, steps, args.smoke, rows, summary)
+    errors = [abs(r[6]) for r in rows]
     if errors:
         print(f"\nplans within 25% of measured: {sum(e <= 25 for e in errors)} of {len(errors)};"
               f" median |error| {sorted(errors)[len(errors) // 2]:.0f}%")
         write_table("planner_ranking", "Planner ranking against measurement",
-                    f"2 CPU processes (gloo), fp32, {steps} timed steps per plan, calibrated step-time model",
-                    ["model", "plan", "predicted s", "measured s", "steps/s", "error %", ""], rows,
+                    f"CPU processes (gloo), fp32, {steps} timed steps per plan, calibrated step-time model",
+                    ["model", "processes", "plan", "predicted s", "measured s", "steps/s", "error %", ""], rows,
                     bars=("measured s",), fmt={"predicted s": ".3f", "measured s": ".3f", "steps/s": ".2f",
                                                "error %": "+.0f"},
                     notes=summary, out_dir=args.out_dir)

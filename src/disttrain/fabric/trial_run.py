@@ -80,6 +80,9 @@ def main() -> None:
             model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model, optimizer = fabric.setup(model, optimizer)
+    pipelined = kind == "vit" and fabric.strategy.engine.pipeline is not None
+    if pipelined:
+        model.pipeline.loss_fn = F.cross_entropy  # a ViT computes no loss itself: the pipeline's last stage does
     batch = job["micro_batch"] * dims.tp * dims.pp * dims.cp
     seq = int(job["seq_len"] or spec.tokens or 1)
     g = torch.Generator().manual_seed(0)  # every rank the same data: tensor-parallel ranks need the same batch
@@ -89,7 +92,8 @@ def main() -> None:
         if kind == "vit":
             images = torch.randn(batch, spec.in_chans or 3, spec.image_size, spec.image_size, generator=g)
             labels = torch.randint(0, max(1, spec.num_classes), (batch,), generator=g)
-            loss = F.cross_entropy(model(fabric.to_device(images)), fabric.to_device(labels))
+            images, labels = fabric.to_device(images), fabric.to_device(labels)
+            loss = model(images, target=labels) if pipelined else F.cross_entropy(model(images), labels)
         else:
             ids = fabric.to_device(torch.randint(0, spec.vocab, (batch, seq), generator=g))
             loss = model(input_ids=ids, labels=ids).loss
