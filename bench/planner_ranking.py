@@ -3,7 +3,7 @@ step time the calibrated step-time model predicted for it.
 
     python bench/planner_ranking.py            # tiny dialogue Llama, tiny ViT, GPT-2 and Qwen2-MoE (tiny configs)
     python bench/planner_ranking.py --devices 2 4   # also on 4 processes (calibrated for 4 first)
-    python bench/planner_ranking.py --smoke    # the tiny Llama, two plans, one step, a quick calibration
+    python bench/planner_ranking.py --smoke    # the tiny ViT, DDP and a pipeline, one step, a quick calibration
 
 First this machine is calibrated (``disttrain calibrate``: matmul, memory, the four collectives over 2 processes;
 the cached calibration is used when there is one, a quick one for --smoke). For each model the planner's plan lists
@@ -74,12 +74,15 @@ def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list,
     plan = choose(mapping, devices, hw, micro_batch=micro, seq_len=seq, precision="32-true",
                   activation_checkpointing=False)
     fitting = [c for c in plan.ranked() if not c.estimate.host]  # offload moves nothing on CPU
-    if smoke:
-        fitting = [c for c in fitting if c.estimate.strategy in ("disttrain_ddp", "disttrain_fsdp")][:2]
+    if smoke:  # a replica and a pipeline: the two ways a trial calls the model
+        fitting = [next(c for c in fitting if c.estimate.strategy == "disttrain_ddp"),
+                   next(c for c in fitting if c.estimate.dims.pp > 1)]
     measured = []
     for c in fitting:
         c.measured, why = run_one(mapping, c, devices, "cpu", steps)
         if c.measured is None:
+            if smoke:  # the smoke run is the check that trials run at all
+                raise SystemExit(f"{name}: {c.label} did not run: {why}")
             print(f"  {name}: {c.label} did not run: {why}")
         else:
             measured.append(c)
@@ -108,14 +111,14 @@ def main() -> None:
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--devices", type=int, nargs="+", default=[2], help="process counts to plan and measure for")
-    p.add_argument("--smoke", action="store_true", help="the tiny Llama, two plans, one step, a quick calibration")
+    p.add_argument("--smoke", action="store_true", help="the tiny ViT, DDP and a pipeline, one step, a quick calibration")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
     args = p.parse_args()
 
     from disttrain.planner import calibrate as cal
     from disttrain.planner import hardware
 
-    models = ["dialogue tiny"] if args.smoke else args.models
+    models = ["vit tiny"] if args.smoke else args.models
     steps = 1 if args.smoke else args.steps
     rows, summary = [], []
     for devices in ([2] if args.smoke else args.devices):
