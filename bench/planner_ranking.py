@@ -5,8 +5,9 @@ step time the calibrated step-time model predicted for it.
     python bench/planner_ranking.py --devices 2 4   # also on 4 processes (calibrated for 4 first)
     python bench/planner_ranking.py --smoke    # the tiny ViT, DDP and a pipeline, one step, a quick calibration
 
-First this machine is calibrated (``disttrain calibrate``: matmul, memory, the four collectives over 2 processes;
-the cached calibration is used when there is one, a quick one for --smoke). For each model the planner's plan lists
+First this machine is calibrated (``disttrain calibrate``: matmul and blocks at the models' shapes, memory, the four
+collectives over 2 processes, the framework overheads; the cached calibration is used when there is one, a quick
+one for --smoke). For each model the planner's plan lists
 the set-ups that fit; each is run by the trial runner of ``disttrain plan --trial`` (fresh processes through
 ``disttrain run``'s launcher, one warm-up step and --steps timed ones, median). Printed per model: each plan's
 predicted and measured step time, the error (predicted - measured) / measured (target: within 25%), the rank
@@ -63,6 +64,19 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
     return cov / var if var else float("nan")
+
+
+def model_shapes(models: list[str]) -> list[tuple[int, int, int]]:
+    """The matmul shapes of the models' blocks at their micro-batch: what `disttrain calibrate --model` measures."""
+    from disttrain.planner import model_spec
+    from disttrain.planner.calibrate import model_shapes as shapes
+
+    out = []
+    for name in models:
+        mapping, micro, seq = MODELS[name]
+        spec = model_spec(mapping)
+        out += shapes(spec, micro, seq or spec.tokens)
+    return out
 
 
 def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list, summary: list) -> None:
@@ -125,7 +139,7 @@ def main() -> None:
         if args.smoke:  # a quick calibration of its own: a smoke run's figures must not become the machine's cache
             calibration = cal.calibrate(2, "cpu", path=os.path.join(tempfile.mkdtemp(), "smoke.json"), quick=True)
         else:
-            calibration = cal.cached("cpu", devices) or cal.calibrate(devices, "cpu")
+            calibration = cal.cached("cpu", devices) or cal.calibrate(devices, "cpu", shapes=model_shapes(models))
         hw = cal.hardware_from(calibration, hardware("cpu", gpus_per_node=devices, host_memory=0))
         print(f"{devices} processes, calibration: {calibration.path or 'quick'}; overlap {calibration.overlap:.2f},"
               f" all-reduce latency {calibration.links['all_reduce'].latency * 1e3:.2f} ms")

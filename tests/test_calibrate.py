@@ -73,9 +73,12 @@ def test_the_step_time_uses_the_measured_links_and_overlap():
     # DDP's all-reduce is measured slow: its step grows by about the calls x latency; FSDP's does not use it.
     assert breakdown(spec, ddp, slow_reduce).dp > breakdown(spec, ddp, quick).dp + 0.4
     assert breakdown(spec, fsdp, slow_reduce).total == pytest.approx(breakdown(spec, fsdp, quick).total)
-    hidden = breakdown(spec, fsdp, replace(quick, overlap=1.0))
-    exposed = breakdown(spec, fsdp, replace(quick, overlap=0.0))
+    streams = replace(quick, overheads=replace(quick.overheads, overlaps=True))  # a device with streams (GPU)
+    hidden = breakdown(spec, fsdp, replace(streams, overlap=1.0))
+    exposed = breakdown(spec, fsdp, replace(streams, overlap=0.0))
     assert exposed.dp_exposed == pytest.approx(exposed.dp) and hidden.dp_exposed < exposed.dp_exposed
+    # CPU processes have no streams to prefetch FSDP2's gathers on: each waits, whatever the measured overlap
+    assert breakdown(spec, fsdp, replace(quick, overlap=1.0)).dp_exposed == pytest.approx(exposed.dp)
 
 
 def test_the_pipeline_bubble_follows_1f1b():
@@ -137,6 +140,15 @@ def test_a_model_its_family_cannot_pipeline_gets_no_pipeline_plans():
     labels = {model: [c.label for c in choose(model, 2, "cpu", micro_batch=4).candidates] for model in (deit, vit)}
     assert not any("pp=2" in label for label in labels[deit]) and any("tp=2" in label for label in labels[deit])
     assert any("pp=2" in label for label in labels[vit])
+
+
+def test_a_measured_block_efficiency_slows_the_compute_at_its_size():
+    spec = model_spec(TINY)
+    ddp = estimate(spec, "disttrain_ddp", 2, micro_batch=8, precision="32-true")
+    full = cal.hardware_from(synthetic(), hardware("cpu"))
+    half = cal.hardware_from(replace(synthetic(), blocks=[[1024, 128, 0.5], [8, 8, 0.01]]), hardware("cpu"))
+    assert half.calibration.block_efficiency(8 * 128, 128) == 0.5  # the nearest size measured
+    assert breakdown(spec, ddp, half).compute > 1.5 * breakdown(spec, ddp, full).compute
 
 
 def test_the_calibration_s_overheads_replace_the_preset_s():

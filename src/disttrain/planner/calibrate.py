@@ -68,6 +68,7 @@ class Calibration:
     links: dict[str, Link]
     overlap: float
     overheads: Optional[dict[str, float]] = None  # Overheads' seconds; None in older files: the preset's figures
+    blocks: Optional[list[list[float]]] = None  # [tokens, hidden, efficiency] per size measured (measure_blocks)
     measured_at: str = ""
     torch_version: str = ""
     version: int = VERSION
@@ -79,6 +80,14 @@ class Calibration:
             raise CalibrationError(f"calibration {self.path} holds no matmul shapes: run `disttrain calibrate` again")
         size = math.log(max(1.0, m * n * k))
         return min(self.matmul, key=lambda row: abs(math.log(max(1.0, row[0] * row[1] * row[2])) - size))[3]
+
+    def block_efficiency(self, tokens: float, hidden: float) -> float:
+        """The fraction of the matmul throughput a transformer block's training reaches at the measured size nearest
+        to ``tokens`` x ``hidden`` (1 in files without block measurements)."""
+        if not self.blocks:
+            return 1.0
+        size = math.log(max(1.0, tokens * hidden * hidden))
+        return min(self.blocks, key=lambda row: abs(math.log(max(1.0, row[0] * row[1] * row[1])) - size))[2]
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -126,6 +135,8 @@ def load(path: str | os.PathLike) -> Optional[Calibration]:
         overheads = data.get("overheads")
         if overheads is not None and set(overheads) != OVERHEADS:
             raise ValueError(f"overheads {sorted(overheads)} are not {sorted(OVERHEADS)}")
+        if any(len(row) != 3 or not 0 < row[2] <= 1 for row in data.get("blocks") or []):
+            raise ValueError(f"blocks {data['blocks']} are not [tokens, hidden, efficiency in (0, 1]] rows")
         return Calibration(**data, path=str(path))
     except CalibrationError:
         raise
@@ -272,6 +283,42 @@ def measure_overlap(device: torch.device, link_bytes: int, shape: tuple[int, int
     return max(0.0, min(1.0, hidden / min(compute, comm)))
 
 
+def measure_blocks(sizes: Iterable[tuple[int, int]], device: torch.device, repeats: int = 5) -> list[list[float]]:
+    """``[tokens, hidden, efficiency]`` per ``(tokens, hidden)``: a transformer block's forward and backward timed at
+    that size against its matmuls alone (forward timed, backward counted as twice that). What a step reaches of the
+    matmul throughput once attention, norms, activations and autograd's own work are counted: small widths reach a
+    fraction of it, large ones nearly all."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = _device_sync(device)
+    out = []
+    for tokens, hidden in sizes:
+        heads = next(h for h in (max(1, hidden // 64), 1) if hidden % h == 0)
+        seq = min(tokens, 128 if device.type == "cpu" else 1024)
+        batch = max(1, tokens // seq)
+        block = _Block(hidden, heads).to(device, dtype)
+        x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)
+        step = _timed(lambda: block(x).sum().backward(), device, repeats, sync, fastest=True)
+        rows = x.reshape(-1, hidden)
+        weights = [layer.weight for layer in (block.qkv, block.proj, block.fc1)]
+        wide = torch.randn(batch * seq, 4 * hidden, device=device, dtype=dtype)
+
+        def matmuls() -> None:
+            for w in weights:
+                rows @ w.t()
+            wide @ block.fc2.weight.t()
+
+        forward = _timed(matmuls, device, repeats, sync, fastest=True)
+        out.append([batch * seq, hidden, min(1.0, 3 * forward / step)])
+    return out
+
+
+def block_sizes(device: torch.device, shapes: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The (tokens, hidden) sizes to measure blocks at: the models' own (their square ``(tokens, h, h)`` matmuls)
+    and one compute-bound default."""
+    default = (512, 128) if device.type == "cpu" else (8192, 1024)
+    return list(dict.fromkeys([(m, k) for m, n, k in shapes if n == k] + [default]))
+
+
 class _Block(torch.nn.Module):
     """A pre-norm transformer block small enough that its compute is negligible: timing it times the framework."""
 
@@ -372,9 +419,10 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     links = {op: measure_link(op, sizes, device, repeats=repeats) for op in OPS}
     overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
     overheads = measure_overheads(device, repeats=3 if quick else 10)
+    blocks = measure_blocks(block_sizes(device, shapes), device, repeats=2 if quick else 5)
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
-                       links=links, overlap=overlap, overheads=overheads,
+                       links=links, overlap=overlap, overheads=overheads, blocks=blocks,
                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch_version=torch.__version__)
 
 

@@ -11,7 +11,8 @@ data-parallel rank). Its parts, as the engines schedule them:
   microbatches and ``p`` stages idles ``(p-1)/(m+p-1)`` of the time.
 - **optimizer**: the states this rank holds, swept once by the optimizer (measured with torch's AdamW).
 - **data-parallel traffic**, overlapped: FSDP and ZeRO-3 prefetch the next unit's all-gather while the current one
-  computes and reduce-scatter during backward; DDP all-reduces gradient buckets during backward. What exceeds
+  computes and reduce-scatter during backward (FSDP2 on a stream of its own: CPU processes have none, so there
+  each unit waits for its gather); DDP all-reduces gradient buckets during backward. What exceeds
   ``overlap`` x the compute it can hide behind is exposed, and never less than one unit's (bucket's) share: the first
   gather (the last bucket) has nothing to hide behind.
 - **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 from disttrain.parallel import registry
 from disttrain.parallel.ddp import DDPEngine
+from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.planner.estimate import Estimate, activation_bytes, flops_per_sample
 from disttrain.planner.hardware import Hardware
 from disttrain.planner.spec import ModelSpec
@@ -70,7 +72,8 @@ def _matmul_rate(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
     d = e.dims
     tokens = e.micro_batch * max(1, e.seq_len) / d.cp
     hidden = spec.hidden or 1024
-    return hw.calibration.matmul_flops(tokens, (spec.ffn or 4 * hidden) / d.tp, hidden)
+    return hw.calibration.matmul_flops(tokens, (spec.ffn or 4 * hidden) / d.tp, hidden) * \
+        hw.calibration.block_efficiency(tokens, hidden / d.tp)
 
 
 def _link(hw: Hardware, op: str, sent: float, calls: float, bandwidth: float) -> float:
@@ -145,7 +148,10 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         dp = (_link(hw, "all_gather", sent * 2 / 3, 2 * calls, dp_bw)
               + _link(hw, "reduce_scatter", sent / 3, calls, dp_bw)
               + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, dp_bw))
-        hidden_behind = compute
+        # FSDP2 prefetches on a separate stream; a device without streams (CPU processes) waits for each unit's
+        # gather in its pre-forward hook. DeepSpeed prefetches from its own threads on either.
+        streams = hw.overheads.overlaps or engine is ZeroEngine
+        hidden_behind = compute if streams else 0.0
     dp_exposed = max(dp - hw.overlap * hidden_behind, dp / calls) if dp else 0.0
 
     per_block = 4 * layers * micro_steps  # collectives per block per micro-batch, forward and backward
