@@ -412,6 +412,7 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     ladder = default_shapes(device)[:3] if quick else default_shapes(device)
     sizes = collective_sizes(device)[::2] if quick else collective_sizes(device)
     repeats = 1 if quick else repeats
+    sizes_of_blocks = block_sizes(device, shapes)  # the models' own and a default, not the ladder's
     shapes = list(dict.fromkeys([tuple(s) for s in shapes] + ladder))
     matmul = measure_matmul(shapes, device, repeats)
     memory_bw, optimizer_bw = measure_memory(device, (1 << 20 if quick else 1 << 22) if device.type == "cpu"
@@ -419,7 +420,7 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     links = {op: measure_link(op, sizes, device, repeats=repeats) for op in OPS}
     overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
     overheads = measure_overheads(device, repeats=3 if quick else 10)
-    blocks = measure_blocks(block_sizes(device, shapes), device, repeats=2 if quick else 5)
+    blocks = measure_blocks(sizes_of_blocks, device, repeats=2 if quick else 5)
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
                        links=links, overlap=overlap, overheads=overheads, blocks=blocks,
