@@ -155,3 +155,22 @@ def test_megatron_splits_the_model_inside_a_lightning_module_that_keeps_its_conf
     with torch.device("meta"):
         module.configure_model()
     assert MegatronEngine(MegatronOptions())._target(module) == ("model.", module.model)
+
+
+def test_a_vit_stage_sends_contiguous_activations_without_a_class_token():
+    """timm keeps the patch embedding's transposed layout through the blocks when no class token is concatenated;
+    point-to-point sends refuse such tensors, so a non-last stage hands on a contiguous one."""
+    import torch
+    from timm.models.vision_transformer import VisionTransformer
+
+    from disttrain.parallel.families.vit import ViTStage
+
+    vit = VisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=32, depth=2, num_heads=2,
+                            class_token=False, global_pool="avg")
+    images = torch.randn(2, 3, 32, 32)
+    assert not vit.blocks(vit._pos_embed(vit.patch_embed(images))).is_contiguous()  # what timm hands on
+    vit.blocks = torch.nn.ModuleDict({str(i): block for i, block in enumerate(vit.blocks)})
+    first = ViTStage(vit, range(0, 1), first=True, last=False)
+    assert first(images).is_contiguous()
+    last = ViTStage(vit, range(1, 2), first=False, last=True)
+    assert last(first(images)).shape == (2, 10)

@@ -224,9 +224,19 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--gpu", default=None, help=f"device preset for bandwidths and FLOP/s: {', '.join(PRESETS)}")
     parser.add_argument("--gpus-per-node", type=int, default=None)
     parser.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device between nodes")
-    parser.add_argument("--micro-batch", type=int, default=1, help="samples per device per step")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
-    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--intra-node-gbps", type=float, default=None, help="GB/s per device inside a node (NVLink,"
+                        " or PCIe where there is none)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="samples per device per step (default: the"
+                        " recipe's train.micro_batch_size / data.batch_size, else the largest that fits)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the recipe's"
+                        " data.seq_len, else the model's)")
+    parser.add_argument("--precision", default=None, help="default: the recipe's train.precision, else bf16-mixed")
+    parser.add_argument("--activation-checkpointing", default=None, choices=("on", "off"),
+                        help="default: the recipe's train.activation_checkpointing, else both are estimated")
+    parser.add_argument("--trial", action="store_true", help="run a few steps of each of the best --trial-top plans"
+                        " on this machine's devices (--gpus processes) and recommend the fastest measured")
+    parser.add_argument("--trial-top", type=int, default=3, metavar="K", help="plans to try (default 3)")
+    parser.add_argument("--trial-steps", type=int, default=3, help="timed steps per plan (after one warm-up)")
     parser.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
     parser.add_argument("--simulate", action="store_true", help="also shard the model with the recommended strategy"
                         " on a fake process group and show the simulated model states beside the estimate")
@@ -238,17 +248,90 @@ def _plan(argv: list[str]) -> int:
         overrides["gpus_per_node"] = args.gpus_per_node
     if args.inter_node_gbps:
         overrides["inter_node_bw"] = args.inter_node_gbps * 1e9
+    if args.intra_node_gbps:
+        overrides["intra_node_bw"] = args.intra_node_gbps * 1e9
     from disttrain.planner import hardware
+    from disttrain.planner.hardware import present
 
-    hw = hardware(args.gpu, args.gpu_mem, **overrides)
+    here = here_device(args.gpu, args.gpus)
+    if args.trial and here is None:
+        named = f"--gpu {args.gpu}" if args.gpu else "the default (A100-class) hardware"
+        raise ValueError(f"--trial runs the plans on this machine's devices, and {named} with --gpus {args.gpus} is"
+                         " not what is here: pass --gpu cpu (CPU processes) or --gpu cuda (this machine's GPUs)")
+    if here is not None:  # the devices here: calibrated (measured now, once, when not cached)
+        hw = present(here, args.gpus, memory=args.gpu_mem, **overrides)
+    else:
+        hw = hardware(args.gpu, args.gpu_mem, **overrides)
+    ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
     plan = choose(args.model, args.gpus, hw, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                  precision=args.precision, headroom=args.headroom)
+                  precision=args.precision, headroom=args.headroom, activation_checkpointing=ac)
+    if args.trial:
+        from disttrain.planner.trial import trial
+
+        trial(plan, args.model, top=args.trial_top, steps=args.trial_steps)
     print(plan.report())
     if args.plot:
         _plan_plot(plan, args.plot)
     if args.simulate:
-        _plan_simulation(args.model, plan, args.precision)
+        _plan_simulation(args.model, plan, (plan.choice or plan.candidates[0]).estimate.precision)
     return 0 if plan.choice is not None else 1
+
+
+def here_device(gpu: str | None, count: int) -> str | None:
+    """"cpu" or "cuda" when ``--gpu`` names this machine's devices (``cpu``; ``cuda`` or no ``--gpu`` with that many
+    GPUs here), else None: a preset for hardware that is not here."""
+    import torch
+
+    if gpu is not None and gpu.lower() == "cpu":
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (gpu is None or gpu.lower() == "cuda") and 0 < count <= gpus:
+        return "cuda"
+    if gpu is not None and gpu.lower() == "cuda":
+        raise ValueError(f"--gpu cuda: this machine has {gpus} GPUs, --gpus {count} asks for more; pass a preset"
+                         " (--gpu A100) to plan for hardware that is not here")
+    return None
+
+
+def _calibrate(argv: list[str]) -> int:
+    from disttrain.planner.calibrate import cache_path, calibrate, model_shapes
+
+    parser = argparse.ArgumentParser(prog="disttrain calibrate", description="Measure this machine for the planner:"
+                                     " matmul throughput (at a model's shapes with --model), memory and optimizer"
+                                     " bandwidth, and each collective's latency and bandwidth over --devices processes"
+                                     " (gloo on CPU, nccl on GPUs); cached per host, device and process count.")
+    parser.add_argument("--devices", type=int, required=True, help="processes (one per GPU)")
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda", "gpu"))
+    parser.add_argument("--model", default=None, help="also time the matmuls of this model (a recipe YAML, HF"
+                        " config or timm name) at --micro-batch")
+    parser.add_argument("--micro-batch", type=int, default=None, help="default: the recipe's, else 1")
+    parser.add_argument("--force", action="store_true", help="measure again even when the cache holds a result")
+    args = parser.parse_args(argv)
+    import torch
+
+    device = torch.device("cuda" if args.accelerator in ("cuda", "gpu") else "cpu")
+    path = cache_path(device, args.devices)
+    shapes: list = []
+    if args.model:
+        from disttrain.planner import model_spec
+
+        spec = model_spec(args.model)
+        recipe = spec.extra.get("recipe", {})
+        shapes = model_shapes(spec, args.micro_batch or recipe.get("micro_batch", 1),
+                              recipe.get("seq_len") or spec.tokens or 1)
+    if path.exists() and not args.force and not shapes:
+        from disttrain.planner.calibrate import load
+
+        load(path)  # a corrupt file is one error naming it
+        print(f"{path}: already calibrated (--force measures again)")
+        return 0
+    c = calibrate(args.devices, args.accelerator, shapes, path=path)
+    print(f"wrote {path}")
+    print(f"matmul {max(r[3] for r in c.matmul) / 1e9:.3g} GFLOP/s at best; memory {c.memory_bw / 1e9:.3g} GB/s;"
+          f" AdamW sweeps {c.optimizer_bw / 1e9:.3g} GB/s; overlap {c.overlap:.2f}")
+    for op, link in c.links.items():
+        print(f"{op:<15} latency {link.latency * 1e6:9.1f} us  bandwidth {link.bandwidth / 1e9:8.3g} GB/s per rank")
+    return 0
 
 
 def _plan_simulation(model: str, plan, precision: str) -> None:
@@ -365,9 +448,12 @@ commands:
   verify CKPT [CKPT ...]
                  check checkpoint folders offline against their checksums (exit 0: all sound; one line per problem)
   strategies     list the registered disttrain strategy names
+  calibrate --devices N [--accelerator cpu|cuda --model CONFIG --force]
+                 measure this machine for the planner (matmul, memory, collectives over N processes); cached
   plan --model CONFIG.yaml|HF_DIR|TIMM_NAME --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
                  per-rank memory of every strategy, whether it fits, and the recommended one
-                 (--simulate: the recommendation also sharded on a fake process group, beside the estimate)
+                 (--simulate: the recommendation also sharded on a fake process group, beside the estimate;
+                 --trial [--trial-top K]: the best K plans run for a few steps here, the fastest measured wins)
   simulate --model CONFIG.yaml --strategy NAME --world-size N [--tp T --pp P --hybrid-shard-size S]
                  shard the model with the real strategy code on N fake ranks; bytes per rank role
   report RUN_DIR  redraw RUN_DIR/report.png and report.md from a run's logs (a recipe's --out, also interrupted
@@ -385,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    commands = {"run": launch, "export": _export, "verify": _verify, "strategies": _strategies, "plan": _plan,
+    commands = {"run": launch, "calibrate": _calibrate, "export": _export, "verify": _verify, "strategies": _strategies, "plan": _plan,
                 "recsys": _recsys, "report": _report, "simulate": _simulate}
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

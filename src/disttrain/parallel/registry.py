@@ -31,17 +31,29 @@ class AutoOptions:
     model: the model to plan for: a recipe YAML path, its ``model:`` dict, a ModelSpec or a module. Trainer: by
         default the LightningModule (its ``configure_model`` is run on the meta device if it builds the model
         there). Fabric: required.
-    micro_batch, seq_len: samples per device per step and tokens per sample (default: the model's length).
-    headroom: fraction of device memory kept free. hardware: a preset name for bandwidths ("A100-40GB");
+    micro_batch: samples per device per step (default: the recipe's when ``model`` is a recipe YAML, else 1).
+    seq_len: tokens per sample (default: the recipe's, else the model's length).
+    headroom: fraction of device memory kept free.
+    hardware: a preset name for bandwidths ("A100-40GB"); None: the devices present, with this machine's
+        calibration (``disttrain calibrate``) when it has one.
     device_memory: overrides the detected memory per device ("40GiB").
+    activation_checkpointing: None: the recipe's, else searched (the plan may turn it on); True or False fixes it.
+    trial: run the best plans for a few steps on the devices present and choose the fastest measured (needs
+        ``model`` as a recipe YAML or its ``model:`` dict).
+    trial_top: plans to try.
+    trial_steps: timed steps per plan (after one warm-up).
     """
 
     model: Any = None
-    micro_batch: int = 1
+    micro_batch: Optional[int] = None
     seq_len: Optional[int] = None
     headroom: float = 0.1
     hardware: Optional[str] = None
     device_memory: Optional[str] = None
+    activation_checkpointing: Optional[bool] = None
+    trial: bool = False
+    trial_top: int = 3
+    trial_steps: int = 3
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,9 @@ STRATEGIES: tuple[Registered, ...] = (DDP, FSDP, FSDP_OFFLOAD, ZERO3, ZERO3_OFFL
 
 def non_default(options: Any, defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """The fields of an options dataclass that differ from its defaults (and from ``defaults``)."""
-    base = {f.name: f.default for f in dataclasses.fields(options) if f.default is not dataclasses.MISSING}
+    base = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(options)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
     base.update(defaults or {})
     return {k: v for k, v in dataclasses.asdict(options).items() if k not in base or base[k] != v}
 

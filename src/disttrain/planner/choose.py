@@ -1,16 +1,10 @@
-"""Choosing a strategy: rules decide which kinds of parallelism are considered, the memory estimate decides what
-fits, and an estimated step time ranks what fits (docs/choosing.md explains them in a user's terms).
-
-Rules (the common practice of the large-model frameworks): under 1B parameters, DDP whenever it fits; a model that does not fit
-one device is sharded (FSDP / ZeRO-3); Megatron-style tensor/pipeline parallelism ("3D") is considered above 10B
-parameters with many devices, or when no data-parallel strategy fits without recomputation or offload (activations,
-not states, are the problem: tensor parallelism is the only way to split them). Embedding-dominated recommenders
-(DeepFM) shard their tables (``disttrain_recsys``).
-
-Step time = max(compute, data-parallel traffic / bandwidth) (FSDP/ZeRO/DDP traffic overlaps compute) + the
-traffic on the critical path (tensor-parallel all-reduces, pipeline sends, embedding all-to-all, offload copies and
-the CPU optimizer) + the pipeline bubble. Compute is 6N + attention FLOPs per token at ``mfu`` of peak; activation
-checkpointing adds a forward (x 4/3).
+"""Choosing a strategy: the memory estimate decides what fits, the step-time model (:mod:`disttrain.planner.steptime`,
+calibrated on the machine when it is the one planned for) ranks what fits by throughput, and a trial
+(:mod:`disttrain.planner.trial`) can measure the best few instead. No rule about model size or device count
+overrides that: every strategy the planner has a formula for is a candidate, with Megatron's tp x pp (x cp, x ep)
+splits, activation checkpointing on and off, and the micro-batch (the largest that fits, up to ``MAX_MICRO_BATCH``)
+as searched choices unless the recipe or the caller fixes them (docs/choosing.md explains the choice in a user's
+terms).
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from disttrain.planner.estimate import (
     Estimate,
     analytic,
     estimate,
-    flops_per_sample,
     pipelines,
     planned,
     tensor_parallel,
@@ -38,25 +31,26 @@ from disttrain.planner.estimate import (
 from disttrain.planner.hardware import GiB, Hardware
 from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
+from disttrain.planner.steptime import StepTime, breakdown, step_time  # noqa: F401  (step_time: public here too)
 
-SMALL_MODEL = 1e9
-# "Over 10B parameters -> hybrid (3D)": beyond the 10B class. The 10B dialogue reference case (10.2B in
-# configs/nlp/dialogue_10b.yaml) trains with ZeRO-3, so a model has to be clearly past 10B for the 3D rule.
-THREE_D_MODEL = 11e9
-THREE_D_DEVICES = 16
-TIE = 0.03  # step times within 3% are a tie: the frameworks' preference order decides
+TIE = 0.05  # throughputs within 5% are a tie: the simpler set-up wins (see _simplicity); the ranking bench holds
+# the model to choosing within 5% of the fastest measured plan, so closer estimates do not tell set-ups apart
+MAX_MICRO_BATCH = 64  # the searched micro-batches: 1, 2, 4, ... up to this
 LONG_SEQUENCE = 8192  # context parallelism is considered for sequences of at least this many tokens
 
 
 @dataclass
 class Candidate:
-    """One strategy set-up with its estimate, whether it fits, and its estimated step time in seconds."""
+    """One strategy set-up with its estimate, whether it fits, its estimated step time in seconds and (after a
+    trial) its measured one."""
 
     estimate: Estimate
     fits: bool
     step_time: float
     usable: int
     why: str = ""
+    measured: float | None = None
+    parts: StepTime | None = None
 
     @property
     def label(self) -> str:
@@ -66,6 +60,11 @@ class Candidate:
     def row(self) -> registry.Registered:
         return registry.lookup(self.estimate.strategy)
 
+    @property
+    def samples_per_s(self) -> float:
+        """Samples per second over all devices, estimated (the ranking's measure)."""
+        return self.estimate.micro_batch * self.estimate.world_size / self.step_time
+
     def strategy_options(self) -> dict:
         """Keyword options of the registered strategy that realise this candidate (beyond its defaults)."""
         return dict(self.estimate.options)
@@ -73,7 +72,8 @@ class Candidate:
 
 @dataclass
 class Plan:
-    """Every candidate considered (``candidates``), the choice and the reasons, for one model and machine."""
+    """Every candidate considered (``candidates``), the choice and the reasons, for one model and machine.
+    ``settings``: where the micro-batch, precision and activation checkpointing came from."""
 
     spec: ModelSpec
     world_size: int
@@ -81,6 +81,7 @@ class Plan:
     candidates: list[Candidate]
     choice: Candidate | None
     reasons: list[str] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
 
     @property
     def strategy(self) -> str:
@@ -92,17 +93,23 @@ class Plan:
     def unit(self) -> tuple[str, int]:
         return ("GiB", GiB) if self.hardware.memory >= 4 * GiB else ("MiB", 2**20)
 
+    def ranked(self) -> list[Candidate]:
+        """The set-ups that fit, fastest (by estimated throughput) first."""
+        return sorted((c for c in self.candidates if c.fits), key=lambda c: -c.samples_per_s)
+
     def table(self) -> str:
         name, unit = self.unit
-        head = (f"{'strategy':<40} {'states ' + name:>11} {'activations':>11} {'buffers':>8} {'per rank':>9}"
-                f" {'host':>7} {'fits':>4} {'step s':>8}")
+        trial = any(c.measured is not None for c in self.candidates)
+        head = (f"{'strategy':<46} {'micro':>5} {'states ' + name:>11} {'activations':>11} {'buffers':>8}"
+                f" {'per rank':>9} {'host':>7} {'fits':>4} {'step s':>8} {'samples/s':>9}"
+                + (f" {'measured s':>10}" if trial else ""))
         lines = [head, "-" * len(head)]
         for c in self.candidates:
             e = c.estimate
-            lines.append(f"{c.label:<40} {e.states / unit:>11.1f} {e.activations / unit:>11.1f}"
+            measured = "" if not trial else f" {c.measured:>10.3g}" if c.measured is not None else f" {'-':>10}"
+            lines.append(f"{c.label:<46} {e.micro_batch:>5} {e.states / unit:>11.1f} {e.activations / unit:>11.1f}"
                          f" {e.buffers / unit:>8.1f} {e.device / unit:>9.1f} {e.host / unit:>7.1f}"
-                         f" {'yes' if c.fits else 'no':>4} {c.step_time:>8.3g}"
-                         + (f"  {c.why}" if c.fits and c.why else ""))
+                         f" {'yes' if c.fits else 'no':>4} {c.step_time:>8.3g} {c.samples_per_s:>9.3g}{measured}")
         return "\n".join(lines)
 
     def report(self) -> str:
@@ -126,26 +133,6 @@ def _gib(n: float) -> str:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
-
-
-def step_time(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
-    """Estimated seconds of one step (one micro-batch per data-parallel rank's worth of samples per rank)."""
-    compute = flops_per_sample(spec, e.seq_len) * e.micro_batch / (hw.peak_flops * hw.mfu)
-    if e.activation_checkpointing:
-        compute *= 4 / 3
-    c = e.comm
-    compute *= 1 + c.get("bubble", 0.0)
-    spans_nodes = e.world_size > hw.gpus_per_node
-    dp_bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
-    # Tensor- and context-parallel ranks are neighbours in the mesh (one node while tp*cp fits it).
-    tp_bw = hw.intra_node_bw if e.dims.tp * e.dims.cp <= hw.gpus_per_node else hw.inter_node_bw
-    # Expert-parallel ranks are data-parallel neighbours (one node while tp*ep fits it); their all-to-alls, like the
-    # embedding tables', are on the critical path.
-    ep_bw = hw.intra_node_bw if e.dims.tp * e.dims.ep <= hw.gpus_per_node else hw.inter_node_bw
-    exposed = (c.get("tp", 0) / tp_bw + c.get("cp", 0) / tp_bw + c.get("pp", 0) / dp_bw + c.get("a2a", 0) / dp_bw
-               + c.get("ep", 0) / ep_bw
-               + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
-    return max(compute, c.get("dp", 0) / dp_bw) + exposed
 
 
 def _megatron_grid(spec: ModelSpec, world_size: int, hw: Hardware, seq_len: int) -> list[dict]:
@@ -199,48 +186,112 @@ def candidates(spec: ModelSpec, world_size: int, hw: Hardware,
                                                                      int(seq_len or spec.tokens or 1))]
 
 
+def _split_batch(options: Mapping[str, Any], micro_batch: int, loader_batch: bool) -> dict | None:
+    """The ``microbatches`` option of a pipeline set-up: the most, up to the engine's default ``2 x pp``, that divide
+    the samples the pipeline gets and that its 1F1B schedule takes (at least ``pp``); None when none does. Empty
+    for set-ups without a pipeline or with microbatches given."""
+    pp = options.get("pipeline_parallel_size", 1)
+    if pp == 1 or options.get("microbatches"):
+        return {}
+    samples = micro_batch if loader_batch else micro_batch * options.get("tensor_parallel_size", 1) * pp * \
+        options.get("context_parallel_size", 1)
+    valid = [m for m in range(pp, 2 * pp + 1) if samples % m == 0]
+    return {"microbatches": max(valid)} if valid else None
+
+
 def recomputable(spec: ModelSpec) -> bool:
     """Activation checkpointing is estimated for blocks whose activations are known (analytic or measured)."""
     return spec.layers > 0 and (analytic(spec) or "activations" in spec.extra)
 
 
 def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str | None = None,
-           device_memory: str | int | None = None, micro_batch: int = 1, seq_len: int | None = None,
-           precision: str = "bf16-mixed", headroom: float = 0.1, available: Iterable[str] | None = None,
-           optimizer: str | None = None) -> Plan:
-    """The cheapest strategy that fits ``device_memory`` (minus ``headroom`` and the runtime's reserve) on
-    ``world_size`` devices of ``hardware`` (a :class:`Hardware`, a preset name such as "A100-40GB", or None for an
-    A100-class node). ``available`` limits the choice to these strategy names (e.g. the registered ones)."""
+           device_memory: str | int | None = None, micro_batch: int | None = None, seq_len: int | None = None,
+           precision: str | None = None, headroom: float = 0.1, available: Iterable[str] | None = None,
+           optimizer: str | None = None, activation_checkpointing: bool | None = None,
+           max_micro_batch: int = MAX_MICRO_BATCH, loader_batch: bool = False) -> Plan:
+    """The set-up with the highest estimated throughput among those that fit ``device_memory`` (minus ``headroom``
+    and the runtime's reserve) on ``world_size`` devices of ``hardware`` (a :class:`Hardware`, a preset name such as
+    "A100-40GB", or None for an A100-class node). ``available`` limits the choice to these strategy names (e.g. the
+    registered ones).
+
+    ``micro_batch``, ``precision``, ``activation_checkpointing`` and ``seq_len``: given here, else what the recipe
+    YAML sets (``train.micro_batch_size`` / ``data.batch_size``, ``train.precision``,
+    ``train.activation_checkpointing``, ``data.seq_len``), else searched: the largest micro-batch that fits (powers
+    of two up to ``max_micro_batch``), checkpointing on and off; precision ``bf16-mixed``.
+
+    ``loader_batch``: each rank's DataLoader gives ``micro_batch`` samples whatever the strategy (``disttrain_auto``
+    at run time), so a pipeline splits those samples; otherwise it gets ``micro_batch x tp x pp x cp`` (the same
+    global batch as every other set-up, as ``--trial`` runs it). Pipeline set-ups whose batch no valid number of
+    microbatches divides are left out: the engine would refuse them."""
     spec = model_spec(model_or_config)
     hw = hardware if isinstance(hardware, Hardware) else make_hardware(hardware, device_memory)
     if isinstance(hardware, Hardware) and device_memory is not None:
         hw = hw.with_memory(device_memory)
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom} must be a fraction in [0, 1), e.g. 0.1 for 10%")
+    if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
+        raise ValueError(f"micro_batch={micro_batch!r} must be a positive integer (or None: the recipe's, else the"
+                         " largest that fits)")
+    recipe = spec.extra.get("recipe", {})
+    settings = {}
+    for key, given in (("micro_batch", micro_batch), ("precision", precision),
+                       ("activation_checkpointing", activation_checkpointing), ("seq_len", seq_len)):
+        if given is not None:
+            settings[key] = (given, "given")
+        elif key in recipe:
+            settings[key] = (recipe[key], "recipe")
+    precision_ = planned_precision(settings["precision"][0]) if "precision" in settings else "bf16-mixed"
+    seq_len = settings["seq_len"][0] if "seq_len" in settings else None
     usable = int(hw.memory * (1 - headroom)) - hw.reserved
     allowed = set(planned() if available is None else available)
     ranks_per_node = min(world_size, hw.gpus_per_node)
+    if "micro_batch" in settings:
+        batches = [int(settings["micro_batch"][0])]
+    else:
+        batches = [2**i for i in range(max(0, max_micro_batch).bit_length()) if 2**i <= max_micro_batch] or [1]
 
-    plan = Plan(spec, world_size, hw, [], None)
+    plan = Plan(spec, world_size, hw, [], None, settings={k: v for k, v in settings.items()})
     for row, options in candidates(spec, world_size, hw, seq_len):
         if row.name not in allowed:
             continue
-        recompute = recomputable(spec) and "activation_checkpointing" in row.options_cls.__dataclass_fields__
-        for ac in (False, True) if recompute else (False,):
-            e = estimate(spec, row.name, world_size, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                         optimizer=optimizer, **options, **({"activation_checkpointing": True} if ac else {}))
-            host_ok = e.host * ranks_per_node <= hw.host_memory * (1 - headroom)
-            fits = e.device <= usable and host_ok
-            why = "" if fits else (f"needs {_gib(e.device)} GiB > {_gib(usable)} GiB usable" if host_ok else
-                                   f"host needs {_gib(e.host * ranks_per_node)} GiB per node")
-            plan.candidates.append(Candidate(e, fits, step_time(spec, e, hw), usable, why))
-            if fits:
-                break  # recomputation only where the plain set-up does not fit
+        # Searched: the strategy's own activation_checkpointing option, where it has one. Fixed on (the recipe's
+        # train.activation_checkpointing): the model checkpoints its blocks itself, under every strategy.
+        fixed = settings.get("activation_checkpointing", (None,))[0]
+        option = recomputable(spec) and "activation_checkpointing" in row.options_cls.__dataclass_fields__
+        by_model = bool(fixed) and recomputable(spec)
+        for ac in ((False, True) if option and fixed is None else (False,)):
+            best = None
+            for b in batches:  # the largest micro-batch that fits (estimates grow with it)
+                split = _split_batch(options, b, loader_batch)
+                if split is None:
+                    continue
+                e = estimate(spec, row.name, world_size, micro_batch=b, seq_len=seq_len, precision=precision_,
+                             optimizer=optimizer, model_recomputes=by_model, **options, **split,
+                             **({"activation_checkpointing": True} if ac else {}))
+                host_ok = e.host * ranks_per_node <= hw.host_memory * (1 - headroom)
+                fits = e.device <= usable and host_ok
+                if best is None or fits:
+                    why = "" if fits else (f"needs {_gib(e.device)} GiB > {_gib(usable)} GiB usable" if host_ok else
+                                           f"host needs {_gib(e.host * ranks_per_node)} GiB per node")
+                    best = (e, fits, why)
+                if not fits:
+                    break
+            if best is None:  # a pipeline no batch here splits into microbatches
+                continue
+            e, fits, why = best
+            parts = breakdown(spec, e, hw, loader_batch)
+            plan.candidates.append(Candidate(e, fits, parts.total, usable, why, parts=parts))
     _decide(plan, allowed)
     note = measurement_note(spec)
     if note:
         plan.reasons.append(note)
     return plan
+
+
+def planned_precision(precision: Any) -> str:
+    """A Lightning precision as the planner names it ("bf16" -> "bf16-mixed", 32 -> "32-true")."""
+    p = str(precision)
+    return {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(p, p)
 
 
 def measurement_note(spec: ModelSpec) -> str:
@@ -255,51 +306,47 @@ def measurement_note(spec: ModelSpec) -> str:
             f" {measured.what}; fused attention (SDPA/FlashAttention) counted as it saves for backward")
 
 
-def _preference(spec: ModelSpec, c: Candidate) -> int:
-    """The preference order of the frameworks (DeepSpeed, then Megatron, for 10B+; FSDP below), used to break ties
-    in step time."""
-    if spec.params >= THREE_D_MODEL:  # "medium-large -> DeepSpeed, very large -> Megatron"
-        order = (RecsysEngine, ZeroEngine, MegatronEngine, FSDPEngine, DDPEngine)
-    else:  # "small and medium teams -> PyTorch FSDP"
-        order = (RecsysEngine, DDPEngine, FSDPEngine, ZeroEngine, MegatronEngine)
+def _simplicity(c: Candidate) -> tuple:
+    """The order that breaks ties in throughput: the set-up with the fewest moving parts (tables sharded, a
+    replica, shards, DeepSpeed, then tensor/pipeline splits; no offload; no recomputation)."""
+    order = (RecsysEngine, DDPEngine, FSDPEngine, ZeroEngine, MegatronEngine)
     engine = c.row.engine
-    rank = order.index(engine) if engine in order else len(order)
-    return rank + (10 if offloaded(c.row, c.estimate.options) else 0) + \
-        (5 if c.estimate.activation_checkpointing else 0)
+    return (offloaded(c.row, c.estimate.options), c.estimate.activation_checkpointing,
+            order.index(engine) if engine in order else len(order), c.estimate.dims.tp * c.estimate.dims.pp)
+
+
+def _settings_note(plan: Plan) -> str:
+    said = {"given": "as given", "recipe": "from the recipe"}
+    fixed = [f"{key.replace('_', ' ')} {_word(value)} ({said[source]})" for key, (value, source) in plan.settings.items()]
+    searched = [what for key, what in (("micro_batch", f"micro-batch (the largest that fits, up to"
+                                                       f" {MAX_MICRO_BATCH})"),
+                                       ("activation_checkpointing", "activation checkpointing (on and off)"))
+                if key not in plan.settings]
+    parts = ([f"fixed: {', '.join(fixed)}"] if fixed else []) + ([f"searched: {', '.join(searched)}"] if searched
+                                                                  else [])
+    return "; ".join(parts)
+
+
+def _timing_note(hw: Hardware) -> str:
+    if hw.calibration is not None:
+        return (f"step times from the calibration measured on this machine ({hw.calibration.path}): matmul at the"
+                f" model's shapes, each collective's latency and bandwidth, overlap {hw.calibration.overlap:.2f}")
+    return (f"step times from the {hw.name} figures (peak {hw.peak_flops / 1e12:.4g} TFLOP/s x {hw.mfu}, links"
+            f" {hw.intra_node_bw / 1e9:.4g} GB/s in a node, {hw.inter_node_bw / 1e9:.4g} GB/s between nodes), not"
+            " measured here")
 
 
 def _decide(plan: Plan, allowed: set[str]) -> None:
-    spec, n, reasons = plan.spec, plan.world_size, plan.reasons
-    fitting = [c for c in plan.candidates if c.fits]
-    ddp = next((c for c in fitting if c.row is registry.DDP), None)
-    if ddp is not None and spec.params < SMALL_MODEL and not spec.table_rows:
-        plan.choice = ddp
-        reasons.append(f"under 1B parameters ({spec.params / 1e9:.2f}B) and DDP fits ({_gib(ddp.estimate.device)} of"
-                       f" {_gib(ddp.usable)} GiB): the planner's rule, and the least communication (one all-reduce)")
-        return
-    if ddp is None:
+    spec, reasons = plan.spec, plan.reasons
+    note = _settings_note(plan)
+    if note:
+        reasons.append(note)
+    fitting = plan.ranked()
+    if not any(c.row is registry.DDP and c.fits for c in plan.candidates):
         worst = next((c for c in plan.candidates if c.row is registry.DDP), None)
         if worst is not None:
             reasons.append(f"DDP does not fit: a full replica {worst.why} (model states alone "
                            f"{_gib(worst.estimate.states)} GiB)")
-    plain_dp = [c for c in fitting if c.row in (registry.DDP, registry.FSDP, registry.ZERO3)
-                and not c.estimate.activation_checkpointing]
-    big = spec.params >= THREE_D_MODEL and n >= THREE_D_DEVICES
-    admitted = []
-    for c in fitting:
-        if c.row.engine is MegatronEngine and not (big or not plain_dp):
-            c.why = "(not considered: 3D rule)"
-            continue
-        admitted.append(c)
-    if any(c.row.engine is MegatronEngine for c in plan.candidates):
-        if big:
-            reasons.append(f"3D parallelism considered: {spec.params / 1e9:.1f}B parameters on {n} devices")
-        elif not plain_dp:
-            reasons.append("3D parallelism considered: no data-parallel strategy fits without recomputation or "
-                           "offload (activations dominate; tensor parallelism splits them across heads)")
-        else:
-            reasons.append(f"3D parallelism not considered: under {THREE_D_MODEL / 1e9:.0f}B parameters and a "
-                           f"data-parallel strategy fits")
     context = [c for c in plan.candidates if c.estimate.dims.cp > 1]
     if context:
         reasons.append(f"context parallelism considered: {context[0].estimate.seq_len} tokens per sequence (from"
@@ -307,23 +354,19 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
                        " for two all-to-alls per block")
     if spec.table_rows and registry.RECSYS.name not in allowed:
         reasons.append("disttrain_recsys (table-wise embedding sharding) is not available here")
-    if not admitted:
+    if not fitting:
         reasons.append("nothing fits: " + "; ".join(f"{c.label}: {c.why}" for c in plan.candidates[:6]) +
                        "; use more devices, a smaller micro-batch or a shorter sequence")
         return
-    best_time = min(c.step_time for c in admitted)
-    near = [c for c in admitted if c.step_time <= best_time * (1 + TIE)]
-    near.sort(key=lambda c: (_preference(spec, c), c.step_time))
+    best = fitting[0].samples_per_s
+    near = sorted((c for c in fitting if c.samples_per_s >= best / (1 + TIE)), key=_simplicity)
     plan.choice = choice = near[0]
-    e = choice.estimate
-    comm = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in e.comm.items() if k != "bubble" and v)
-    reasons.append(f"{choice.label} fits ({_gib(e.device)} of {_gib(choice.usable)} GiB per rank) with the shortest "
-                   f"estimated step ({choice.step_time:.2f} s; traffic per rank per step: {comm or 'none'})")
-    runners = sorted((c for c in admitted if c is not choice), key=lambda c: c.step_time)[:2]
-    for r in runners:
-        reasons.append(f"next: {r.label} at {r.step_time:.2f} s")
-    split = min((c for c in admitted if c.estimate.dims.cp > 1), key=lambda c: c.step_time, default=None)
-    recompute = min((c for c in admitted if c.estimate.activation_checkpointing and c.estimate.dims.cp == 1),
+    reasons.append(_why(choice, "the highest estimated throughput"))
+    for r in [c for c in fitting if c is not choice][:2]:
+        reasons.append(f"next: {r.label} at micro-batch {r.estimate.micro_batch}, {r.samples_per_s:.3g} samples/s"
+                       f" ({r.step_time:.3g} s per step)")
+    split = min((c for c in fitting if c.estimate.dims.cp > 1), key=lambda c: c.step_time, default=None)
+    recompute = min((c for c in fitting if c.estimate.activation_checkpointing and c.estimate.dims.cp == 1),
                     key=lambda c: c.step_time, default=None)
     if split is not None and recompute is not None:
         faster, slower = sorted((split, recompute), key=lambda c: c.step_time)
@@ -331,6 +374,21 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
                        f" ({_gib(faster.estimate.device)} GiB) beats {slower.label} {slower.step_time:.2f} s"
                        f" ({_gib(slower.estimate.device)} GiB)")
     if len(near) > 1:
-        reasons.append("step times within 3% are ties, broken by the preference order of the frameworks ("
-                       + ("DeepSpeed, then Megatron, for 10B+" if spec.params >= THREE_D_MODEL else
-                          "DDP, then FSDP, for smaller models") + ")")
+        reasons.append(f"throughputs within {TIE:.0%} are ties, won by the simpler set-up (no offload, no recomputation;"
+                       " DDP, FSDP, ZeRO-3, then tensor/pipeline splits)")
+    reasons.append(_timing_note(plan.hardware))
+
+
+def _why(choice: Candidate, by: str) -> str:
+    e, p = choice.estimate, choice.parts
+    comm = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in e.comm.items() if k != "bubble" and v)
+    parts = (f"; compute {p.compute:.3g} s, optimizer {p.optimizer:.3g} s, data-parallel traffic {p.dp:.3g} s of"
+             f" which {p.dp_exposed:.3g} s not overlapped, critical-path traffic {p.critical:.3g} s, framework"
+             f" overhead {p.overhead:.3g} s") if p else ""
+    return (f"{choice.label} at micro-batch {e.micro_batch} fits ({_gib(e.device)} of {_gib(choice.usable)} GiB per"
+            f" rank) with {by} ({choice.samples_per_s:.3g} samples/s, {choice.step_time:.3g} s per step{parts};"
+            f" traffic per rank per step: {comm or 'none'})")
+
+
+def _word(value: Any) -> str:
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)

@@ -62,6 +62,7 @@ class Estimate:
     options: dict = field(default_factory=dict)
     comm: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    model_recomputes: bool = False  # the model checkpoints its own blocks (a recipe's train.activation_checkpointing)
 
     @property
     def world_size(self) -> int:
@@ -69,7 +70,7 @@ class Estimate:
 
     @property
     def activation_checkpointing(self) -> bool:
-        return bool(self.options.get("activation_checkpointing"))
+        return self.model_recomputes or bool(self.options.get("activation_checkpointing"))
 
     @property
     def states(self) -> int:
@@ -114,14 +115,16 @@ class Setup:
     precision: str
     optimizer: str
     sizes: Sizes
+    model_recomputes: bool = False
 
     @property
     def activation_checkpointing(self) -> bool:
-        return bool(getattr(self.options, "activation_checkpointing", False))
+        return self.model_recomputes or bool(getattr(self.options, "activation_checkpointing", False))
 
     def estimate(self, **bytes_: Any) -> Estimate:
         return Estimate(strategy=self.row.name, dims=self.dims, micro_batch=self.micro_batch, seq_len=self.seq_len,
-                        precision=self.precision, options=self.row.given(self.options), **bytes_)
+                        precision=self.precision, options=self.row.given(self.options),
+                        model_recomputes=self.model_recomputes, **bytes_)
 
     def activations(self) -> int:
         """What one micro-batch's forward saves for backward on one rank (16-bit compute saves 16-bit tensors)."""
@@ -184,14 +187,15 @@ def flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
 
 def estimate(model_or_config: ModelLike, strategy: str, world_size: int, *, micro_batch: int = 1,
              seq_len: int | None = None, precision: str = "bf16-mixed", optimizer: str | None = None,
-             **options: Any) -> Estimate:
+             model_recomputes: bool = False, **options: Any) -> Estimate:
     """Per-rank bytes of ``model_or_config`` trained with ``strategy`` (a registered name) on ``world_size`` ranks.
 
     ``options`` are the strategy's own options (``tensor_parallel_size=2`` for ``disttrain_megatron``,
     ``activation_checkpointing=True`` for ``disttrain_fsdp``, ...): they set the degrees (``Estimate.dims``) by the
     strategy's own rule, as they would in a run. ``seq_len`` defaults to the model's (ViT: its patch count + 1;
     Llama: ``max_position_embeddings``). ``optimizer`` is "adamw" (default) or "adagrad"/"sgd"/"rowwise_adagrad"
-    (DeepFM's tables default to Adagrad).
+    (DeepFM's tables default to Adagrad). ``model_recomputes``: the model checkpoints its own blocks (timm's
+    ``set_grad_checkpointing``, HF's ``gradient_checkpointing_enable``), under any strategy.
     """
     spec = model_spec(model_or_config)
     row = registry.lookup(strategy)
@@ -207,7 +211,7 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, *, micr
     recsys_opt = spec.extra.get("recsys", {}).get("sparse_optimizer") or "adagrad"
     opt = optimizer or (recsys_opt if spec.table_rows and row.engine is RecsysEngine else "adamw")
     setup = Setup(spec, row, opts, dims, micro_batch, int(seq_len or spec.tokens or 1), precision, opt,
-                  _sizes(precision, row.engine is ZeroEngine, opt))
+                  _sizes(precision, row.engine is ZeroEngine, opt), model_recomputes)
     return formula(setup)
 
 

@@ -131,7 +131,7 @@ def hf_spec(config: Any, model: Optional[nn.Module] = None) -> ModelSpec:
     experts, per_layer, top_k = expert_counts(model)
     extra = {"activations": measured, "lm_logits": lm, "model_type": config.model_type,
              "tensor_parallel": family is not None and _splits(family, model),
-             "pipeline": family is not None and _pipelines(family, model),
+             "pipeline": family is not None and can_pipeline(family, model),
              "experts": {"params": experts, "count": per_layer, "top_k": top_k} if experts else {}}
     attention = "eager" if getattr(config, "_attn_implementation", None) == "eager" else "sdpa"
     return ModelSpec(own.name if own is not None else config.model_type, **_structure(model, blocks),
@@ -149,7 +149,8 @@ def _splits(family: Any, model: nn.Module) -> bool:
     return True
 
 
-def _pipelines(family: Any, model: nn.Module) -> bool:
+def can_pipeline(family: Any, model: nn.Module) -> bool:
+    """Whether ``family`` splits ``model`` into pipeline stages (its own check, the one the engine runs)."""
     try:
         family.pipeline_sizes(model)  # the family refuses what its stages cannot split (heads, tied embeddings)
     except ValueError:

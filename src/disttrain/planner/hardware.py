@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import sys
 
 import torch
 
@@ -12,12 +15,40 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
+class Overheads:
+    """Seconds of framework work per step that is neither compute nor traffic (Python, operator dispatch, the
+    engines' hooks), which dominates small models: per transformer block's forward and backward ``eager`` (plain
+    module), ``sharded`` (under FSDP2's gather/reduce hooks; ZeRO-3 counted the same) and ``tensor_parallel`` (under
+    DTensor plans); ``microbatch``: a pipeline schedule's work for one microbatch on one stage beyond its blocks.
+    ``overlaps``: the device computes while the host dispatches (GPUs: a step takes the longer of the two; CPU
+    processes do both in turn: their sum)."""
+
+    eager: float
+    sharded: float
+    tensor_parallel: float
+    microbatch: float
+    overlaps: bool = True
+
+
+# A GPU's kernel launches (~5 us each, ~30 per block forward and backward), its hooks' and DTensor's Python; a CPU's
+# as measured on a 2-core host with gloo. `disttrain calibrate` measures them (planner/calibrate.py).
+GPU_OVERHEADS = Overheads(eager=1.5e-4, sharded=3e-4, tensor_parallel=6e-4, microbatch=1e-3)
+CPU_OVERHEADS = Overheads(eager=5e-4, sharded=2.5e-3, tensor_parallel=5e-3, microbatch=2.5e-3, overlaps=False)
+
+
+@dataclass(frozen=True)
 class Hardware:
     """One kind of device and its links. Bandwidths are bytes/s that one device achieves in a collective:
     ``intra_node_bw`` between devices of a node (NVLink, or PCIe where there is none), ``inter_node_bw`` per device
     across nodes (its share of the node's network). ``pcie_bw`` is host <-> device (offload); ``host_memory`` is
     RAM per node; ``mfu`` the fraction of ``peak_flops`` a training step reaches (for step-time estimates only).
-    ``reserved`` is what the runtime takes before any tensor (CUDA context, allocator slack)."""
+    ``reserved`` is what the runtime takes before any tensor (CUDA context, allocator slack). ``latency`` is the
+    seconds one collective costs whatever its size; ``memory_bw`` the device memory's bytes/s (elementwise work),
+    ``optimizer_bw`` the bytes of states the optimizer step sweeps per second (default half of ``memory_bw``: read and
+    written); ``overlap`` the fraction of data-parallel traffic that can hide behind compute (1: its own engine, as
+    NCCL on GPUs); ``overheads`` the framework's own seconds (:class:`Overheads`). ``calibration``: what
+    ``disttrain calibrate`` measured here (:mod:`disttrain.planner.calibrate`), used instead of ``peak_flops x mfu``
+    and the link figures when present."""
 
     name: str
     memory: int
@@ -30,6 +61,16 @@ class Hardware:
     gpus_per_node: int = 8
     mfu: float = 0.4
     reserved: int = GiB
+    latency: float = 20e-6
+    memory_bw: float = 1.5e12
+    optimizer_bw: float = 0.0
+    overlap: float = 1.0
+    overheads: Overheads = GPU_OVERHEADS
+    calibration: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def optimizer_sweep(self) -> float:
+        return self.optimizer_bw or self.memory_bw / 2
 
     def with_memory(self, memory: str | int) -> Hardware:
         return replace(self, memory=parse_bytes(memory))
@@ -39,15 +80,19 @@ class Hardware:
 # one direction in a ring, NVLink 4 (H100/H200) ~450; a 200 Gb/s HDR NIC per GPU gives ~25 GB/s across nodes. T4 and
 # L4 servers have no NVLink: devices talk over PCIe (~12 GB/s per device through the host bridge).
 PRESETS: dict[str, Hardware] = {
-    "A100-40GB": Hardware("A100-40GB", 40 * GiB, 312e12, 300e9, 25e9, pcie_bw=25e9),
-    "A100-80GB": Hardware("A100-80GB", 80 * GiB, 312e12, 300e9, 25e9, pcie_bw=25e9),
-    "H100-80GB": Hardware("H100-80GB", 80 * GiB, 989.4e12, 450e9, 50e9, pcie_bw=50e9),
-    "H200-141GB": Hardware("H200-141GB", 141 * GiB, 989.4e12, 450e9, 50e9, pcie_bw=50e9),
-    "L4-24GB": Hardware("L4-24GB", 24 * GiB, 121e12, 12e9, 6e9, pcie_bw=12e9),
-    "T4-16GB": Hardware("T4-16GB", 16 * GiB, 65e12, 10e9, 3e9, pcie_bw=10e9, host_memory=384 * GiB),
-    "V100-32GB": Hardware("V100-32GB", 32 * GiB, 125e12, 150e9, 12.5e9, pcie_bw=12e9),
-    # A CPU "device" for CI runs: memory is what one process may use; bandwidth that of gloo on one host.
-    "cpu": Hardware("cpu", 8 * GiB, 1e11, 5e9, 1e9, pcie_bw=1e12, gpus_per_node=1024, reserved=0),
+    "A100-40GB": Hardware("A100-40GB", 40 * GiB, 312e12, 300e9, 25e9, pcie_bw=25e9, memory_bw=1.55e12),
+    "A100-80GB": Hardware("A100-80GB", 80 * GiB, 312e12, 300e9, 25e9, pcie_bw=25e9, memory_bw=2.0e12),
+    "H100-80GB": Hardware("H100-80GB", 80 * GiB, 989.4e12, 450e9, 50e9, pcie_bw=50e9, memory_bw=3.35e12),
+    "H200-141GB": Hardware("H200-141GB", 141 * GiB, 989.4e12, 450e9, 50e9, pcie_bw=50e9, memory_bw=4.8e12),
+    "L4-24GB": Hardware("L4-24GB", 24 * GiB, 121e12, 12e9, 6e9, pcie_bw=12e9, memory_bw=0.3e12),
+    "T4-16GB": Hardware("T4-16GB", 16 * GiB, 65e12, 10e9, 3e9, pcie_bw=10e9, host_memory=384 * GiB,
+                        memory_bw=0.32e12),
+    "V100-32GB": Hardware("V100-32GB", 32 * GiB, 125e12, 150e9, 12.5e9, pcie_bw=12e9, memory_bw=0.9e12),
+    # A CPU "device" for CI runs: memory is what one process may use; links those of gloo on one host (about a
+    # millisecond per collective; its threads share the cores with the compute, so half of it overlaps). Run
+    # `disttrain calibrate` to measure them instead.
+    "cpu": Hardware("cpu", 8 * GiB, 1e11, 5e9, 1e9, pcie_bw=1e12, gpus_per_node=1024, reserved=0, latency=1e-3,
+                    memory_bw=10e9, overlap=0.5, overheads=CPU_OVERHEADS),
 }
 
 
@@ -75,8 +120,22 @@ def _preset(name: str) -> Hardware:
                      f" the bandwidths as numbers")
 
 
-def detect(device: torch.device, world_size: int, gpus_per_node: int | None = None) -> Hardware:
-    """The hardware of this process's device: memory and name from CUDA, links from the matching preset."""
+def detect(device: torch.device, world_size: int, gpus_per_node: int | None = None,
+           calibrated: bool = True) -> Hardware:
+    """The hardware of this process's device: memory and name from CUDA, links from the matching preset, or, when
+    ``calibrated`` and ``disttrain calibrate`` has measured this machine at ``world_size`` processes, from its
+    cache file (a corrupt one is a CalibrationError naming it)."""
+    hw = _detect(device, world_size, gpus_per_node)
+    if calibrated:
+        from disttrain.planner.calibrate import cached, hardware_from
+
+        calibration = cached(device, world_size)
+        if calibration is not None:
+            return hardware_from(calibration, hw)
+    return hw
+
+
+def _detect(device: torch.device, world_size: int, gpus_per_node: int | None) -> Hardware:
     if device.type != "cuda":
         import psutil
 
@@ -94,3 +153,22 @@ def detect(device: torch.device, world_size: int, gpus_per_node: int | None = No
             break
     return replace(base, name=name, memory=props.total_memory,
                    gpus_per_node=gpus_per_node or torch.cuda.device_count())
+
+
+def present(kind: str, world_size: int, memory: Any = None, measure: bool = True, **overrides: Any) -> Any:
+    """The Hardware of ``world_size`` processes on this machine's ``kind`` ("cpu" or "cuda") devices, with this
+    machine's calibration: the cached one, else (``measure``) measured now and cached (said on stderr)."""
+    from disttrain.planner.calibrate import cache_path, cached, calibrate, hardware_from
+
+    device = torch.device(kind)
+    hw = detect(device, world_size, calibrated=False)
+    if memory is not None:
+        hw = hw.with_memory(memory)
+    if overrides:
+        hw = replace(hw, **overrides)
+    calibration = cached(device, world_size)
+    if calibration is None and measure:
+        print(f"calibrating {world_size} {kind} processes (once; cached in {cache_path(device, world_size)})",
+              file=sys.stderr, flush=True)
+        calibration = calibrate(world_size, kind)
+    return hardware_from(calibration, hw) if calibration is not None else hw

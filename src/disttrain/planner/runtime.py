@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from disttrain.parallel.registry import AutoOptions
-from disttrain.planner.choose import Plan, choose
+from disttrain.planner.choose import Plan, choose, planned_precision
 from disttrain.planner.hardware import detect
 from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelSpec, model_spec
@@ -53,15 +53,17 @@ def plan_for(source: Any, options: AutoOptions, world_size: int, device: torch.d
         hw = detect(device, world_size, gpus_per_node)
         if options.device_memory is not None:
             hw = hw.with_memory(options.device_memory)
-    plan = choose(spec, world_size, hw, micro_batch=options.micro_batch, seq_len=options.seq_len,
-                  precision=_planned_precision(precision), headroom=options.headroom,
-                  available=available)
+    # The batch is the user's DataLoader's: 1 unless given or a recipe says (a run cannot take a searched one).
+    micro_batch = options.micro_batch or (None if "micro_batch" in spec.extra.get("recipe", {}) else 1)
+    plan = choose(spec, world_size, hw, micro_batch=micro_batch, seq_len=options.seq_len,
+                  precision=planned_precision(precision), headroom=options.headroom,
+                  available=available, activation_checkpointing=options.activation_checkpointing, loader_batch=True)
+    if options.trial and plan.choice is not None:
+        from disttrain.planner.trial import trial_once
+
+        trial_once(plan, source, options.trial_top, options.trial_steps, device.type)
     if plan.choice is None:
         raise RuntimeError("disttrain_auto: no registered strategy fits this model on these devices:\n"
                            + plan.report())
     return plan
 
-
-def _planned_precision(precision: str) -> str:
-    p = str(precision)
-    return {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(p, p)

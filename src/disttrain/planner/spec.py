@@ -90,12 +90,29 @@ def _from_yaml(path: Path) -> ModelSpec:
     tables land."""
     recipe = read_recipe(path, model_schema=_model_schema)
     spec = _from_mapping(recipe["model"], source=str(path))
+    spec.extra["recipe"] = recipe_settings(recipe)
     if spec.table_rows:
         strategy = recipe.get("strategy") or {}
         spec.extra["recsys"] = {
             "sparse_optimizer": (recipe["model"].get("sparse_optimizer") or {}).get("name"),
             "sharding_types": strategy.get("sharding_types"), "constraints": strategy.get("constraints") or {}}
     return spec
+
+
+def recipe_settings(recipe: dict) -> dict:
+    """What a recipe fixes that the planner would otherwise choose: ``micro_batch`` (``train.micro_batch_size``,
+    else ``data.batch_size`` or ``train.batch_size``: samples per process per step), ``precision``
+    (``train.precision``), ``activation_checkpointing`` (``train.activation_checkpointing``) and ``seq_len``
+    (``data.seq_len``); only the keys the recipe sets."""
+    train, data = recipe.get("train") or {}, recipe.get("data") or {}
+    out: dict = {}
+    batch = train.get("micro_batch_size") or data.get("batch_size") or train.get("batch_size")
+    if batch:
+        out["micro_batch"] = int(batch)
+    for key, section in (("precision", train), ("activation_checkpointing", train), ("seq_len", data)):
+        if section.get(key) is not None:
+            out[key] = section[key]
+    return out
 
 
 def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec:
@@ -126,6 +143,9 @@ def _from_module(module: nn.Module) -> ModelSpec:
     family = family_of(module)
     spec = family.spec_from_module(module) if family is not None else None
     if spec is not None:
+        # What this very module allows, as the engine will check it (DeiT's distillation token: no pipeline stages).
+        if spec.extra.get("pipeline"):
+            spec.extra["pipeline"] = generic.can_pipeline(family, module)
         return spec
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "model_type") and hasattr(module, "base_model_prefix"):

@@ -72,8 +72,8 @@ class ViTStage(nn.Module):
         for block in self.layers.values():
             x = block(x)
         if self.last:
-            x = vit.forward_head(vit.norm(x))  # (B, classes)
-        return x
+            return vit.forward_head(vit.norm(x))  # (B, classes)
+        return x.contiguous()  # sent to the next stage: point-to-point sends take contiguous tensors only
 
 
 def write_timm(state: Mapping[str, torch.Tensor], output: Path, checkpoint: Path, config: Any) -> Path:

@@ -1,0 +1,474 @@
+"""The machine the planner plans for, measured: matmul throughput at the model's shapes, memory and optimizer sweep
+bandwidth, the latency and bandwidth of each collective over the real process group, and the framework's own
+seconds per block (plain, sharded, tensor-parallel, pipelined), cached per machine.
+
+    disttrain calibrate --devices 2                 # gloo on CPU, nccl on GPUs; writes the cache file it names
+    disttrain calibrate --devices 8 --model configs/nlp/dialogue_1b.yaml   # also the model's own matmul shapes
+
+A calibration is one JSON file per (host, device, world size) under :func:`cache_dir` (``$DISTTRAIN_CACHE`` or
+``$XDG_CACHE_HOME/disttrain``, by default ``~/.cache/disttrain``), in ``calibration/``. The planner uses it whenever
+it plans for the hardware present (``disttrain plan`` without ``--gpu``, ``disttrain_auto`` without ``hardware=``);
+a preset (``--gpu A100``) stands for hardware that is not here.
+
+Each collective is timed at several sizes and fitted to ``time = latency + bytes / bandwidth`` (the alpha-beta
+model), where ``bytes`` is what one rank sends in the usual ring algorithm: ``(n-1)/n`` of the gathered tensor for
+all-gather, reduce-scatter and all-to-all, twice that for all-reduce; the planner's traffic figures count bytes the
+same way. ``overlap`` is the fraction of a collective that hides behind a matmul running at the same time (about 1
+on GPUs, where NCCL has its own stream; on CPU gloo's threads compete with the compute for the cores).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+OVERHEADS = {"eager", "sharded", "tensor_parallel", "microbatch"}  # the measured fields of hardware.Overheads
+VERSION = 1  # of the file's layout: a file of another version is measured again, not misread
+
+
+class CalibrationError(ValueError):
+    """A calibration cache file that cannot be read (the message names the file and the fix)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective on this machine's process group: seconds per call and bytes per second one rank sends."""
+
+    latency: float
+    bandwidth: float
+
+    def time(self, sent_bytes: float, calls: float = 1.0) -> float:
+        return calls * self.latency + sent_bytes / self.bandwidth
+
+
+@dataclass
+class Calibration:
+    """What ``disttrain calibrate`` measured on one machine (see the module docstring)."""
+
+    host: str
+    device: str
+    world_size: int
+    backend: str
+    matmul: list[list[float]]  # [m, n, k, FLOP/s] per shape measured, fp32 on CPU, bf16 on GPUs
+    memory_bw: float  # bytes/s a large elementwise op reads and writes
+    optimizer_bw: float  # bytes of parameters + gradients + AdamW state that torch's AdamW sweeps per second
+    links: dict[str, Link]
+    overlap: float
+    overheads: Optional[dict[str, float]] = None  # Overheads' seconds; None in older files: the preset's figures
+    blocks: Optional[list[list[float]]] = None  # [tokens, hidden, efficiency] per size measured (measure_blocks)
+    measured_at: str = ""
+    torch_version: str = ""
+    version: int = VERSION
+    path: str = ""
+
+    def matmul_flops(self, m: float, n: float, k: float) -> float:
+        """FLOP/s of the measured shape nearest to ``m x n x k`` (by size, on a log scale)."""
+        if not self.matmul:
+            raise CalibrationError(f"calibration {self.path} holds no matmul shapes: run `disttrain calibrate` again")
+        size = math.log(max(1.0, m * n * k))
+        return min(self.matmul, key=lambda row: abs(math.log(max(1.0, row[0] * row[1] * row[2])) - size))[3]
+
+    def block_efficiency(self, tokens: float, hidden: float) -> float:
+        """The fraction of the matmul throughput a transformer block's training reaches at the measured size nearest
+        to ``tokens`` x ``hidden`` (1 in files without block measurements)."""
+        if not self.blocks:
+            return 1.0
+        size = math.log(max(1.0, tokens * hidden * hidden))
+        return min(self.blocks, key=lambda row: abs(math.log(max(1.0, row[0] * row[1] * row[1])) - size))[2]
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("path")
+        out["links"] = {op: asdict(link) for op, link in self.links.items()}
+        return out
+
+
+def cache_dir() -> Path:
+    """Where calibrations are kept: ``$DISTTRAIN_CACHE``, else ``$XDG_CACHE_HOME/disttrain``, else
+    ``~/.cache/disttrain``."""
+    if os.environ.get("DISTTRAIN_CACHE"):
+        return Path(os.environ["DISTTRAIN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "disttrain"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "-")
+    return "cpu"
+
+
+def cache_path(device: torch.device | str, world_size: int, host: Optional[str] = None) -> Path:
+    """The cache file of ``world_size`` processes on ``device``'s kind on this host."""
+    device = torch.device(device) if isinstance(device, str) else device
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{host or socket.gethostname()}-"
+                   f"{device_name(device)}-{world_size}")
+    return cache_dir() / "calibration" / f"{name}.json"
+
+
+def load(path: str | os.PathLike) -> Optional[Calibration]:
+    """The calibration in ``path``, None when there is none; a file that cannot be read is one CalibrationError
+    naming it and the fix."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    fix = "delete it or run `disttrain calibrate --force` to measure again"
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != VERSION:
+            raise CalibrationError(f"calibration cache {path} was written by another disttrain version "
+                                   f"({data.get('version')!r}, this one reads {VERSION}): {fix}")
+        data["links"] = {op: Link(**data["links"][op]) for op in OPS}
+        overheads = data.get("overheads")
+        if overheads is not None and set(overheads) != OVERHEADS:
+            raise ValueError(f"overheads {sorted(overheads)} are not {sorted(OVERHEADS)}")
+        if any(len(row) != 3 or not 0 < row[2] <= 1 for row in data.get("blocks") or []):
+            raise ValueError(f"blocks {data['blocks']} are not [tokens, hidden, efficiency in (0, 1]] rows")
+        return Calibration(**data, path=str(path))
+    except CalibrationError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CalibrationError(f"calibration cache {path} is unreadable ({type(e).__name__}: {e}): {fix}") from None
+
+
+def save(calibration: Calibration, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(calibration.to_json(), indent=1))
+    os.replace(tmp, path)  # readers never see half a file
+    calibration.path = str(path)
+    return path
+
+
+# -- measuring (in every process of the group) ------------------------------------------------------------------
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, sync: Callable[[], None],
+           fastest: bool = False) -> float:
+    """Median (``fastest``: least) seconds of ``fn`` over ``repeats`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times) if fastest else statistics.median(times)
+
+
+def _device_sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def measure_matmul(shapes: Iterable[tuple[int, int, int]], device: torch.device, repeats: int = 5
+                   ) -> list[list[float]]:
+    """FLOP/s of ``(m, k) @ (k, n)`` per shape (fp32 on CPU, bf16 on GPUs: the dtypes training computes in)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = _device_sync(device)
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        seconds = _timed(lambda: a @ b, device, repeats, sync)
+        out.append([m, n, k, 2.0 * m * n * k / seconds])
+    return out
+
+
+def measure_memory(device: torch.device, elements: int, repeats: int = 5) -> tuple[float, float]:
+    """(bytes/s of ``c = a + b`` on ``elements`` fp32 values, bytes/s of parameters + gradients + AdamW state that
+    one AdamW step sweeps): elementwise work and the optimizer step are bound by memory, not FLOPs."""
+    sync = _device_sync(device)
+    a, b = torch.randn(elements, device=device), torch.randn(elements, device=device)
+    c = torch.empty_like(a)
+    add = _timed(lambda: torch.add(a, b, out=c), device, repeats, sync)
+    param = torch.nn.Parameter(torch.randn(elements, device=device))
+    param.grad = torch.randn_like(param)
+    opt = torch.optim.AdamW([param], lr=1e-6)
+    step = _timed(opt.step, device, repeats, sync)
+    return 3 * 4 * elements / add, 4 * 4 * elements / step  # read a, b, write c; param, grad, two moments
+
+
+def measure_link(op: str, sizes: Iterable[int], device: torch.device, group: Any = None, repeats: int = 5) -> Link:
+    """``op`` over the default process group at each total size (bytes of the gathered / reduced tensor), fitted to
+    latency + sent / bandwidth by least squares (sent: what one rank sends, see the module docstring)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    sync = _device_sync(device)
+
+    def barrier_sync() -> None:
+        sync()
+        dist.barrier(group)
+
+    points = []
+    for size in sizes:
+        elements = max(n, size // 4 // n * n)
+        full = torch.randn(elements, device=device)
+        part = torch.empty(elements // n, device=device)
+        if op == "all_gather":
+            fn = lambda: dist.all_gather_into_tensor(full, part, group=group)  # noqa: E731
+            sent = (n - 1) / n * elements * 4
+        elif op == "reduce_scatter":
+            fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731
+            sent = (n - 1) / n * elements * 4
+        elif op == "all_reduce":
+            fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
+            sent = 2 * (n - 1) / n * elements * 4
+        elif op == "all_to_all":
+            out = torch.empty_like(full)
+            fn = lambda: dist.all_to_all_single(out, full, group=group)  # noqa: E731
+            sent = (n - 1) / n * elements * 4
+        else:
+            raise ValueError(f"collective {op!r} is not measured; choose one of {', '.join(OPS)}")
+        points.append((sent, _timed(fn, device, repeats, barrier_sync)))
+    return _fit(points)
+
+
+def _fit(points: list[tuple[float, float]]) -> Link:
+    """Least-squares latency + bytes / bandwidth through (bytes, seconds) points (latency kept >= 0)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    if slope <= 0:  # noise larger than the size effect: all of it bandwidth at the largest size
+        return Link(0.0, xs[-1] / ys[-1])
+    latency = my - slope * mx
+    if latency < 0:
+        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        latency = 0.0
+    return Link(latency, 1.0 / slope)
+
+
+def measure_overlap(device: torch.device, link_bytes: int, shape: tuple[int, int, int]) -> float:
+    """Fraction of an all-reduce hidden behind a matmul issued while it runs (0: none, 1: all), the way FSDP's
+    prefetch and DDP's buckets overlap them."""
+    import torch.distributed as dist
+
+    sync = _device_sync(device)
+    m, n, k = shape
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    buf = torch.randn(max(1, link_bytes // 4), device=device)
+
+    def matmuls() -> None:
+        for _ in range(4):
+            a @ b
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        matmuls()
+        work.wait()
+
+    def barrier_sync() -> None:
+        sync()
+        dist.barrier()
+
+    compute = _timed(matmuls, device, 3, barrier_sync)
+    comm = _timed(lambda: dist.all_reduce(buf), device, 3, barrier_sync)
+    together = _timed(both, device, 3, barrier_sync)
+    hidden = compute + comm - together
+    return max(0.0, min(1.0, hidden / min(compute, comm)))
+
+
+def measure_blocks(sizes: Iterable[tuple[int, int]], device: torch.device, repeats: int = 5) -> list[list[float]]:
+    """``[tokens, hidden, efficiency]`` per ``(tokens, hidden)``: a transformer block's forward and backward timed at
+    that size against its matmuls alone (forward timed, backward counted as twice that). What a step reaches of the
+    matmul throughput once attention, norms, activations and autograd's own work are counted: small widths reach a
+    fraction of it, large ones nearly all."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = _device_sync(device)
+    out = []
+    for tokens, hidden in sizes:
+        heads = next(h for h in (max(1, hidden // 64), 1) if hidden % h == 0)
+        seq = min(tokens, 128 if device.type == "cpu" else 1024)
+        batch = max(1, tokens // seq)
+        block = _Block(hidden, heads).to(device, dtype)
+        x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)
+        step = _timed(lambda: block(x).sum().backward(), device, repeats, sync, fastest=True)
+        rows = x.reshape(-1, hidden)
+        weights = [layer.weight for layer in (block.qkv, block.proj, block.fc1)]
+        wide = torch.randn(batch * seq, 4 * hidden, device=device, dtype=dtype)
+
+        def matmuls() -> None:
+            for w in weights:
+                rows @ w.t()
+            wide @ block.fc2.weight.t()
+
+        forward = _timed(matmuls, device, repeats, sync, fastest=True)
+        out.append([batch * seq, hidden, min(1.0, 3 * forward / step)])
+    return out
+
+
+def block_sizes(device: torch.device, shapes: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The (tokens, hidden) sizes to measure blocks at: the models' own (their square ``(tokens, h, h)`` matmuls)
+    and one compute-bound default."""
+    default = (512, 128) if device.type == "cpu" else (8192, 1024)
+    return list(dict.fromkeys([(m, k) for m, n, k in shapes if n == k] + [default]))
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block small enough that its compute is negligible: timing it times the framework."""
+
+    def __init__(self, hidden: int = 16, heads: int = 2):
+        super().__init__()
+        nn = torch.nn
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -> dict[str, float]:
+    """Seconds of framework work per block forward + backward (:class:`~disttrain.planner.hardware.Overheads`):
+    ``blocks`` tiny blocks timed plain, under ``fully_shard``, under a tensor-parallel plan, and as one pipeline
+    stage over 4 microbatches. Each engine runs over a mesh of this rank alone: its hooks and DTensor dispatch are
+    measured, while the collectives' latency stays in the links (measured on their own). The fastest of
+    ``repeats`` calls: other work on the machine only ever adds to a fixed cost."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("all", "own"))["own"]
+    sync = _device_sync(device)
+
+    def stack() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[_Block() for _ in range(blocks)]).to(device)
+
+    def per_block(model: torch.nn.Module, samples: int = 1) -> float:
+        x = torch.randn(samples, 8, 16, device=device)
+        return _timed(lambda: model(x).sum().backward(), device, repeats, sync, fastest=True) / blocks
+
+    eager = per_block(stack())
+    sharded = stack()
+    for block in sharded:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    split = stack()
+    for block in split:
+        parallelize_module(block, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                                         "fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    micro = 4
+    stage = PipelineStage(stack(), 0, 1, device, group=mesh.get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=lambda out, target: out.sum())
+    x, target = torch.randn(micro, 8, 16, device=device), torch.zeros(micro, device=device)
+    pipelined = _timed(lambda: schedule.step(x, target=target), device, repeats, sync, fastest=True)
+    # the schedule's own work per microbatch: what its step takes beyond running the blocks once per microbatch
+    microbatch = max(0.0, pipelined / micro - blocks * eager)
+    found = torch.tensor([eager, per_block(sharded), per_block(split), microbatch], dtype=torch.float64)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace of a step
+    return dict(zip(("eager", "sharded", "tensor_parallel", "microbatch"), found.tolist()))
+
+
+def default_shapes(device: torch.device) -> list[tuple[int, int, int]]:
+    """Square-ish matmuls from small to large, for models calibrated without their own shapes."""
+    sizes = (128, 256, 512, 1024) if device.type == "cpu" else (1024, 2048, 4096, 8192)
+    return [(s, s, s) for s in sizes] + [(4 * s, s, s) for s in sizes[:-1]]
+
+
+def model_shapes(spec: Any, micro_batch: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """The matmuls of one block of ``spec`` at ``micro_batch`` x ``seq_len`` tokens: (tokens, out, in) of the
+    attention projections and the MLP (what dominates a transformer's FLOPs)."""
+    tokens = max(1, micro_batch * max(1, seq_len))
+    if not spec.hidden:
+        return []
+    h, f = spec.hidden, spec.ffn or 4 * spec.hidden
+    return [(tokens, h, h), (tokens, f, h), (tokens, h, f)]
+
+
+def collective_sizes(device: torch.device) -> list[int]:
+    return [1 << 14, 1 << 18, 1 << 21, 1 << 22] if device.type == "cpu" else [1 << 20, 1 << 24, 1 << 27, 1 << 28]
+
+
+def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repeats: int = 3,
+                 quick: bool = False) -> Calibration:
+    """Everything, measured in this process of an initialized process group (call it on every rank). ``quick``:
+    fewer shapes and sizes, one repeat (a smoke run's figures, not a machine's)."""
+    import torch.distributed as dist
+
+    ladder = default_shapes(device)[:3] if quick else default_shapes(device)
+    sizes = collective_sizes(device)[::2] if quick else collective_sizes(device)
+    repeats = 1 if quick else repeats
+    sizes_of_blocks = block_sizes(device, shapes)  # the models' own and a default, not the ladder's
+    shapes = list(dict.fromkeys([tuple(s) for s in shapes] + ladder))
+    matmul = measure_matmul(shapes, device, repeats)
+    memory_bw, optimizer_bw = measure_memory(device, (1 << 20 if quick else 1 << 22) if device.type == "cpu"
+                                             else (1 << 27), repeats)
+    links = {op: measure_link(op, sizes, device, repeats=repeats) for op in OPS}
+    overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
+    overheads = measure_overheads(device, repeats=3 if quick else 10)
+    blocks = measure_blocks(sizes_of_blocks, device, repeats=2 if quick else 5)
+    return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
+                       backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
+                       links=links, overlap=overlap, overheads=overheads, blocks=blocks,
+                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch_version=torch.__version__)
+
+
+# -- launching ----------------------------------------------------------------------------------------------------
+WORKER = Path(__file__).with_name("calibrate_run.py")
+
+
+def calibrate(devices: int, accelerator: str = "cpu", shapes: Iterable[tuple[int, int, int]] = (),
+              path: Optional[str | os.PathLike] = None, timeout: float = 600.0, quick: bool = False) -> Calibration:
+    """Measure this machine on ``devices`` processes (``disttrain run``'s launcher: gloo on CPU, nccl on GPUs) and
+    write the cache file (``path``, default :func:`cache_path`)."""
+    device = torch.device("cuda" if accelerator in ("gpu", "cuda") else "cpu")
+    target = Path(path) if path is not None else cache_path(device, devices)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "calibration.json"
+        command = [sys.executable, "-m", "disttrain.cli", "run", str(WORKER), "--devices", str(devices),
+                   "--accelerator", accelerator, "--", str(out), json.dumps([list(s) for s in shapes])] + \
+            (["--quick"] if quick else [])
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(f"calibration on {devices} {accelerator} processes failed (exit {done.returncode}):\n"
+                               + "\n".join(tail))
+        calibration = load(out)
+    assert calibration is not None
+    save(calibration, target)
+    return calibration
+
+
+def cached(device: torch.device | str, world_size: int) -> Optional[Calibration]:
+    """This machine's calibration for ``world_size`` processes, None when there is none yet."""
+    return load(cache_path(device, world_size))
+
+
+def hardware_from(calibration: Calibration, base: Any) -> Any:
+    """``base`` (a :class:`~disttrain.planner.hardware.Hardware` of the devices present) with the measured figures:
+    the step-time model then uses them instead of the preset's peak FLOP/s x mfu and link bandwidths."""
+    from dataclasses import replace
+
+    overheads = base.overheads if calibration.overheads is None else \
+        replace(base.overheads, **{k: float(v) for k, v in calibration.overheads.items()})
+    return replace(base, calibration=calibration, memory_bw=calibration.memory_bw,
+                   optimizer_bw=calibration.optimizer_bw, overlap=calibration.overlap, overheads=overheads)
+
+
+__all__ = ["OPS", "Calibration", "CalibrationError", "Link", "cache_dir", "cache_path", "cached", "calibrate",
+           "hardware_from", "load", "measure_here", "model_shapes", "save"]
+

@@ -1,0 +1,35 @@
+"""Run by ``disttrain calibrate`` in every process (``disttrain run``'s launcher): measure this machine over the
+process group and write the calibration from rank 0.
+
+Usage: calibrate_run.py OUT SHAPES_JSON [--quick]   (SHAPES_JSON: extra [m, n, k] matmul shapes, e.g. a model's;
+--quick: fewer sizes, one repeat)
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from disttrain.planner.calibrate import measure_here, save
+
+
+def main() -> None:
+    out, shapes = sys.argv[1], [tuple(s) for s in json.loads(sys.argv[2])]
+    cuda = torch.cuda.is_available() and os.environ.get("LT_ACCELERATOR") not in ("cpu",)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        calibration = measure_here(device, shapes, quick="--quick" in sys.argv[3:])
+        if dist.get_rank() == 0:
+            save(calibration, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

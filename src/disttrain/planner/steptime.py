@@ -1,0 +1,170 @@
+"""Seconds of one training step of a set-up (an :class:`~disttrain.planner.estimate.Estimate`) on a machine.
+
+One step is the forward and backward of ``micro_batch`` samples on every device and the optimizer step (the same
+global batch for every strategy: tensor/pipeline/context-parallel groups run ``tp x pp x cp`` micro-batches per
+data-parallel rank). Its parts, as the engines schedule them:
+
+- **compute**: the FLOPs of forward and backward (x 4/3 with activation checkpointing) at the matmul throughput
+  measured at the model's shapes (``disttrain calibrate``; uncalibrated: ``peak_flops x mfu``), plus elementwise
+  work bound by memory: the saved activations written in forward, read in backward and their gradients written
+  (3 x activation bytes at the memory bandwidth). Pipeline parallelism stretches it by its bubble: 1F1B over ``m``
+  microbatches and ``p`` stages idles ``(p-1)/(m+p-1)`` of the time.
+- **optimizer**: the states this rank holds, swept once by the optimizer (measured with torch's AdamW).
+- **data-parallel traffic**, overlapped: FSDP and ZeRO-3 prefetch the next unit's all-gather while the current one
+  computes and reduce-scatter during backward (FSDP2 on a stream of its own: CPU processes have none, so there
+  each unit waits for its gather); DDP all-reduces gradient buckets during backward. What exceeds
+  ``overlap`` x the compute it can hide behind is exposed, and never less than one unit's (bucket's) share: the first
+  gather (the last bucket) has nothing to hide behind.
+- **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
+  measured by ``disttrain calibrate``) per block executed (x 4/3 with checkpointing): plain blocks under DDP, hooked
+  ones under FSDP and ZeRO-3, DTensor ones under tensor parallelism; a pipeline stage runs its blocks once per
+  microbatch, plus the schedule's own work per microbatch, over ``m + p - 1`` slots. On GPUs the device computes while the host
+  dispatches, so a step takes the longer of compute and overhead; CPU processes do both in turn.
+- **critical-path traffic**, not overlapped: tensor-parallel all-reduces (four per block per micro-batch), pipeline
+  sends, context-parallel and expert all-to-alls, embedding all-to-alls (recsys), offload copies and the CPU
+  optimizer.
+
+Each collective costs ``latency x calls + bytes / bandwidth`` with the link measured for its kind (all-gather,
+reduce-scatter, all-reduce, all-to-all) when calibrated, else the preset's latency and intra-/inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from disttrain.parallel import registry
+from disttrain.parallel.ddp import DDPEngine
+from disttrain.parallel.zero_engine import ZeroEngine
+from disttrain.planner.estimate import Estimate, activation_bytes, flops_per_sample
+from disttrain.planner.hardware import Hardware
+from disttrain.planner.spec import ModelSpec
+
+DDP_BUCKET = 25 * 2**20  # torch DDP's bucket_cap_mb
+ZERO3_CALLS_PER_UNIT = 4  # DeepSpeed gathers per submodule (attention, MLP, norms), prefetched in a few calls
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The parts of one step, seconds (see the module docstring)."""
+
+    compute: float
+    optimizer: float
+    dp: float  # data-parallel traffic in all
+    dp_exposed: float  # of which not hidden behind compute
+    critical: float  # traffic on the critical path
+    overhead: float = 0.0  # the framework's own work
+    overlaps: bool = True  # the device computes while the host dispatches: the longer of compute and overhead
+
+    @property
+    def total(self) -> float:
+        busy = max(self.compute, self.overhead) if self.overlaps else self.compute + self.overhead
+        return busy + self.optimizer + self.dp_exposed + self.critical
+
+
+def _compute_bytes(precision: str) -> int:
+    return 4 if precision.startswith("32") else 2
+
+
+def _matmul_rate(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
+    if hw.calibration is None:
+        return hw.peak_flops * hw.mfu
+    d = e.dims
+    tokens = e.micro_batch * max(1, e.seq_len) / d.cp
+    hidden = spec.hidden or 1024
+    return hw.calibration.matmul_flops(tokens, (spec.ffn or 4 * hidden) / d.tp, hidden) * \
+        hw.calibration.block_efficiency(tokens, hidden / d.tp)
+
+
+def _link(hw: Hardware, op: str, sent: float, calls: float, bandwidth: float) -> float:
+    if not sent:
+        return 0.0
+    if hw.calibration is not None:
+        return hw.calibration.links[op].time(sent, calls)
+    return calls * hw.latency + sent / bandwidth
+
+
+def microbatches(e: Estimate) -> int:
+    """Pipeline microbatches per step: the option, else the engine's default ``2 x pp``, at most the samples a
+    pipeline gets per step (``micro_batch x tp x pp x cp``: the same global batch as the other strategies)."""
+    d = e.dims
+    if d.pp == 1:
+        return 1
+    return max(1, min(e.options.get("microbatches") or 2 * d.pp, e.micro_batch * d.tp * d.pp * d.cp))
+
+
+def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> float:
+    """Seconds of framework work in one step of ``e`` (see the module docstring). ``loader_batch``: each rank's
+    DataLoader gives ``micro_batch`` samples whatever the strategy, so a tensor/pipeline/context-parallel group
+    runs ``tp x pp x cp`` steps for the samples the step counts; otherwise one step of them all."""
+    o, d = hw.overheads, e.dims
+    engine = registry.lookup(e.strategy).engine
+    blocks = max(1, spec.layers // d.pp) + (1 if d.pp == 1 else 0)  # the ends (embeddings, head, loss) as one more
+    if d.tp > 1:
+        per_block = o.tensor_parallel
+    elif engine is DDPEngine or (d.pp > 1 and d.shard == 1):
+        per_block = o.eager
+    else:
+        per_block = o.sharded
+    if d.pp == 1:
+        step = blocks * per_block
+    else:
+        m = microbatches(e)
+        step = (m + d.pp - 1) * (blocks * per_block + o.microbatch)  # bubbles idle the host as much as the device
+    recompute = 4 / 3 if e.activation_checkpointing else 1  # checkpointed blocks run their forward twice
+    return step * recompute * (d.tp * d.pp * d.cp if loader_batch else 1)
+
+
+def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> StepTime:
+    """The parts of one step of ``e`` on ``hw`` (``loader_batch``: see :func:`overhead`)."""
+    engine = registry.lookup(e.strategy).engine
+    d, c = e.dims, e.comm
+    flops = flops_per_sample(spec, e.seq_len) * e.micro_batch * (4 / 3 if e.activation_checkpointing else 1)
+    saved = activation_bytes(spec, e.micro_batch, e.seq_len, _compute_bytes(e.precision), False, d)
+    elementwise = 3 * saved * (4 / 3 if e.activation_checkpointing else 1) / hw.memory_bw
+    compute = flops / _matmul_rate(spec, e, hw) + elementwise
+    micro_steps = d.tp * d.pp * d.cp
+    m = microbatches(e)
+    if d.pp > 1:  # 1F1B: (p-1) of (m+p-1) slots idle
+        compute /= 1 - (d.pp - 1) / (m + d.pp - 1)
+    optimizer = 0.0 if c.get("host_optimizer") else e.states / hw.optimizer_sweep
+
+    spans_nodes = e.world_size > hw.gpus_per_node
+    dp_bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
+    # Tensor-, context- and expert-parallel ranks are neighbours in the mesh (one node while they fit it).
+    tp_bw = hw.intra_node_bw if d.tp * d.cp <= hw.gpus_per_node else hw.inter_node_bw
+    ep_bw = hw.intra_node_bw if d.tp * d.ep <= hw.gpus_per_node else hw.inter_node_bw
+    layers = max(1, spec.layers // d.pp)
+
+    if engine is DDPEngine:
+        calls = max(1, math.ceil(e.grads / DDP_BUCKET))
+        dp = _link(hw, "all_reduce", c.get("dp", 0), calls, dp_bw)
+        hidden_behind = compute * 2 / 3  # buckets reduce while backward (two thirds of the compute) runs
+    else:
+        units = layers + 1 if spec.layers else 1
+        calls = units * (ZERO3_CALLS_PER_UNIT if "zero" in e.strategy else 1)
+        sent = c.get("dp", 0)
+        # Forward and backward all-gathers (2 x compute bytes of every 2 x compute + reduce) and one reduce-scatter.
+        dp = (_link(hw, "all_gather", sent * 2 / 3, 2 * calls, dp_bw)
+              + _link(hw, "reduce_scatter", sent / 3, calls, dp_bw)
+              + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, dp_bw))
+        # FSDP2 prefetches on a separate stream; a device without streams (CPU processes) waits for each unit's
+        # gather in its pre-forward hook. DeepSpeed prefetches from its own threads on either.
+        streams = hw.overheads.overlaps or engine is ZeroEngine
+        hidden_behind = compute if streams else 0.0
+    dp_exposed = max(dp - hw.overlap * hidden_behind, dp / calls) if dp else 0.0
+
+    per_block = 4 * layers * micro_steps  # collectives per block per micro-batch, forward and backward
+    critical = (_link(hw, "all_reduce", c.get("tp", 0), per_block, tp_bw)
+                + _link(hw, "all_to_all", c.get("pp", 0), 2 * m, dp_bw)  # point-to-point sends, per microbatch
+                + _link(hw, "all_to_all", c.get("cp", 0), per_block, tp_bw)
+                + _link(hw, "all_to_all", c.get("ep", 0), per_block, ep_bw)
+                + _link(hw, "all_to_all", c.get("a2a", 0), 4, dp_bw)  # ids out, embeddings back, and their gradients
+                + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
+    return StepTime(compute, optimizer, dp, dp_exposed, critical, overhead(spec, e, hw, loader_batch),
+                    hw.overheads.overlaps)
+
+
+def step_time(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> float:
+    """Estimated seconds of one step (``micro_batch`` samples per device, forward, backward and optimizer)."""
+    return breakdown(spec, e, hw, loader_batch).total

@@ -1,0 +1,247 @@
+"""The planner's measured side: calibration files (cache, corrupt ones), the step-time model with measured links and
+overlap, trials that pick the measured-fastest plan (`disttrain plan --trial`, `AutoStrategy(trial=True)`), and the
+recipe's own settings. The fast tests use a synthetic calibration and a runner that stands in for the processes;
+the slow one calibrates and tries plans on 2 CPU processes for real."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+import disttrain
+from conftest import run_python
+from disttrain.planner import choose, estimate, hardware, model_spec
+from disttrain.planner import calibrate as cal
+from disttrain.planner.steptime import breakdown
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs/nlp/dialogue_tiny.yaml")
+
+
+def synthetic(**links: cal.Link) -> cal.Calibration:
+    fast = cal.Link(1e-4, 1e9)
+    return cal.Calibration(host="test", device="cpu", world_size=2, backend="gloo", matmul=[[64, 64, 64, 2e10]],
+                           memory_bw=5e9, optimizer_bw=1e9, links={op: links.get(op, fast) for op in cal.OPS},
+                           overlap=0.5)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTTRAIN_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_the_cache_file_round_trips_under_the_cache_dir(cache):
+    path = cal.cache_path("cpu", 2)
+    assert path.parent == cache / "calibration" and path.name.endswith("-cpu-2.json")
+    cal.save(synthetic(), path)
+    back = cal.cached("cpu", 2)
+    assert back.links == synthetic().links and back.path == str(path)
+    assert back.matmul_flops(60, 70, 64) == 2e10
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"version": 1, "host": "x"}', '{"version": 99}'])
+def test_a_corrupt_cache_file_is_one_error_naming_it_and_the_fix(cache, text, capsys):
+    from disttrain import cli
+
+    path = cal.cache_path("cpu", 2)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(cal.CalibrationError, match="calibrate --force"):
+        cal.cached("cpu", 2)
+    assert cli.main(["plan", "--model", TINY, "--gpus", "2", "--gpu", "cpu"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "delete it or run `disttrain calibrate --force`" in err[0], err
+
+
+def test_the_link_fit_recovers_latency_and_bandwidth():
+    points = [(b, 2e-3 + b / 5e8) for b in (1e4, 1e6, 4e6, 1.6e7)]
+    link = cal._fit(points)
+    assert link.latency == pytest.approx(2e-3) and link.bandwidth == pytest.approx(5e8)
+
+
+def test_the_step_time_uses_the_measured_links_and_overlap():
+    spec = model_spec(TINY)
+    cpu = hardware("cpu")
+    ddp, fsdp = (estimate(spec, s, 2, micro_batch=8, precision="32-true") for s in ("disttrain_ddp", "disttrain_fsdp"))
+    quick = cal.hardware_from(synthetic(), cpu)
+    slow_reduce = cal.hardware_from(synthetic(all_reduce=cal.Link(0.5, 1e6)), cpu)
+    # DDP's all-reduce is measured slow: its step grows by about the calls x latency; FSDP's does not use it.
+    assert breakdown(spec, ddp, slow_reduce).dp > breakdown(spec, ddp, quick).dp + 0.4
+    assert breakdown(spec, fsdp, slow_reduce).total == pytest.approx(breakdown(spec, fsdp, quick).total)
+    streams = replace(quick, overheads=replace(quick.overheads, overlaps=True))  # a device with streams (GPU)
+    hidden = breakdown(spec, fsdp, replace(streams, overlap=1.0))
+    exposed = breakdown(spec, fsdp, replace(streams, overlap=0.0))
+    assert exposed.dp_exposed == pytest.approx(exposed.dp) and hidden.dp_exposed < exposed.dp_exposed
+    # CPU processes have no streams to prefetch FSDP2's gathers on: each waits, whatever the measured overlap
+    assert breakdown(spec, fsdp, replace(quick, overlap=1.0)).dp_exposed == pytest.approx(exposed.dp)
+
+
+def test_the_pipeline_bubble_follows_1f1b():
+    spec = model_spec(TINY)
+    a100 = hardware("A100-80GB")
+    # Two stages, m microbatches: the ideal compute / (1 - (p-1)/(m+p-1)); m=2 idles 1/3, m=8 idles 1/9.
+    two, eight = (breakdown(spec, estimate(spec, "disttrain_megatron", 2, micro_batch=8, pipeline_parallel_size=2,
+                                           microbatches=m), a100).compute for m in (2, 8))
+    assert two / eight == pytest.approx((8 / 9) / (2 / 3), rel=1e-6)
+
+
+def test_the_framework_overhead_counts_each_engine_s_blocks():
+    """Per block: plain under DDP, hooked under FSDP, DTensor under tensor parallelism; a pipeline stage runs its
+    blocks once per microbatch over m + p - 1 slots. CPU processes add it to the compute, GPUs take the longer."""
+    from disttrain.planner.hardware import Overheads
+
+    spec = model_spec(TINY)  # 4 layers: 4 blocks + the ends as one more
+    own = Overheads(eager=1e-3, sharded=4e-3, tensor_parallel=9e-3, microbatch=2e-3, overlaps=False)
+    cpu = replace(hardware("cpu"), overheads=own)
+    parts = {s: breakdown(spec, estimate(spec, s, 2, micro_batch=8, precision="32-true", **o), cpu)
+             for s, o in (("disttrain_ddp", {}), ("disttrain_fsdp", {}),
+                          ("disttrain_megatron", {"tensor_parallel_size": 2}))}
+    assert parts["disttrain_ddp"].overhead == pytest.approx(5e-3)
+    assert parts["disttrain_fsdp"].overhead == pytest.approx(20e-3)
+    assert parts["disttrain_megatron"].overhead == pytest.approx(45e-3)
+    pp = breakdown(spec, estimate(spec, "disttrain_megatron", 2, micro_batch=8, pipeline_parallel_size=2,
+                                  microbatches=4), cpu)
+    assert pp.overhead == pytest.approx((4 + 1) * (2 * 1e-3 + 2e-3))  # two blocks per stage, 5 slots
+    ddp = parts["disttrain_ddp"]
+    assert ddp.total == pytest.approx(ddp.compute + ddp.overhead + ddp.optimizer + ddp.dp_exposed + ddp.critical)
+    gpu = breakdown(spec, estimate(spec, "disttrain_ddp", 2, micro_batch=8, precision="32-true"),
+                    replace(cpu, overheads=replace(own, overlaps=True)))
+    assert gpu.total == pytest.approx(max(gpu.compute, gpu.overhead) + gpu.optimizer + gpu.dp_exposed + gpu.critical)
+
+
+def test_at_run_time_a_pipeline_splits_the_loader_s_batch_or_is_left_out():
+    """disttrain_auto's batch is each rank's DataLoader's: a pipeline gets microbatches that divide it (at least pp
+    of them, for 1F1B) and is not a candidate when none do; the planner's own global batch splits as before."""
+    def pipelines(plan):
+        return {c.label: c.strategy_options().get("microbatches") for c in plan.candidates
+                if c.estimate.dims.pp > 1 and not c.estimate.activation_checkpointing}
+
+    assert pipelines(choose(TINY, 2, "cpu", micro_batch=2, loader_batch=True)) == {
+        "disttrain_megatron tp=1 pp=2 dp=1": 2}
+    assert pipelines(choose(TINY, 2, "cpu", micro_batch=6, loader_batch=True)) == {
+        "disttrain_megatron tp=1 pp=2 dp=1": 3}
+    assert pipelines(choose(TINY, 2, "cpu", micro_batch=1, loader_batch=True)) == {}
+    assert pipelines(choose(TINY, 2, "cpu", micro_batch=1)) == {"disttrain_megatron tp=1 pp=2 dp=1": 2}
+
+
+def test_a_model_its_family_cannot_pipeline_gets_no_pipeline_plans():
+    import timm
+    import torch
+
+    with torch.device("meta"):
+        deit, vit = (timm.create_model(name, img_size=32, num_classes=10, depth=2, embed_dim=64, num_heads=2)
+                     for name in ("deit_tiny_distilled_patch16_224", "vit_tiny_patch16_224"))
+    assert not model_spec(deit).extra["pipeline"] and model_spec(vit).extra["pipeline"]
+    labels = {model: [c.label for c in choose(model, 2, "cpu", micro_batch=4).candidates] for model in (deit, vit)}
+    assert not any("pp=2" in label for label in labels[deit]) and any("tp=2" in label for label in labels[deit])
+    assert any("pp=2" in label for label in labels[vit])
+
+
+def test_a_measured_block_efficiency_slows_the_compute_at_its_size():
+    spec = model_spec(TINY)
+    ddp = estimate(spec, "disttrain_ddp", 2, micro_batch=8, precision="32-true")
+    full = cal.hardware_from(synthetic(), hardware("cpu"))
+    half = cal.hardware_from(replace(synthetic(), blocks=[[1024, 128, 0.5], [8, 8, 0.01]]), hardware("cpu"))
+    assert half.calibration.block_efficiency(8 * 128, 128) == 0.5  # the nearest size measured
+    assert breakdown(spec, ddp, half).compute > 1.5 * breakdown(spec, ddp, full).compute
+
+
+def test_the_calibration_s_overheads_replace_the_preset_s():
+    measured = replace(synthetic(), overheads={"eager": 1e-3, "sharded": 2e-3, "tensor_parallel": 3e-3,
+                                               "microbatch": 4e-3})
+    hw = cal.hardware_from(measured, hardware("cpu"))
+    assert (hw.overheads.eager, hw.overheads.microbatch, hw.overheads.overlaps) == (1e-3, 4e-3, False)
+    assert cal.hardware_from(synthetic(), hardware("cpu")).overheads == hardware("cpu").overheads  # older files
+
+
+def test_a_calibration_with_unknown_overheads_is_refused(cache):
+    path = cal.cache_path("cpu", 2)
+    cal.save(replace(synthetic(), overheads={"eager": 1e-3}), path)
+    with pytest.raises(cal.CalibrationError, match="overheads .* calibrate --force"):
+        cal.cached("cpu", 2)
+
+
+def fake_runner(times: dict):
+    def run(model, c, devices, accelerator, steps):
+        return times.get(c.label), "" if c.label in times else "not runnable here"
+
+    return run
+
+
+def test_a_trial_picks_the_fastest_measured_plan():
+    from disttrain.planner.trial import trial
+
+    plan = choose(TINY, 2, "cpu")
+    first = plan.choice  # the estimate's choice is tried first, then the next fastest estimated
+    second, third = [c for c in plan.ranked() if c is not first][:2]
+    trial(plan, TINY, top=3, runner=fake_runner({first.label: 3.0, second.label: 1.0}))
+    assert plan.choice is second and first.measured == 3.0 and third.measured is None
+    report = plan.report()
+    assert "measured s" in report.splitlines()[2]  # the table's head: predicted and measured side by side
+    assert f"the fastest measured is {second.label} (the estimate preferred {first.label})" in report
+    assert f"trial failed: {third.label}: not runnable here" in report
+
+
+def test_a_trial_needs_a_model_it_can_build():
+    from disttrain.planner.trial import trial
+
+    plan = choose(model_spec(TINY), 2, "cpu")
+    with pytest.raises(ValueError, match="recipe YAML path or its `model:` dict"):
+        trial(plan, model_spec(TINY), runner=fake_runner({}))
+
+
+def test_auto_strategy_with_trial_becomes_the_measured_fastest(monkeypatch, cache):
+    from disttrain.planner import trial as trials
+
+    measured = {}
+
+    def run(model, c, devices, accelerator, steps):  # FSDP measured fastest, whatever the estimate says
+        measured[c.label] = 1.0 if c.label == "disttrain_fsdp" else 5.0
+        return measured[c.label], ""
+
+    monkeypatch.setattr(trials, "run_one", run)
+    auto = disttrain.fabric.AutoStrategy(model=TINY, trial=True, trial_top=4, activation_checkpointing=False)
+    fabric = L.Fabric(strategy=auto, accelerator="cpu", devices=2)
+    assert fabric.strategy.plan.choice.label == "disttrain_fsdp" and "disttrain_fsdp" in measured
+    assert type(fabric.strategy) is disttrain.fabric.FSDPStrategy
+    assert fabric.strategy.plan.choice.estimate.micro_batch == 8  # the recipe's train.micro_batch_size
+
+
+@pytest.mark.slow
+def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
+    """`disttrain calibrate` measures for real, `plan --trial` runs the two best plans; the estimate's favourite is
+    made slow by the test hook, so the other must win."""
+    env = {"DISTTRAIN_CACHE": str(tmp_path)}
+    model = tmp_path / "tiny.yaml"
+    model.write_text(json.dumps({"model": {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                                           "num_hidden_layers": 2, "num_attention_heads": 4,
+                                           "num_key_value_heads": 2, "max_position_embeddings": 32},
+                                 "train": {"micro_batch_size": 2, "precision": "32-true",
+                                           "activation_checkpointing": False}, "data": {"seq_len": 32}}))
+    out = run_python("-m", "disttrain.cli", "calibrate", "--devices", "2", env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    calibration = cal.load(next((tmp_path / "calibration").glob("*-cpu-2.json")))
+    assert set(calibration.links) == set(cal.OPS) and all(l.bandwidth > 0 for l in calibration.links.values())
+    framework = calibration.overheads  # each measured, and DTensor dispatch costs more than a plain block's
+    assert set(framework) == cal.OVERHEADS and all(0 <= v < 1 for v in framework.values())
+    assert 0 < framework["eager"] < framework["tensor_parallel"]
+    import torch
+
+    from disttrain.planner.hardware import detect
+
+    here = cal.hardware_from(calibration, detect(torch.device("cpu"), 2, calibrated=False))  # what the CLI plans for
+    slow = choose(str(model), 2, here).choice.label  # tried first
+    out = run_python("-m", "disttrain.cli", "plan", "--model", str(model), "--gpus", "2", "--gpu", "cpu", "--trial",
+                     "--trial-top", "2", "--trial-steps", "1", env={**env, "DISTTRAIN_TRIAL_DELAY": f"{slow}=5"},
+                     timeout=900)
+    assert out.returncode == 0, out.stderr
+    rows = [line.rsplit(None, 1) for line in out.stdout.splitlines() if line.startswith("disttrain_")]
+    measured = {line[:46].strip(): float(value) for line, value in rows if value != "-"}
+    assert len(measured) == 2 and measured[slow] >= 5, out.stdout  # predicted and measured side by side
+    assert f"recommendation: {min(measured, key=measured.get)}" in out.stdout, out.stdout
+    assert f"the estimate preferred {slow}" in out.stdout
