@@ -16,6 +16,7 @@ import disttrain
 from conftest import run_python
 from disttrain.planner import choose, estimate, hardware, model_spec
 from disttrain.planner import calibrate as cal
+from disttrain.planner.estimate import flops_per_sample
 from disttrain.planner.steptime import breakdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +89,23 @@ def test_the_pipeline_bubble_follows_1f1b():
     two, eight = (breakdown(spec, estimate(spec, "disttrain_megatron", 2, micro_batch=8, pipeline_parallel_size=2,
                                            microbatches=m), a100).compute for m in (2, 8))
     assert two / eight == pytest.approx((8 / 9) / (2 / 3), rel=1e-6)
+
+
+def test_a_pipeline_runs_at_the_pace_of_its_busiest_stage():
+    """The engine's cost-balanced split of 4 equal blocks over 2 stages counts the LM head (vocabulary 2048 x width
+    128 x 256 tokens) with the last stage: the busier stage sets the pace. A ViT's classifier head weighs nothing."""
+    from disttrain.planner.steptime import stage_imbalance
+
+    spec = model_spec(TINY)
+    e = estimate(spec, "disttrain_megatron", 2, micro_batch=8, pipeline_parallel_size=2, microbatches=4)
+    head = 2 * spec.vocab * spec.hidden * e.seq_len
+    block = (flops_per_sample(spec, e.seq_len) / 3 - head) / spec.layers
+    busiest = min(max(k * block, (4 - k) * block + head) for k in (1, 2, 3))  # the best split of 4 blocks in 2
+    assert stage_imbalance(spec, e) == pytest.approx(busiest / ((4 * block + head) / 2)) and busiest > 2 * block
+    vit = model_spec({"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 4, "num_heads": 4,
+                      "num_classes": 10})
+    assert stage_imbalance(vit, estimate(vit, "disttrain_megatron", 2, micro_batch=8,
+                                         pipeline_parallel_size=2)) == pytest.approx(1.0, abs=0.01)
 
 
 def test_the_framework_overhead_counts_each_engine_s_blocks():

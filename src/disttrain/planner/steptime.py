@@ -8,7 +8,8 @@ data-parallel rank). Its parts, as the engines schedule them:
   measured at the model's shapes (``disttrain calibrate``; uncalibrated: ``peak_flops x mfu``), plus elementwise
   work bound by memory: the saved activations written in forward, read in backward and their gradients written
   (3 x activation bytes at the memory bandwidth). Pipeline parallelism stretches it by its bubble: 1F1B over ``m``
-  microbatches and ``p`` stages idles ``(p-1)/(m+p-1)`` of the time.
+  microbatches and ``p`` stages idles ``(p-1)/(m+p-1)`` of the time, at the pace of the busiest stage (an LM
+  head over the vocabulary weighs on the last).
 - **optimizer**: the states this rank holds, swept once by the optimizer (measured with torch's AdamW).
 - **data-parallel traffic**, overlapped: FSDP and ZeRO-3 prefetch the next unit's all-gather while the current one
   computes and reduce-scatter during backward (FSDP2 on a stream of its own: CPU processes have none, so there
@@ -115,6 +116,24 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
     return step * recompute * (d.tp * d.pp * d.cp if loader_batch else 1)
 
 
+def stage_imbalance(spec: ModelSpec, e: Estimate) -> float:
+    """The busiest pipeline stage's compute over the average stage's, under the engine's own cost-balanced split
+    (:func:`disttrain.parallel.pipeline.plan_stages`): equal blocks, and an LM head over the vocabulary counted
+    with the last stage (a ViT's or classifier's head is negligible). 1 when the blocks cannot fill the stages."""
+    from disttrain.parallel.pipeline import plan_stages
+
+    stages = e.dims.pp * int(e.options.get("virtual_stages") or 1)
+    if spec.layers < stages:
+        return 1.0
+    seq = max(1, e.seq_len)
+    head = 2.0 * spec.vocab * spec.hidden * seq if spec.vocab and spec.hidden else 0.0  # forward FLOPs, one sample
+    block = max(0.0, flops_per_sample(spec, seq) / 3 - head) / spec.layers
+    costs = [block] * spec.layers
+    plan = plan_stages(costs, e.dims.pp, stages // e.dims.pp, last_extra=head)
+    loads = [sum(costs[a:b]) + (head if b == spec.layers else 0.0) for a, b in plan.bounds]
+    return max(loads) / (sum(loads) / len(loads)) if sum(loads) else 1.0
+
+
 def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> StepTime:
     """The parts of one step of ``e`` on ``hw`` (``loader_batch``: see :func:`overhead`)."""
     engine = registry.lookup(e.strategy).engine
@@ -125,8 +144,8 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
     compute = flops / _matmul_rate(spec, e, hw) + elementwise
     micro_steps = d.tp * d.pp * d.cp
     m = microbatches(e)
-    if d.pp > 1:  # 1F1B: (p-1) of (m+p-1) slots idle
-        compute /= 1 - (d.pp - 1) / (m + d.pp - 1)
+    if d.pp > 1:  # 1F1B: (p-1) of (m+p-1) slots idle, at the pace of the busiest stage
+        compute *= stage_imbalance(spec, e) / (1 - (d.pp - 1) / (m + d.pp - 1))
     optimizer = 0.0 if c.get("host_optimizer") else e.states / hw.optimizer_sweep
 
     spans_nodes = e.world_size > hw.gpus_per_node
