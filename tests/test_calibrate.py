@@ -132,6 +132,32 @@ def test_the_framework_overhead_counts_each_engine_s_blocks():
     assert gpu.total == pytest.approx(max(gpu.compute, gpu.overhead) + gpu.optimizer + gpu.dp_exposed + gpu.critical)
 
 
+def test_the_optimizer_costs_each_parameter_tensor_it_steps():
+    """Per parameter tensor a rank holds: plain under DDP and a pipeline stage (its share), DTensor under FSDP and
+    tensor parallelism, nothing under DeepSpeed's flat partitions; a spec built from a module counts its tensors."""
+    from disttrain.planner.hardware import Overheads
+    from disttrain.planner.steptime import parameter_tensors
+
+    spec = model_spec(TINY)  # from a config: ~9 a block and 3 outside them
+    assert parameter_tensors(spec) == 9 * 4 + 3
+    own = Overheads(eager=0, sharded=0, tensor_parallel=0, microbatch=0, overlaps=False)
+    per_tensor = replace(own, optimizer_tensor=1e-4, optimizer_dtensor=1e-3)
+    cpu = replace(hardware("cpu"), overheads=own)
+    cases = (("disttrain_ddp", {}, 1e-4), ("disttrain_fsdp", {}, 1e-3), ("disttrain_zero3", {}, 0.0),
+             ("disttrain_megatron", {"tensor_parallel_size": 2}, 1e-3),
+             ("disttrain_megatron", {"pipeline_parallel_size": 2, "microbatches": 4}, 1e-4 / 2))
+    for strategy, options, each in cases:
+        e = estimate(spec, strategy, 2, micro_batch=8, precision="32-true", **options)
+        added = breakdown(spec, e, replace(cpu, overheads=per_tensor)).optimizer - breakdown(spec, e, cpu).optimizer
+        assert added == pytest.approx(39 * each), (strategy, options)
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    assert parameter_tensors(model_spec(llama)) == sum(1 for _ in llama.parameters())
+
+
 def test_at_run_time_a_pipeline_splits_the_loader_s_batch_or_is_left_out():
     """disttrain_auto's batch is each rank's DataLoader's: a pipeline gets microbatches that divide it (at least pp
     of them, for 1F1B) and is not a candidate when none do; the planner's own global batch splits as before."""
@@ -171,15 +197,20 @@ def test_a_measured_block_efficiency_slows_the_compute_at_its_size():
 
 def test_the_calibration_s_overheads_replace_the_preset_s():
     measured = replace(synthetic(), overheads={"eager": 1e-3, "sharded": 2e-3, "tensor_parallel": 3e-3,
-                                               "microbatch": 4e-3})
+                                               "microbatch": 4e-3, "optimizer_dtensor": 5e-4})
     hw = cal.hardware_from(measured, hardware("cpu"))
     assert (hw.overheads.eager, hw.overheads.microbatch, hw.overheads.overlaps) == (1e-3, 4e-3, False)
+    # a file without the optimizer's per-tensor figures keeps the preset's
+    assert (hw.overheads.optimizer_dtensor, hw.overheads.optimizer_tensor) == \
+        (5e-4, hardware("cpu").overheads.optimizer_tensor)
     assert cal.hardware_from(synthetic(), hardware("cpu")).overheads == hardware("cpu").overheads  # older files
 
 
-def test_a_calibration_with_unknown_overheads_is_refused(cache):
+@pytest.mark.parametrize("overheads", [{"eager": 1e-3},
+                                       {"eager": 1, "sharded": 1, "tensor_parallel": 1, "microbatch": 1, "extra": 1}])
+def test_a_calibration_with_unknown_overheads_is_refused(cache, overheads):
     path = cal.cache_path("cpu", 2)
-    cal.save(replace(synthetic(), overheads={"eager": 1e-3}), path)
+    cal.save(replace(synthetic(), overheads=overheads), path)
     with pytest.raises(cal.CalibrationError, match="overheads .* calibrate --force"):
         cal.cached("cpu", 2)
 
@@ -246,8 +277,9 @@ def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
     calibration = cal.load(next((tmp_path / "calibration").glob("*-cpu-2.json")))
     assert set(calibration.links) == set(cal.OPS) and all(l.bandwidth > 0 for l in calibration.links.values())
     framework = calibration.overheads  # each measured, and DTensor dispatch costs more than a plain block's
-    assert set(framework) == cal.OVERHEADS and all(0 <= v < 1 for v in framework.values())
+    assert set(framework) == cal.OVERHEADS | cal.OPTIMIZER_OVERHEADS and all(0 <= v < 1 for v in framework.values())
     assert 0 < framework["eager"] < framework["tensor_parallel"]
+    assert 0 < framework["optimizer_tensor"] < framework["optimizer_dtensor"]
     import torch
 
     from disttrain.planner.hardware import detect

@@ -36,6 +36,7 @@ import torch
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 OVERHEADS = {"eager", "sharded", "tensor_parallel", "microbatch"}  # the measured fields of hardware.Overheads
+OPTIMIZER_OVERHEADS = {"optimizer_tensor", "optimizer_dtensor"}  # measured too; files before them: the preset's
 VERSION = 1  # of the file's layout: a file of another version is measured again, not misread
 
 
@@ -133,8 +134,9 @@ def load(path: str | os.PathLike) -> Optional[Calibration]:
                                    f"({data.get('version')!r}, this one reads {VERSION}): {fix}")
         data["links"] = {op: Link(**data["links"][op]) for op in OPS}
         overheads = data.get("overheads")
-        if overheads is not None and set(overheads) != OVERHEADS:
-            raise ValueError(f"overheads {sorted(overheads)} are not {sorted(OVERHEADS)}")
+        if overheads is not None and not OVERHEADS <= set(overheads) <= OVERHEADS | OPTIMIZER_OVERHEADS:
+            raise ValueError(f"overheads {sorted(overheads)} are not {sorted(OVERHEADS)}"
+                             f" (and optionally {sorted(OPTIMIZER_OVERHEADS)})")
         if any(len(row) != 3 or not 0 < row[2] <= 1 for row in data.get("blocks") or []):
             raise ValueError(f"blocks {data['blocks']} are not [tokens, hidden, efficiency in (0, 1]] rows")
         return Calibration(**data, path=str(path))
@@ -342,7 +344,7 @@ class _Block(torch.nn.Module):
 def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -> dict[str, float]:
     """Seconds of framework work per block forward + backward (:class:`~disttrain.planner.hardware.Overheads`):
     ``blocks`` tiny blocks timed plain, under ``fully_shard``, under a tensor-parallel plan, and as one pipeline
-    stage over 4 microbatches. Each engine runs over a mesh of this rank alone: its hooks and DTensor dispatch are
+    stage over 4 microbatches; AdamW's step and ``zero_grad`` per parameter tensor, plain and under ``fully_shard``. Each engine runs over a mesh of this rank alone: its hooks and DTensor dispatch are
     measured, while the collectives' latency stays in the links (measured on their own). The fastest of
     ``repeats`` calls: other work on the machine only ever adds to a fixed cost."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -378,9 +380,21 @@ def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -
     pipelined = _timed(lambda: schedule.step(x, target=target), device, repeats, sync, fastest=True)
     # the schedule's own work per microbatch: what its step takes beyond running the blocks once per microbatch
     microbatch = max(0.0, pipelined / micro - blocks * eager)
-    found = torch.tensor([eager, per_block(sharded), per_block(split), microbatch], dtype=torch.float64)
+    def per_tensor(model: torch.nn.Module) -> float:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(1, 8, 16, device=device)).sum().backward()  # gradients, kept across the calls
+
+        def step() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        return _timed(step, device, repeats, sync, fastest=True) / sum(1 for _ in model.parameters())
+
+    found = torch.tensor([eager, per_block(sharded), per_block(split), microbatch, per_tensor(stack()),
+                          per_tensor(sharded)], dtype=torch.float64)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace of a step
-    return dict(zip(("eager", "sharded", "tensor_parallel", "microbatch"), found.tolist()))
+    return dict(zip(("eager", "sharded", "tensor_parallel", "microbatch", "optimizer_tensor", "optimizer_dtensor"),
+                    found.tolist()))
 
 
 def default_shapes(device: torch.device) -> list[tuple[int, int, int]]:

@@ -21,19 +21,27 @@ class Overheads:
     module), ``sharded`` (under FSDP2's gather/reduce hooks; ZeRO-3 counted the same) and ``tensor_parallel`` (under
     DTensor plans); ``microbatch``: a pipeline schedule's work for one microbatch on one stage beyond its blocks.
     ``overlaps``: the device computes while the host dispatches (GPUs: a step takes the longer of the two; CPU
-    processes do both in turn: their sum)."""
+    processes do both in turn: their sum). ``optimizer_tensor`` / ``optimizer_dtensor``: the optimizer step's
+    and ``zero_grad``'s seconds per parameter tensor, plain or a DTensor (FSDP2's shards, tensor-parallel weights),
+    whatever its size: torch's AdamW loops over the tensors on a CPU, and every op on a DTensor goes through its
+    dispatch, which outweighs a small model's optimizer bytes."""
 
     eager: float
     sharded: float
     tensor_parallel: float
     microbatch: float
     overlaps: bool = True
+    optimizer_tensor: float = 0.0
+    optimizer_dtensor: float = 0.0
 
 
 # A GPU's kernel launches (~5 us each, ~30 per block forward and backward), its hooks' and DTensor's Python; a CPU's
 # as measured on a 2-core host with gloo. `disttrain calibrate` measures them (planner/calibrate.py).
-GPU_OVERHEADS = Overheads(eager=1.5e-4, sharded=3e-4, tensor_parallel=6e-4, microbatch=1e-3)
-CPU_OVERHEADS = Overheads(eager=5e-4, sharded=2.5e-3, tensor_parallel=5e-3, microbatch=2.5e-3, overlaps=False)
+# On GPUs torch's AdamW runs foreach kernels over lists of tensors (DTensors dispatch once per list), a few us a tensor.
+GPU_OVERHEADS = Overheads(eager=1.5e-4, sharded=3e-4, tensor_parallel=6e-4, microbatch=1e-3,
+                          optimizer_tensor=2e-6, optimizer_dtensor=4e-6)
+CPU_OVERHEADS = Overheads(eager=5e-4, sharded=2.5e-3, tensor_parallel=5e-3, microbatch=2.5e-3, overlaps=False,
+                          optimizer_tensor=4e-5, optimizer_dtensor=2.7e-4)
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,13 @@ def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec
 
 
 def _from_module(module: nn.Module) -> ModelSpec:
+    """:func:`_module_spec`, with the module's parameter tensors counted (the optimizer's work per tensor)."""
+    spec = _module_spec(module)
+    spec.extra.setdefault("tensors", sum(1 for _ in module.parameters()))
+    return spec
+
+
+def _module_spec(module: nn.Module) -> ModelSpec:
     """A model of a family with formulas from the module itself, any other HF model from its config, timm models
     and anything else from the module (parameters, repeated blocks, activations measured on the meta device). A
     LightningModule's ``model`` attribute is planned for when it is a model disttrain knows; else the

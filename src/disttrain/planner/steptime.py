@@ -10,7 +10,9 @@ data-parallel rank). Its parts, as the engines schedule them:
   (3 x activation bytes at the memory bandwidth). Pipeline parallelism stretches it by its bubble: 1F1B over ``m``
   microbatches and ``p`` stages idles ``(p-1)/(m+p-1)`` of the time, at the pace of the busiest stage (an LM
   head over the vocabulary weighs on the last).
-- **optimizer**: the states this rank holds, swept once by the optimizer (measured with torch's AdamW).
+- **optimizer**: the states this rank holds, swept once by the optimizer (measured with torch's AdamW), plus its
+  work per parameter tensor (plain or DTensor, ``Hardware.overheads``): a small model's step is mostly the latter.
+  DeepSpeed's ZeRO-3 steps a few flat partitions, so only their bytes count there.
 - **data-parallel traffic**, overlapped: FSDP and ZeRO-3 prefetch the next unit's all-gather while the current one
   computes and reduce-scatter during backward (FSDP2 on a stream of its own: CPU processes have none, so there
   each unit waits for its gather); DDP all-reduces gradient buckets during backward. What exceeds
@@ -116,6 +118,24 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
     return step * recompute * (d.tp * d.pp * d.cp if loader_batch else 1)
 
 
+def parameter_tensors(spec: ModelSpec) -> int:
+    """The model's parameter tensors: counted when the spec was built from a module, else ~9 a block (Llama's:
+    two norms, four attention and three MLP weights) and 3 outside them (embedding, final norm, head)."""
+    return int(spec.extra.get("tensors") or 9 * spec.layers + 3)
+
+
+def optimizer_overhead(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
+    """Seconds of the optimizer step's (and ``zero_grad``'s) work per parameter tensor this rank holds: a pipeline
+    stage holds its share of them, plain unless sharded or split; FSDP2 and tensor parallelism hold every one as a
+    DTensor; DeepSpeed's ZeRO-3 a few flat partitions (none counted)."""
+    engine = registry.lookup(e.strategy).engine
+    if engine is ZeroEngine:
+        return 0.0
+    d, o = e.dims, hw.overheads
+    plain = engine is DDPEngine or (d.tp == 1 and d.shard == 1)
+    return parameter_tensors(spec) / d.pp * (o.optimizer_tensor if plain else o.optimizer_dtensor)
+
+
 def stage_imbalance(spec: ModelSpec, e: Estimate) -> float:
     """The busiest pipeline stage's compute over the average stage's, under the engine's own cost-balanced split
     (:func:`disttrain.parallel.pipeline.plan_stages`): equal blocks, and an LM head over the vocabulary counted
@@ -146,7 +166,7 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
     m = microbatches(e)
     if d.pp > 1:  # 1F1B: (p-1) of (m+p-1) slots idle, at the pace of the busiest stage
         compute *= stage_imbalance(spec, e) / (1 - (d.pp - 1) / (m + d.pp - 1))
-    optimizer = 0.0 if c.get("host_optimizer") else e.states / hw.optimizer_sweep
+    optimizer = (0.0 if c.get("host_optimizer") else e.states / hw.optimizer_sweep) + optimizer_overhead(spec, e, hw)
 
     spans_nodes = e.world_size > hw.gpus_per_node
     dp_bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
