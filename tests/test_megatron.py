@@ -139,6 +139,12 @@ TRAINER_CASES = {  # name: (model, strategy, processes); llama-gpipe also saves 
     "vit-tp2": ("vit", megatron(tensor_parallel_size=2), 2),
     "llama-tp2-ac": ("llama", megatron(tensor_parallel_size=2, activation_checkpointing=True), 2),
     "llama-tp2-pp2": ("llama", megatron(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2), 4),
+    # zero-bubble schedules beside other dimensions: data parallel (2 stages per rank), tensor parallel (V-shape).
+    # At dp=2 each rank's 6 samples make a batch of 4, then a partial one of 2: the stages' shapes change mid-epoch.
+    "llama-izb-pp2-dp2": ("llama", megatron(pipeline_parallel_size=2, microbatches=2,
+                                            pipeline_schedule="interleaved_zero_bubble"), 4),
+    "llama-zbv-tp2-pp2": ("llama", megatron(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=4,
+                                            pipeline_schedule="zbv"), 4),
     # context parallelism under the Trainer (cp x tp against one process: tests/test_cp_core.py)
     "llama-cp2": ("llama", megatron(context_parallel_size=2), 2),
 }

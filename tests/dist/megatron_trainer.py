@@ -97,12 +97,17 @@ ref_norms: list[float] = []
 
 def reference(model: Module, dp: int) -> tuple[list[float], float, dict]:
     """One process, the global batches of ``dp`` data-parallel ranks: losses, the validation loss as the Trainer
-    logs it, the trained weights. (The Trainer's DistributedSampler shuffles training data with seed 0 even for an
-    unshuffled loader: the ranks' k-th batches together are the k-th slice of that order; validation is in order,
-    rank r taking every dp-th sample.)"""
+    logs it, the trained weights. (The Trainer's DistributedSampler shuffles training data with seed 0 + epoch even
+    for an unshuffled loader: the ranks' k-th batches together are the k-th slice of that order, the last one partial
+    when the ranks' shares do not fill their batches; validation is in order, rank r taking every dp-th sample, and
+    its loss is the mean over samples.)"""
     opt = model.configure_optimizers()
-    order = torch.randperm(len(data()), generator=torch.Generator().manual_seed(0))
-    train_batches = list(DataLoader(torch.utils.data.Subset(data(), order.tolist()), batch_size=BATCH * dp))
+
+    def epoch(seed: int) -> list:
+        order = torch.randperm(len(data()), generator=torch.Generator().manual_seed(seed))
+        return list(DataLoader(torch.utils.data.Subset(data(), order.tolist()), batch_size=BATCH * dp))
+
+    train_batches = [batch for seed in range(STEPS + 1) for batch in epoch(seed)]
     batches = [b for r in range(dp) for b in DataLoader(torch.utils.data.Subset(data(), range(r, len(data()), dp)),
                                                          batch_size=BATCH)]
     losses = []
@@ -117,12 +122,11 @@ def reference(model: Module, dp: int) -> tuple[list[float], float, dict]:
 
     for batch in train_batches[:STEPS]:
         train(batch)
-    with torch.no_grad():
-        val = sum(model.step_loss(b).item() for b in batches) / len(batches)
+    with torch.no_grad():  # Lightning weighs each batch's logged loss by its samples
+        val = sum(model.step_loss(b).item() * len(b[0]) for b in batches) / sum(len(b[0]) for b in batches)
     state = {k: v.detach().clone() for k, v in model.model.state_dict().items()}
-    if resume:  # step 4 opens epoch 1, shuffled with seed 0 + 1
-        order = torch.randperm(len(data()), generator=torch.Generator().manual_seed(1))
-        train(next(iter(DataLoader(torch.utils.data.Subset(data(), order.tolist()), batch_size=BATCH * dp))))
+    if resume:  # step 4, in a new Trainer
+        train(train_batches[STEPS])
     return losses, val, state
 
 

@@ -277,7 +277,7 @@ class Pipeline:
         self._pending_marker = torch.empty(0)
         self._anchor = torch.zeros((), requires_grad=True)
         self.last_rank = plan.rank_of(plan.num_stages - 1)
-        self._schedules: dict[bool, Any] = {}
+        self._schedules: dict[tuple[bool, tuple[int, ...]], Any] = {}  # (with loss, batch shape): its schedule
         self._gradients: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     # -- what runs where -------------------------------------------------------------------------------------
@@ -300,17 +300,24 @@ class Pipeline:
         owned = {id(p) for m in self.stage_modules for p in m.parameters()}
         return [p for p in self.model.parameters() if id(p) not in owned]
 
-    def _schedule(self, with_loss: bool) -> Any:
-        if with_loss not in self._schedules:
+    def _schedule(self, with_loss: bool, batch_shape: tuple[int, ...]) -> Any:
+        """The schedule for batches of ``batch_shape``. torch's stages infer their activations' shapes on their first
+        step and keep them, so a batch of another shape (a DataLoader's last, partial batch; another sequence
+        length) needs stages of its own: the last few shapes' are kept (every rank of the pipeline reads the same
+        samples, so they build them together)."""
+        key = (with_loss, tuple(batch_shape))
+        if key not in self._schedules:
+            if len(self._schedules) >= 4:
+                self._schedules.pop(next(iter(self._schedules)))  # the oldest
             stages = [PipelineStage(m, s, self.plan.num_stages, self.device, group=self.group)
                       for m, s in zip(self.stage_modules, self.stage_ids)]
             cls = SCHEDULES[self.schedule_name]
             loss = self._compute_loss if with_loss else None
             if issubclass(cls, PipelineScheduleMulti):
-                self._schedules[with_loss] = cls(stages, n_microbatches=self.microbatches, loss_fn=loss)
+                self._schedules[key] = cls(stages, n_microbatches=self.microbatches, loss_fn=loss)
             else:
-                self._schedules[with_loss] = cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss)
-        return self._schedules[with_loss]
+                self._schedules[key] = cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss)
+        return self._schedules[key]
 
     def _compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.owns_loss:
@@ -348,7 +355,7 @@ class Pipeline:
         if train:
             if target is None:
                 raise ValueError("training through a pipeline needs labels/target: the last stage computes the loss")
-            self._schedule(True).step(*args, losses=losses, **kwargs)
+            self._schedule(True, inputs.shape).step(*args, losses=losses, **kwargs)
             self.reduce_stray_gradients()
             self._gradients = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
             outputs = None
@@ -356,7 +363,7 @@ class Pipeline:
             if self.schedule_name in V_SHAPED:
                 result = self._eval_stage_by_stage(inputs, target, losses)
             else:
-                schedule = self._schedule(target is not None)
+                schedule = self._schedule(target is not None, inputs.shape)
                 result = schedule.eval(*args, losses=losses, **kwargs) if target is not None else \
                     schedule.eval(*args)
             outputs = self._broadcast_from_last(result if self.has_last else None, inputs)
