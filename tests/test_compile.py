@@ -13,9 +13,10 @@ from disttrain.parallel import registry
 from disttrain.parallel.compile import compile_blocks, is_compiled
 
 # One launch: every strategy that compiles against itself without compile, on a tiny Llama, ViT and GPT-2 (the
-# Megatron specs on the Llama alone: TP and PP each compile their own graphs, minutes on 2 cores).
-SPECS = ("disttrain_ddp", "disttrain_fsdp", "disttrain_megatron:tensor_parallel_size=2",
-         "disttrain_megatron:pipeline_parallel_size=2,microbatches=2")
+# Megatron specs on the Llama alone: TP and PP each compile their own graphs, minutes on 2 cores); FSDP also with
+# activation checkpointing (the checkpointed block is what gets compiled).
+SPECS = ("disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp:activation_checkpointing=True",
+         "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2,microbatches=2")
 
 
 @pytest.fixture(scope="module")
