@@ -14,8 +14,8 @@ from disttrain.parallel.compile import compile_blocks, is_compiled
 
 # One launch: every strategy that compiles against itself without compile, on a tiny Llama, ViT and GPT-2 (the
 # Megatron specs on the Llama alone: TP and PP each compile their own graphs, minutes on 2 cores); FSDP also with
-# activation checkpointing (the checkpointed block is what gets compiled).
-SPECS = ("disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp:activation_checkpointing=True",
+# activation checkpointing (the checkpointed block is what gets compiled) and in bf16-mixed (the Llama alone).
+SPECS = ("disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp:activation_checkpointing=True", "disttrain_fsdp@bf16-mixed",
          "disttrain_megatron:tensor_parallel_size=2", "disttrain_megatron:pipeline_parallel_size=2,microbatches=2")
 
 
@@ -29,14 +29,16 @@ def compiled_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_compiled_blocks_train_as_eager(compiled_runs, spec):
-    """5 steps of AdamW: compiled losses within 1e-4 of eager ones; one graph for all blocks, no graph break (FSDP's
-    hooks run outside it), parameter names unchanged (checkpoints and exports see the same model)."""
+    """5 steps of AdamW: compiled losses within 1e-4 of eager ones (2e-3 in bf16, whose resolution is 8e-3; measured
+    4e-4); one graph for all blocks, no graph break (FSDP's hooks run outside it), parameter names unchanged
+    (checkpoints and exports see the same model)."""
     models = [key.split()[1] for key in compiled_runs if key.split()[0] == spec]
-    assert models == (["llama"] if "megatron" in spec else ["llama", "vit", "gpt2"])
+    assert models == (["llama"] if "megatron" in spec or "@" in spec else ["llama", "vit", "gpt2"])
+    tolerance = 2e-3 if "bf16" in spec else 1e-4
     for model in models:
         run = compiled_runs[f"{spec} {model}"]
         assert "refused" not in run, run
-        assert max(abs(a - b) for a, b in zip(run["eager"], run["compiled"])) < 1e-4, (model, run)
+        assert max(abs(a - b) for a, b in zip(run["eager"], run["compiled"])) < tolerance, (model, run)
         assert len(run["compiled"]) == 5 and run["eager"][0] != run["eager"][-1]
         assert run["same_names"], model
         assert run["graphs"] == 1 and run["graph_breaks"] == 0, (model, run)

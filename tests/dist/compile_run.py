@@ -5,7 +5,8 @@ Usage: compile_run.py OUT SPEC [SPEC ...]   (SPEC as common.strategy_from_spec r
 Models: a tiny HF Llama and a tiny HF GPT-2, 2 blocks each, and the tiny ViT recipe's timm ViT
 (configs/vision/vit_tiny.yaml, 4 blocks) on bench/compile_speed.py --smoke's batch, so that the bench's smoke run and
 this script compile the same graphs once in the test suite's inductor cache (the blocks share one compiled graph).
-A spec the strategy refuses with compile=True records the error line instead. Under disttrain_megatron: the Llama.
+A spec the strategy refuses with compile=True records the error line instead. Under disttrain_megatron, and for a
+spec with a precision (``SPEC@bf16-mixed``): the Llama.
 """
 
 import os
@@ -56,8 +57,10 @@ def run(spec: str, name: str, compile: bool) -> dict:
     # Each run as in a process of its own: torch._dynamo would otherwise see this script's earlier runs of the same
     # block code on other shapes (the unsharded, then the tensor-parallel weights) and recompile with dynamic shapes.
     torch._dynamo.reset()
+    spec, _, precision = spec.partition("@")  # "SPEC@bf16-mixed": Fabric's precision (default fp32)
     spec = f"{spec}{',' if ':' in spec else ':'}compile={compile}"
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"))
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy_from_spec(spec, "fabric"),
+                      precision=precision or "32-true")
     fabric.launch()  # under torchrun: the processes exist already
     model = build(name)
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -77,8 +80,8 @@ def main() -> None:
 
     results = {}
     for spec in sys.argv[2:]:
-        # Megatron's tensor-parallel and pipeline graphs are their own compiles: the Llama alone.
-        for name in ("llama",) if spec.startswith("disttrain_megatron") else MODELS:
+        # Megatron's tensor-parallel and pipeline graphs, and other precisions, are their own compiles: the Llama alone.
+        for name in ("llama",) if spec.startswith("disttrain_megatron") or "@" in spec else MODELS:
             eager = run(spec, name, compile=False)
             counters.clear()
             try:
