@@ -16,7 +16,7 @@ The floor: a third stretch writes the same bytes per rank as a checkpoint (one f
 buffer in host memory on a background thread, and nothing else: no staging, no DCP, no checksums. What that costs
 the training steps is what any background write costs on this machine (the cores it shares, and on a virtual machine
 whatever the hypervisor charges for fresh page-cache memory), so no async checkpoint can lose less; the bench prints
-async over this floor beside async over sync.
+floor over sync beside async over sync.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def test_the_calibration_s_overheads_replace_the_preset_s():
                                                "microbatch": 4e-3, "optimizer_dtensor": 5e-4})
     hw = cal.hardware_from(measured, hardware("cpu"))
     assert (hw.overheads.eager, hw.overheads.microbatch, hw.overheads.overlaps) == (1e-3, 4e-3, False)
-    # a file without the optimizer's per-tensor figures keeps the preset's
+    # a figure the file lacks keeps the preset's
     assert (hw.overheads.optimizer_dtensor, hw.overheads.optimizer_tensor) == \
         (5e-4, hardware("cpu").overheads.optimizer_tensor)
     assert cal.hardware_from(synthetic(), hardware("cpu")).overheads == hardware("cpu").overheads  # older files

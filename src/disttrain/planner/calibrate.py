@@ -344,9 +344,10 @@ class _Block(torch.nn.Module):
 def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -> dict[str, float]:
     """Seconds of framework work per block forward + backward (:class:`~disttrain.planner.hardware.Overheads`):
     ``blocks`` tiny blocks timed plain, under ``fully_shard``, under a tensor-parallel plan, and as one pipeline
-    stage over 4 microbatches; AdamW's step and ``zero_grad`` per parameter tensor, plain and under ``fully_shard``. Each engine runs over a mesh of this rank alone: its hooks and DTensor dispatch are
-    measured, while the collectives' latency stays in the links (measured on their own). The fastest of
-    ``repeats`` calls: other work on the machine only ever adds to a fixed cost."""
+    stage over 4 microbatches; AdamW's step and ``zero_grad`` per parameter tensor, plain and under
+    ``fully_shard``. Each engine runs over a mesh of this rank alone: its hooks and DTensor dispatch are measured,
+    while the collectives' latency stays in the links (measured on their own). The fastest of ``repeats`` calls:
+    other work on the machine only ever adds to a fixed cost."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -380,6 +381,7 @@ def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -
     pipelined = _timed(lambda: schedule.step(x, target=target), device, repeats, sync, fastest=True)
     # the schedule's own work per microbatch: what its step takes beyond running the blocks once per microbatch
     microbatch = max(0.0, pipelined / micro - blocks * eager)
+
     def per_tensor(model: torch.nn.Module) -> float:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(1, 8, 16, device=device)).sum().backward()  # gradients, kept across the calls
