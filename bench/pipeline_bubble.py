@@ -200,7 +200,7 @@ def run_pp(args, device, clock, m: int, **options) -> dict:
     idle = torch.tensor([1 - sum(busy) / sum(times)])
     dist.all_reduce(idle)
     pipe = fabric.strategy.engine.pipeline
-    schedule = pipe._schedule(True)
+    schedule = pipe._schedule(True, data[0].shape)  # the one that ran these batches
     # one stage per rank (1F1B): the closed form; several: their action list
     multi = isinstance(schedule, PipelineScheduleMulti)
     theory = simulated_idle(schedule.pipeline_order) if multi else 1 / (m + 1)
