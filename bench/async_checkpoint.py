@@ -156,7 +156,7 @@ def main() -> None:
               f" {args.saves} saves")
         print(f"  step time without checkpoints  {statistics.median(base):8.3f} s")
         print(f"  {'':<14} {'save call (s)':>14} {'lost per checkpoint (s)':>24}")
-        for kind, value in (("sync", sync_lost), ("async", async_lost), ("floor", floor_lost)):
+        for kind, value in zip(kinds, (sync_lost, async_lost, floor_lost)):
             print(f"  {kind:<14} {statistics.median(calls[kind]):14.3f} {value:24.3f}")
         print(f"  (floor: the same {shard_bytes[0] / 2**30:.2f} GiB per rank written plainly in the background:"
               " what any background write costs the steps here)")

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from disttrain.parallel import registry
 from disttrain.parallel.ddp import DDPEngine
+from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.planner.estimate import Estimate, activation_bytes, flops_per_sample
 from disttrain.planner.hardware import Hardware
@@ -96,6 +97,12 @@ def microbatches(e: Estimate) -> int:
     return max(1, min(e.options.get("microbatches") or 2 * d.pp, e.micro_batch * d.tp * d.pp * d.cp))
 
 
+def plain_modules(engine: type, d: ParallelDims) -> bool:
+    """Whether the rank's blocks and parameters stay plain tensors: under DDP, and on pipeline stages that are
+    neither sharded nor split (FSDP2 makes DTensors of its parameters even over one rank, tensor parallelism too)."""
+    return engine is DDPEngine or (d.tp == 1 and d.pp > 1 and d.shard == 1)
+
+
 def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> float:
     """Seconds of framework work in one step of ``e`` (see the module docstring). ``loader_batch``: each rank's
     DataLoader gives ``micro_batch`` samples whatever the strategy, so a tensor/pipeline/context-parallel group
@@ -105,7 +112,7 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
     blocks = max(1, spec.layers // d.pp) + (1 if d.pp == 1 else 0)  # the ends (embeddings, head, loss) as one more
     if d.tp > 1:
         per_block = o.tensor_parallel
-    elif engine is DDPEngine or (d.pp > 1 and d.shard == 1):
+    elif plain_modules(engine, d):
         per_block = o.eager
     else:
         per_block = o.sharded
@@ -126,14 +133,14 @@ def parameter_tensors(spec: ModelSpec) -> int:
 
 def optimizer_overhead(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
     """Seconds of the optimizer step's (and ``zero_grad``'s) work per parameter tensor this rank holds: a pipeline
-    stage holds its share of them, plain unless sharded or split; FSDP2 and tensor parallelism hold every one as a
-    DTensor; DeepSpeed's ZeRO-3 a few flat partitions (none counted)."""
+    stage holds its share of them, plain or DTensor as :func:`plain_modules` says; DeepSpeed's ZeRO-3 a few flat
+    partitions (none counted)."""
     engine = registry.lookup(e.strategy).engine
     if engine is ZeroEngine:
         return 0.0
     d, o = e.dims, hw.overheads
-    plain = engine is DDPEngine or (d.tp == 1 and d.shard == 1)
-    return parameter_tensors(spec) / d.pp * (o.optimizer_tensor if plain else o.optimizer_dtensor)
+    per_tensor = o.optimizer_tensor if plain_modules(engine, d) else o.optimizer_dtensor
+    return parameter_tensors(spec) / d.pp * per_tensor
 
 
 def stage_imbalance(spec: ModelSpec, e: Estimate) -> float:
