@@ -23,31 +23,11 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.parallel import registry
 from disttrain.planner.spec import model_spec, recipe_model
+from disttrain.planner.workload import build, loss_of, random_batch
 
 # TEST ONLY: "strategy label=seconds[;label=seconds]" adds that many seconds to every step of the plan with that
 # label, so a test can make one plan the slow one whatever the machine's noise.
 DELAY = "DISTTRAIN_TRIAL_DELAY"
-
-
-def build(mapping: dict):
-    """The model of a ``model:`` mapping, with random weights: an HF causal LM (Llama keys or ``model_type``) or a
-    timm VisionTransformer."""
-    from disttrain.parallel.families import family_for_config
-
-    family = family_for_config(mapping)
-    name = family.name if family is not None else None
-    if name == "vit":
-        from timm.models.vision_transformer import VisionTransformer
-
-        return VisionTransformer(**mapping), "vit"
-    if name == "deepfm":
-        raise ValueError("trials of embedding-table models (disttrain_recsys) are not supported")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = {k: v for k, v in mapping.items() if k != "model_type"}
-    config = AutoConfig.for_model(mapping.get("model_type", "llama"), **settings)
-    config.use_cache = False
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), "lm"
 
 
 def delay(label: str) -> float:
@@ -89,14 +69,8 @@ def main() -> None:
     extra = delay(job["label"])
 
     def step() -> None:
-        if kind == "vit":
-            images = torch.randn(batch, spec.in_chans or 3, spec.image_size, spec.image_size, generator=g)
-            labels = torch.randint(0, max(1, spec.num_classes), (batch,), generator=g)
-            images, labels = fabric.to_device(images), fabric.to_device(labels)
-            loss = model(images, target=labels) if pipelined else F.cross_entropy(model(images), labels)
-        else:
-            ids = fabric.to_device(torch.randint(0, spec.vocab, (batch, seq), generator=g))
-            loss = model(input_ids=ids, labels=ids).loss
+        inputs, targets = (fabric.to_device(t) for t in random_batch(spec, kind, batch, seq, g))
+        loss = loss_of(model, kind, inputs, targets, pipelined)
         fabric.backward(loss, model=model)
         optimizer.step()
         optimizer.zero_grad()
