@@ -14,6 +14,7 @@ import pytest
 
 import disttrain
 from conftest import run_python
+from disttrain.config import read_recipe
 from disttrain.planner import choose, estimate, hardware, model_spec
 from disttrain.planner import calibrate as cal
 from disttrain.planner.estimate import flops_per_sample
@@ -109,22 +110,25 @@ def test_a_pipeline_runs_at_the_pace_of_its_busiest_stage():
 
 
 def test_the_framework_overhead_counts_each_engine_s_blocks():
-    """Per block: plain under DDP, hooked under FSDP, DTensor under tensor parallelism; a pipeline stage runs its
-    blocks once per microbatch over m + p - 1 slots. CPU processes add it to the compute, GPUs take the longer."""
+    """Per block: plain under DDP, hooked under FSDP (per unit), DTensor under tensor parallelism with FSDP2's hooks
+    on top (disttrain_megatron shards over its data-parallel ranks at any number); a pipeline stage runs its blocks
+    once per microbatch over m + p - 1 slots. CPU processes add it to the compute, GPUs take the longer."""
     from disttrain.planner.hardware import Overheads
 
-    spec = model_spec(TINY)  # 4 layers: 4 blocks + the ends as one more
+    spec = model_spec(TINY)  # 4 layers: 4 blocks + the ends as one more (FSDP: its units)
     own = Overheads(eager=1e-3, sharded=4e-3, tensor_parallel=9e-3, microbatch=2e-3, overlaps=False)
     cpu = replace(hardware("cpu"), overheads=own)
     parts = {s: breakdown(spec, estimate(spec, s, 2, micro_batch=8, precision="32-true", **o), cpu)
              for s, o in (("disttrain_ddp", {}), ("disttrain_fsdp", {}),
                           ("disttrain_megatron", {"tensor_parallel_size": 2}))}
     assert parts["disttrain_ddp"].overhead == pytest.approx(5e-3)
-    assert parts["disttrain_fsdp"].overhead == pytest.approx(20e-3)
-    assert parts["disttrain_megatron"].overhead == pytest.approx(45e-3)
+    # FSDP: one per unit, 7 of them (4 blocks, the sub-networks `model` (embeddings, final norm) and `lm_head`, root)
+    assert parts["disttrain_fsdp"].overhead == pytest.approx(7 * 4e-3)
+    # tensor parallelism: DTensor blocks under FSDP2's hooks (over the data-parallel ranks, one here)
+    assert parts["disttrain_megatron"].overhead == pytest.approx(5 * (9e-3 + 4e-3 - 1e-3))
     pp = breakdown(spec, estimate(spec, "disttrain_megatron", 2, micro_batch=8, pipeline_parallel_size=2,
                                   microbatches=4), cpu)
-    assert pp.overhead == pytest.approx((4 + 1) * (2 * 1e-3 + 2e-3))  # two blocks per stage, 5 slots
+    assert pp.overhead == pytest.approx((4 + 1) * (2 * 4e-3 + 2e-3))  # two FSDP-hooked blocks per stage, 5 slots
     ddp = parts["disttrain_ddp"]
     assert ddp.total == pytest.approx(ddp.compute + ddp.overhead + ddp.optimizer + ddp.dp_exposed + ddp.critical)
     gpu = breakdown(spec, estimate(spec, "disttrain_ddp", 2, micro_batch=8, precision="32-true"),
@@ -133,8 +137,9 @@ def test_the_framework_overhead_counts_each_engine_s_blocks():
 
 
 def test_the_optimizer_costs_each_parameter_tensor_it_steps():
-    """Per parameter tensor a rank holds: plain under DDP and a pipeline stage (its share), DTensor under FSDP and
-    tensor parallelism, nothing under DeepSpeed's flat partitions; a spec built from a module counts its tensors."""
+    """Per parameter tensor a rank holds: plain under DDP, DTensor under FSDP and disttrain_megatron (FSDP2 over its
+    data-parallel ranks even at dp=1; a pipeline stage its share), nothing under DeepSpeed's flat partitions; a spec
+    built from a module counts its tensors."""
     from disttrain.planner.hardware import Overheads
     from disttrain.planner.steptime import parameter_tensors
 
@@ -145,7 +150,7 @@ def test_the_optimizer_costs_each_parameter_tensor_it_steps():
     cpu = replace(hardware("cpu"), overheads=own)
     cases = (("disttrain_ddp", {}, 1e-4), ("disttrain_fsdp", {}, 1e-3), ("disttrain_zero3", {}, 0.0),
              ("disttrain_megatron", {"tensor_parallel_size": 2}, 1e-3),
-             ("disttrain_megatron", {"pipeline_parallel_size": 2, "microbatches": 4}, 1e-4 / 2))
+             ("disttrain_megatron", {"pipeline_parallel_size": 2, "microbatches": 4}, 1e-3 / 2))
     for strategy, options, each in cases:
         e = estimate(spec, strategy, 2, micro_batch=8, precision="32-true", **options)
         added = breakdown(spec, e, replace(cpu, overheads=per_tensor)).optimizer - breakdown(spec, e, cpu).optimizer
@@ -215,6 +220,102 @@ def test_a_calibration_with_unknown_overheads_is_refused(cache, overheads):
         cal.cached("cpu", 2)
 
 
+def timed_row(spec, seconds, depths=(1, 4), micro_batch=4, seq_len=128) -> dict:
+    return {"key": cal.model_key(spec), "name": spec.family, "micro_batch": micro_batch, "seq_len": seq_len,
+            "depths": list(depths), "seconds": list(seconds)}
+
+
+def test_a_model_s_own_timed_step_scales_its_compute_and_plain_overhead():
+    from disttrain.planner.steptime import model_factor, profile_seconds
+
+    spec = model_spec(TINY)  # 4 blocks
+    hw = cal.hardware_from(synthetic(), hardware("cpu"))
+    one = estimate(spec, "disttrain_ddp", 1, micro_batch=4, seq_len=128, precision="32-true")
+    plain = breakdown(spec, one, hw)
+    modelled = plain.compute + plain.overhead  # CPU processes compute and dispatch in turn
+    # timed at 1 and 4 blocks: the line through them at the model's own 4 blocks is 3x the modelled time
+    timed = replace(synthetic(), models=[timed_row(spec, (modelled, 3 * modelled))])
+    slow = cal.hardware_from(timed, hardware("cpu"))
+    assert profile_seconds(timed.models[0], 4) == pytest.approx(3 * modelled)
+    assert profile_seconds(timed.models[0], 7) == pytest.approx(modelled + 6 * (2 * modelled / 3))
+    assert model_factor(spec, slow) == pytest.approx(3.0) and model_factor(spec, hw) == 1.0
+    for strategy, options in (("disttrain_ddp", {}), ("disttrain_fsdp", {}),
+                              ("disttrain_megatron", {"pipeline_parallel_size": 2})):
+        e = estimate(spec, strategy, 2, micro_batch=4, seq_len=128, precision="32-true", **options)
+        base, scaled = breakdown(spec, e, hw), breakdown(spec, e, slow)
+        assert scaled.compute == pytest.approx(3 * base.compute)
+        # the plain block's share of the overhead triples, the engine's own part does not
+        assert scaled.overhead > base.overhead and scaled.dp == base.dp and scaled.optimizer == base.optimizer
+    # another model's timing (other widths) does not apply; the plan says whether this one was timed
+    other = model_spec({**read_recipe(TINY)["model"], "hidden_size": 256})
+    assert model_factor(other, slow) == 1.0
+    assert "this model's own step timed there, 3.00x the modelled compute" in choose(TINY, 2, slow).report()
+    assert "own step not timed (`disttrain calibrate --model CONFIG`" in choose(TINY, 2, hw).report()
+
+
+def test_a_new_calibration_keeps_the_other_models_timings(cache):
+    spec, other = model_spec(TINY), model_spec("configs/vision/vit_tiny.yaml")
+    before = replace(synthetic(), models=[timed_row(spec, (1.0, 2.0)), timed_row(other, (3.0, 4.0))])
+    kept = cal.kept_models(before, [timed_row(spec, (5.0, 6.0))])
+    assert [row["seconds"] for row in kept] == [[3.0, 4.0], [5.0, 6.0]]  # re-timed: the new row replaces the old
+    assert cal.kept_models(None, None) is None
+    path = cal.cache_path("cpu", 2)
+    cal.save(replace(synthetic(), models=kept), path)
+    assert cal.cached("cpu", 2).model_profile(spec)["seconds"] == [5.0, 6.0]
+
+
+@pytest.mark.parametrize("row", [{"seconds": [0.0, 1.0]}, {"seconds": [float("nan"), 1.0]}, {"depths": [1]},
+                                 {"extra": 1}])
+def test_a_calibration_with_a_malformed_model_timing_is_refused(cache, row):
+    path = cal.cache_path("cpu", 2)
+    cal.save(replace(synthetic(), models=[{**timed_row(model_spec(TINY), (1.0, 2.0)), **row}]), path)
+    with pytest.raises(cal.CalibrationError, match="model timing .* calibrate --force"):
+        cal.cached("cpu", 2)
+
+
+FOUR_BLOCKS = [  # (a model mapping of 4 blocks, its blocks): Llama (by formulas), GPT-2 and an MoE (built), a ViT
+    ({"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+      "num_attention_heads": 2}, lambda m: m.model.layers),
+    ({"model_type": "gpt2", "vocab_size": 96, "n_embd": 32, "n_layer": 4, "n_head": 2}, lambda m: m.transformer.h),
+    ({"model_type": "qwen2_moe", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+      "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "num_experts": 4,
+      "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1},
+     lambda m: m.model.layers),
+    ({"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 4, "num_heads": 2, "num_classes": 10},
+     lambda m: m.blocks)]
+
+
+@pytest.mark.parametrize("mapping, blocks", FOUR_BLOCKS)
+def test_the_calibration_builds_a_model_at_the_depths_it_times(mapping, blocks):
+    from disttrain.planner.workload import build
+
+    spec = model_spec(mapping)
+    assert cal.model_depths(spec.layers) == (1, 4) and cal.model_depths(3) == (1, 3) and cal.model_depths(0) == (1,)
+    for depth in (1, 4):
+        model, _ = build(mapping, depth)
+        assert len(blocks(model)) == depth
+        assert cal.model_key(model_spec(mapping)) == cal.model_key(spec)  # the same key at any depth it is built
+
+
+@pytest.mark.parametrize("mapping", [m for m, _ in FOUR_BLOCKS])
+def test_the_step_time_counts_the_fsdp_units_the_engine_makes(mapping):
+    """Each FSDP unit gathers and reduce-scatters on its own: the step time counts the units ``apply_fsdp`` makes
+    (blocks, sub-networks such as the embeddings and the head, the root), not one per block and one for the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp
+    from disttrain.planner.steptime import fsdp_units
+    from disttrain.planner.workload import build
+    from disttrain.simulate.fake import fake_world
+
+    model, _ = build(mapping)
+    with fake_world(0, 2):
+        apply_fsdp(model, init_device_mesh("cpu", (2,)), FSDPOptions())
+    made = sum(isinstance(m, FSDPModule) for m in model.modules())
+    assert fsdp_units(model_spec(mapping)) == made
+
+
 def fake_runner(times: dict):
     def run(model, c, devices, accelerator, steps):
         return times.get(c.label), "" if c.label in times else "not runnable here"
@@ -272,9 +373,14 @@ def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
                                            "num_key_value_heads": 2, "max_position_embeddings": 32},
                                  "train": {"micro_batch_size": 2, "precision": "32-true",
                                            "activation_checkpointing": False}, "data": {"seq_len": 32}}))
-    out = run_python("-m", "disttrain.cli", "calibrate", "--devices", "2", env=env, timeout=600)
+    out = run_python("-m", "disttrain.cli", "calibrate", "--devices", "2", "--model", str(model), env=env,
+                     timeout=600)
     assert out.returncode == 0, out.stderr
+    assert "model llama forward + backward of 2 x 32: 1 blocks" in out.stdout, out.stdout
     calibration = cal.load(next((tmp_path / "calibration").glob("*-cpu-2.json")))
+    timed = calibration.model_profile(model_spec(str(model)))  # the model's own step, at 1 and its 2 blocks
+    assert timed["depths"] == [1, 2] and 0 < timed["seconds"][0] < 1
+    assert (timed["micro_batch"], timed["seq_len"]) == (2, 32)
     assert set(calibration.links) == set(cal.OPS) and all(l.bandwidth > 0 for l in calibration.links.values())
     framework = calibration.overheads  # each measured, and DTensor dispatch costs more than a plain block's
     assert set(framework) == cal.OVERHEADS | cal.OPTIMIZER_OVERHEADS and all(0 <= v < 1 for v in framework.values())

@@ -303,7 +303,7 @@ def _calibrate(argv: list[str]) -> int:
     parser.add_argument("--devices", type=int, required=True, help="processes (one per GPU)")
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda", "gpu"))
     parser.add_argument("--model", default=None, help="also time the matmuls of this model (a recipe YAML, HF"
-                        " config or timm name) at --micro-batch")
+                        " config or timm name) at --micro-batch, and (a recipe YAML) its own forward and backward")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the recipe's, else 1")
     parser.add_argument("--force", action="store_true", help="measure again even when the cache holds a result")
     args = parser.parse_args(argv)
@@ -312,25 +312,43 @@ def _calibrate(argv: list[str]) -> int:
     device = torch.device("cuda" if args.accelerator in ("cuda", "gpu") else "cpu")
     path = cache_path(device, args.devices)
     shapes: list = []
+    models: list = []
     if args.model:
         from disttrain.planner import model_spec
+        from disttrain.planner.spec import recipe_model
 
         spec = model_spec(args.model)
         recipe = spec.extra.get("recipe", {})
-        shapes = model_shapes(spec, args.micro_batch or recipe.get("micro_batch", 1),
-                              recipe.get("seq_len") or spec.tokens or 1)
+        micro_batch, seq_len = args.micro_batch or recipe.get("micro_batch", 1), recipe.get("seq_len") or spec.tokens or 1
+        shapes = model_shapes(spec, micro_batch, seq_len)
+        source = Path(args.model)
+        if source.suffix in (".yaml", ".yml"):
+            mapping = recipe_model(source)
+        elif source.is_dir() or source.suffix == ".json":  # an HF config: built from its model_type and keys
+            from disttrain.planner.generic import read_hf_config
+
+            mapping = read_hf_config(source).to_dict()
+        else:
+            mapping = None
+            print(f"{args.model}: its own step is not timed (a recipe YAML's or an HF config's model is)")
+        if mapping is not None:
+            models = [{"model": mapping, "micro_batch": micro_batch, "seq_len": seq_len}]
     if path.exists() and not args.force and not shapes:
         from disttrain.planner.calibrate import load
 
         load(path)  # a corrupt file is one error naming it
         print(f"{path}: already calibrated (--force measures again)")
         return 0
-    c = calibrate(args.devices, args.accelerator, shapes, path=path)
+    c = calibrate(args.devices, args.accelerator, shapes, path=path, models=models)
     print(f"wrote {path}")
     print(f"matmul {max(r[3] for r in c.matmul) / 1e9:.3g} GFLOP/s at best; memory {c.memory_bw / 1e9:.3g} GB/s;"
           f" AdamW sweeps {c.optimizer_bw / 1e9:.3g} GB/s; overlap {c.overlap:.2f}")
     for op, link in c.links.items():
         print(f"{op:<15} latency {link.latency * 1e6:9.1f} us  bandwidth {link.bandwidth / 1e9:8.3g} GB/s per rank")
+    timed = c.models or []
+    for row in timed[len(timed) - len(models):]:  # the models measured now come last
+        steps = ", ".join(f"{d} blocks {t * 1e3:.1f} ms" for d, t in zip(row["depths"], row["seconds"]))
+        print(f"model {row['name']} forward + backward of {row['micro_batch']} x {row['seq_len']}: {steps}")
     return 0
 
 

@@ -197,6 +197,14 @@ def sub_networks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     return chosen
 
 
+def unit_count(model: nn.Module, wrap_classes: BlockSpec = None) -> int:
+    """The FSDP units :func:`apply_fsdp` makes of ``model`` (a module on any device, meta too): one per block, one
+    per sub-network, and the root. Each gathers and reduce-scatters on its own, so each costs a collective's
+    latency per gather."""
+    blocks = find_blocks(model, wrap_classes)
+    return len(blocks) + len(sub_networks(model, blocks)) + 1
+
+
 def _callable_children(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """The children of ``module`` that can be called, looking through containers that cannot (a ModuleDict or
     ModuleList has no forward: fully_shard refuses them, and their parts are what gets called, e.g. litgpt's

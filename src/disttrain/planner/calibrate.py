@@ -37,6 +37,7 @@ import torch
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 OVERHEADS = {"eager", "sharded", "tensor_parallel", "microbatch"}  # the measured fields of hardware.Overheads
 OPTIMIZER_OVERHEADS = {"optimizer_tensor", "optimizer_dtensor"}  # measured too; files before them: the preset's
+MODEL_ROW = {"key", "name", "micro_batch", "seq_len", "depths", "seconds"}  # a row of Calibration.models
 VERSION = 1  # of the file's layout: a file of another version is measured again, not misread
 
 
@@ -70,6 +71,7 @@ class Calibration:
     overlap: float
     overheads: Optional[dict[str, float]] = None  # Overheads' seconds; None in older files: the preset's figures
     blocks: Optional[list[list[float]]] = None  # [tokens, hidden, efficiency] per size measured (measure_blocks)
+    models: Optional[list[dict]] = None  # the models' own forward + backward, timed (measure_models)
     measured_at: str = ""
     torch_version: str = ""
     version: int = VERSION
@@ -89,6 +91,13 @@ class Calibration:
             return 1.0
         size = math.log(max(1.0, tokens * hidden * hidden))
         return min(self.blocks, key=lambda row: abs(math.log(max(1.0, row[0] * row[1] * row[1])) - size))[2]
+
+    def model_profile(self, spec: Any) -> Optional[dict]:
+        """The timing of ``spec``'s own model (:func:`measure_models`: a model of the same blocks at any depth),
+        None when it was not measured."""
+        key = model_key(spec)
+        rows = [row for row in self.models or [] if row["key"] == key]
+        return rows[-1] if rows else None
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -139,6 +148,10 @@ def load(path: str | os.PathLike) -> Optional[Calibration]:
                              f" (and optionally {sorted(OPTIMIZER_OVERHEADS)})")
         if any(len(row) != 3 or not 0 < row[2] <= 1 for row in data.get("blocks") or []):
             raise ValueError(f"blocks {data['blocks']} are not [tokens, hidden, efficiency in (0, 1]] rows")
+        for row in data.get("models") or []:
+            if set(row) != MODEL_ROW or len(row["depths"]) != len(row["seconds"]) or \
+                    not all(t > 0 and math.isfinite(t) for t in row["seconds"]):
+                raise ValueError(f"model timing {row} does not have {sorted(MODEL_ROW)} with positive seconds")
         return Calibration(**data, path=str(path))
     except CalibrationError:
         raise
@@ -157,17 +170,29 @@ def save(calibration: Calibration, path: str | os.PathLike) -> Path:
 
 
 # -- measuring (in every process of the group) ------------------------------------------------------------------
+LOCAL_SAMPLE = 0.02  # seconds: a sample of work local to a rank lasts at least this (calls looped), see _timed
+
+
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, sync: Callable[[], None],
-           fastest: bool = False) -> float:
-    """Median (``fastest``: least) seconds of ``fn`` over ``repeats`` calls after one warm-up."""
+           fastest: bool = False, min_seconds: float = 0.0) -> float:
+    """Median (``fastest``: least) seconds of one call of ``fn`` over ``repeats`` samples after one warm-up call.
+    ``min_seconds``: each sample loops as many calls as its warm-up says last that long (a sub-millisecond call
+    timed alone is mostly the timer's and the scheduler's noise: single matmuls of one shape measured 112-171
+    GFLOP/s on a 2-core machine, looped ones 150-160). Only for work local to the rank: ranks would loop different
+    counts of a collective."""
+    sync()
+    t0 = time.perf_counter()
     fn()
+    sync()
+    calls = max(1, min(1000, math.ceil(min_seconds / max(time.perf_counter() - t0, 1e-9)))) if min_seconds else 1
     times = []
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / calls)
     return min(times) if fastest else statistics.median(times)
 
 
@@ -184,7 +209,7 @@ def measure_matmul(shapes: Iterable[tuple[int, int, int]], device: torch.device,
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = _timed(lambda: a @ b, device, repeats, sync)
+        seconds = _timed(lambda: a @ b, device, repeats, sync, min_seconds=LOCAL_SAMPLE)
         out.append([m, n, k, 2.0 * m * n * k / seconds])
     return out
 
@@ -195,11 +220,11 @@ def measure_memory(device: torch.device, elements: int, repeats: int = 5) -> tup
     sync = _device_sync(device)
     a, b = torch.randn(elements, device=device), torch.randn(elements, device=device)
     c = torch.empty_like(a)
-    add = _timed(lambda: torch.add(a, b, out=c), device, repeats, sync)
+    add = _timed(lambda: torch.add(a, b, out=c), device, repeats, sync, min_seconds=LOCAL_SAMPLE)
     param = torch.nn.Parameter(torch.randn(elements, device=device))
     param.grad = torch.randn_like(param)
     opt = torch.optim.AdamW([param], lr=1e-6)
-    step = _timed(opt.step, device, repeats, sync)
+    step = _timed(opt.step, device, repeats, sync, min_seconds=LOCAL_SAMPLE)
     return 3 * 4 * elements / add, 4 * 4 * elements / step  # read a, b, write c; param, grad, two moments
 
 
@@ -299,7 +324,8 @@ def measure_blocks(sizes: Iterable[tuple[int, int]], device: torch.device, repea
         batch = max(1, tokens // seq)
         block = _Block(hidden, heads).to(device, dtype)
         x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)
-        step = _timed(lambda: block(x).sum().backward(), device, repeats, sync, fastest=True)
+        step = _timed(lambda: block(x).sum().backward(), device, repeats, sync, fastest=True,
+                      min_seconds=LOCAL_SAMPLE)
         rows = x.reshape(-1, hidden)
         weights = [layer.weight for layer in (block.qkv, block.proj, block.fc1)]
         wide = torch.randn(batch * seq, 4 * hidden, device=device, dtype=dtype)
@@ -309,9 +335,61 @@ def measure_blocks(sizes: Iterable[tuple[int, int]], device: torch.device, repea
                 rows @ w.t()
             wide @ block.fc2.weight.t()
 
-        forward = _timed(matmuls, device, repeats, sync, fastest=True)
+        forward = _timed(matmuls, device, repeats, sync, fastest=True, min_seconds=LOCAL_SAMPLE)
         out.append([batch * seq, hidden, min(1.0, 3 * forward / step)])
     return out
+
+
+def model_key(spec: Any) -> str:
+    """What identifies a model's blocks and ends whatever its depth: its family, widths and per-block parameters
+    (an MoE block's experts among them), and what lies outside the blocks."""
+    root = spec.params - spec.layers * spec.layer_params
+    return (f"{spec.family} hidden={spec.hidden} ffn={spec.ffn} heads={spec.heads}/{spec.kv_heads} vocab={spec.vocab}"
+            f" image={spec.image_size}x{spec.in_chans}->{spec.num_classes} block={spec.layer_params} rest={root}")
+
+
+def model_depths(layers: int) -> tuple[int, ...]:
+    """The depths a model is timed at: one block and up to four (its own depth when that is less), which fit a line
+    through the ends' and one block's seconds; a model without repeated blocks as it is."""
+    return (1, min(layers, 4)) if layers >= 2 else (max(1, layers),)
+
+
+def measure_models(models: Iterable[dict], device: torch.device, repeats: int = 5) -> list[dict]:
+    """Each model's own forward, loss and backward (no engine, no optimizer), timed in every process at once (as the
+    data-parallel ranks of a step compete for the machine) at its micro-batch and sequence and at the depths of
+    :func:`model_depths`; rows of :data:`MODEL_ROW`, the slowest rank's seconds. ``models``: ``{"model": a
+    ``model:`` mapping, "micro_batch", "seq_len"}``. What the matmul and tiny-block figures cannot see is in them:
+    an MoE block's routing and its loop over experts, a model's own norms, activations and loss."""
+    import torch.distributed as dist
+
+    from disttrain.planner.spec import model_spec
+    from disttrain.planner.workload import build, loss_of, random_batch
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = _device_sync(device)
+    rows = []
+    for entry in models:
+        mapping, micro_batch = entry["model"], int(entry["micro_batch"])
+        spec = model_spec(mapping)
+        seq = int(entry.get("seq_len") or spec.tokens or 1)
+        g = torch.Generator().manual_seed(0)
+        seconds = []
+        for depth in model_depths(spec.layers):
+            torch.manual_seed(0)
+            with torch.device(device):
+                model, kind = build(mapping, depth if spec.layers else None)
+            model.to(dtype)
+            inputs, targets = (t.to(device) for t in random_batch(spec, kind, micro_batch, seq, g))
+            if inputs.is_floating_point():
+                inputs = inputs.to(dtype)
+            # the median, as a trial's steps are counted (not the fastest: a step's own noise is part of its time)
+            seconds.append(_timed(lambda: loss_of(model, kind, inputs, targets).backward(), device, repeats, sync))
+            del model
+        found = torch.tensor(seconds, dtype=torch.float64)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace of a step
+        rows.append({"key": model_key(spec), "name": spec.family, "micro_batch": micro_batch, "seq_len": seq,
+                     "depths": list(model_depths(spec.layers)), "seconds": found.tolist()})
+    return rows
 
 
 def block_sizes(device: torch.device, shapes: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
@@ -363,7 +441,8 @@ def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -
 
     def per_block(model: torch.nn.Module, samples: int = 1) -> float:
         x = torch.randn(samples, 8, 16, device=device)
-        return _timed(lambda: model(x).sum().backward(), device, repeats, sync, fastest=True) / blocks
+        return _timed(lambda: model(x).sum().backward(), device, repeats, sync, fastest=True,
+                      min_seconds=LOCAL_SAMPLE) / blocks
 
     eager = per_block(stack())
     sharded = stack()
@@ -378,7 +457,8 @@ def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -
     stage = PipelineStage(stack(), 0, 1, device, group=mesh.get_group())
     schedule = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=lambda out, target: out.sum())
     x, target = torch.randn(micro, 8, 16, device=device), torch.zeros(micro, device=device)
-    pipelined = _timed(lambda: schedule.step(x, target=target), device, repeats, sync, fastest=True)
+    pipelined = _timed(lambda: schedule.step(x, target=target), device, repeats, sync, fastest=True,
+                       min_seconds=LOCAL_SAMPLE)
     # the schedule's own work per microbatch: what its step takes beyond running the blocks once per microbatch
     microbatch = max(0.0, pipelined / micro - blocks * eager)
 
@@ -390,7 +470,8 @@ def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
 
-        return _timed(step, device, repeats, sync, fastest=True) / sum(1 for _ in model.parameters())
+        return _timed(step, device, repeats, sync, fastest=True, min_seconds=LOCAL_SAMPLE) / \
+            sum(1 for _ in model.parameters())
 
     found = torch.tensor([eager, per_block(sharded), per_block(split), microbatch, per_tensor(stack()),
                           per_tensor(sharded)], dtype=torch.float64)
@@ -420,9 +501,10 @@ def collective_sizes(device: torch.device) -> list[int]:
 
 
 def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repeats: int = 3,
-                 quick: bool = False) -> Calibration:
-    """Everything, measured in this process of an initialized process group (call it on every rank). ``quick``:
-    fewer shapes and sizes, one repeat (a smoke run's figures, not a machine's)."""
+                 quick: bool = False, models: Iterable[dict] = ()) -> Calibration:
+    """Everything, measured in this process of an initialized process group (call it on every rank); ``models``
+    (:func:`measure_models`) timed too. ``quick``: fewer shapes and sizes, one repeat (a smoke run's figures, not a
+    machine's)."""
     import torch.distributed as dist
 
     ladder = default_shapes(device)[:3] if quick else default_shapes(device)
@@ -437,9 +519,10 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
     overheads = measure_overheads(device, repeats=3 if quick else 10)
     blocks = measure_blocks(sizes_of_blocks, device, repeats=2 if quick else 5)
+    timed = measure_models(models, device, repeats=2 if quick else 5)
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
-                       links=links, overlap=overlap, overheads=overheads, blocks=blocks,
+                       links=links, overlap=overlap, overheads=overheads, blocks=blocks, models=timed or None,
                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch_version=torch.__version__)
 
 
@@ -448,16 +531,19 @@ WORKER = Path(__file__).with_name("calibrate_run.py")
 
 
 def calibrate(devices: int, accelerator: str = "cpu", shapes: Iterable[tuple[int, int, int]] = (),
-              path: Optional[str | os.PathLike] = None, timeout: float = 600.0, quick: bool = False) -> Calibration:
+              path: Optional[str | os.PathLike] = None, timeout: float = 600.0, quick: bool = False,
+              models: Iterable[dict] = ()) -> Calibration:
     """Measure this machine on ``devices`` processes (``disttrain run``'s launcher: gloo on CPU, nccl on GPUs) and
-    write the cache file (``path``, default :func:`cache_path`)."""
+    write the cache file (``path``, default :func:`cache_path`). ``models``: also time these models' own steps
+    (:func:`measure_models`); the timings of other models the file held are kept."""
     device = torch.device("cuda" if accelerator in ("gpu", "cuda") else "cpu")
     target = Path(path) if path is not None else cache_path(device, devices)
+    models = list(models)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "calibration.json"
         command = [sys.executable, "-m", "disttrain.cli", "run", str(WORKER), "--devices", str(devices),
-                   "--accelerator", accelerator, "--", str(out), json.dumps([list(s) for s in shapes])] + \
-            (["--quick"] if quick else [])
+                   "--accelerator", accelerator, "--", str(out), json.dumps([list(s) for s in shapes]),
+                   json.dumps(models)] + (["--quick"] if quick else [])
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
@@ -465,8 +551,20 @@ def calibrate(devices: int, accelerator: str = "cpu", shapes: Iterable[tuple[int
                                + "\n".join(tail))
         calibration = load(out)
     assert calibration is not None
+    try:
+        before = load(target)
+    except CalibrationError:
+        before = None  # measured again because it was unreadable: nothing of it to keep
+    calibration.models = kept_models(before, calibration.models)
     save(calibration, target)
     return calibration
+
+
+def kept_models(before: Optional[Calibration], measured: Optional[list[dict]]) -> Optional[list[dict]]:
+    """The model timings of a new calibration: those measured now, after the earlier file's of other models."""
+    keys = {row["key"] for row in measured or []}
+    return [row for row in (before.models if before else None) or [] if row["key"] not in keys] + \
+        (measured or []) or None
 
 
 def cached(device: torch.device | str, world_size: int) -> Optional[Calibration]:
@@ -486,5 +584,6 @@ def hardware_from(calibration: Calibration, base: Any) -> Any:
 
 
 __all__ = ["OPS", "Calibration", "CalibrationError", "Link", "cache_dir", "cache_path", "cached", "calibrate",
-           "hardware_from", "load", "measure_here", "model_shapes", "save"]
+           "hardware_from", "kept_models", "load", "measure_here", "measure_models", "model_key", "model_shapes",
+           "save"]
 

@@ -1,8 +1,9 @@
 """Run by ``disttrain calibrate`` in every process (``disttrain run``'s launcher): measure this machine over the
 process group and write the calibration from rank 0.
 
-Usage: calibrate_run.py OUT SHAPES_JSON [--quick]   (SHAPES_JSON: extra [m, n, k] matmul shapes, e.g. a model's;
---quick: fewer sizes, one repeat)
+Usage: calibrate_run.py OUT SHAPES_JSON MODELS_JSON [--quick]   (SHAPES_JSON: extra [m, n, k] matmul shapes, e.g. a
+model's; MODELS_JSON: models to time, ``[{"model": mapping, "micro_batch", "seq_len"}]``; --quick: fewer sizes, one
+repeat)
 """
 
 import json
@@ -16,14 +17,14 @@ from disttrain.planner.calibrate import measure_here, save
 
 
 def main() -> None:
-    out, shapes = sys.argv[1], [tuple(s) for s in json.loads(sys.argv[2])]
+    out, shapes, models = sys.argv[1], [tuple(s) for s in json.loads(sys.argv[2])], json.loads(sys.argv[3])
     cuda = torch.cuda.is_available() and os.environ.get("LT_ACCELERATOR") not in ("cpu",)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        calibration = measure_here(device, shapes, quick="--quick" in sys.argv[3:])
+        calibration = measure_here(device, shapes, quick="--quick" in sys.argv[4:], models=models)
         if dist.get_rank() == 0:
             save(calibration, out)
         dist.barrier()

@@ -31,7 +31,7 @@ from disttrain.planner.estimate import (
 from disttrain.planner.hardware import GiB, Hardware
 from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
-from disttrain.planner.steptime import StepTime, breakdown, step_time  # noqa: F401  (step_time: public here too)
+from disttrain.planner.steptime import StepTime, breakdown, model_factor, step_time  # noqa: F401  (step_time: public here too)
 
 TIE = 0.05  # throughputs within 5% are a tie: the simpler set-up wins (see _simplicity); the ranking bench holds
 # the model to choosing within 5% of the fastest measured plan, so closer estimates do not tell set-ups apart
@@ -327,10 +327,14 @@ def _settings_note(plan: Plan) -> str:
     return "; ".join(parts)
 
 
-def _timing_note(hw: Hardware) -> str:
+def _timing_note(hw: Hardware, spec: ModelSpec) -> str:
     if hw.calibration is not None:
+        timed = hw.calibration.model_profile(spec)
+        model = (f"this model's own step timed there, {model_factor(spec, hw):.2f}x the modelled compute" if timed
+                 else "this model's own step not timed (`disttrain calibrate --model CONFIG` times it)")
         return (f"step times from the calibration measured on this machine ({hw.calibration.path}): matmul at the"
-                f" model's shapes, each collective's latency and bandwidth, overlap {hw.calibration.overlap:.2f}")
+                f" model's shapes, each collective's latency and bandwidth, overlap {hw.calibration.overlap:.2f};"
+                f" {model}")
     return (f"step times from the {hw.name} figures (peak {hw.peak_flops / 1e12:.4g} TFLOP/s x {hw.mfu}, links"
             f" {hw.intra_node_bw / 1e9:.4g} GB/s in a node, {hw.inter_node_bw / 1e9:.4g} GB/s between nodes), not"
             " measured here")
@@ -376,7 +380,7 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     if len(near) > 1:
         reasons.append(f"throughputs within {TIE:.0%} are ties, won by the simpler set-up (no offload, no recomputation;"
                        " DDP, FSDP, ZeRO-3, then tensor/pipeline splits)")
-    reasons.append(_timing_note(plan.hardware))
+    reasons.append(_timing_note(plan.hardware, spec))
 
 
 def _why(choice: Candidate, by: str) -> str:

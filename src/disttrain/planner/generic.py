@@ -21,6 +21,7 @@ from torch import nn
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.families import family_for_model_type, family_of, unsupported_reason
 from disttrain.parallel.families.hf_plans import expert_counts
+from disttrain.parallel.fsdp import unit_count
 from disttrain.planner.measured import Inputs, MeasuredModel
 from disttrain.parallel.families.spec import ModelSpec, count_params
 
@@ -132,7 +133,8 @@ def hf_spec(config: Any, model: Optional[nn.Module] = None) -> ModelSpec:
     extra = {"activations": measured, "lm_logits": lm, "model_type": config.model_type,
              "tensor_parallel": family is not None and _splits(family, model),
              "pipeline": family is not None and can_pipeline(family, model),
-             "experts": {"params": experts, "count": per_layer, "top_k": top_k} if experts else {}}
+             "experts": {"params": experts, "count": per_layer, "top_k": top_k} if experts else {},
+             "fsdp_units": unit_count(model)}
     attention = "eager" if getattr(config, "_attn_implementation", None) == "eager" else "sdpa"
     return ModelSpec(own.name if own is not None else config.model_type, **_structure(model, blocks),
                      hidden=widths["hidden"], ffn=widths["ffn"], heads=widths["heads"], kv_heads=widths["kv_heads"],

@@ -11,7 +11,8 @@ data-parallel rank). Its parts, as the engines schedule them:
   microbatches and ``p`` stages idles ``(p-1)/(m+p-1)`` of the time, at the pace of the busiest stage (an LM
   head over the vocabulary weighs on the last).
 - **optimizer**: the states this rank holds, swept once by the optimizer (measured with torch's AdamW), plus its
-  work per parameter tensor (plain or DTensor, ``Hardware.overheads``): a small model's step is mostly the latter.
+  work per parameter tensor (plain under DDP, else DTensor; ``Hardware.overheads``): a small model's step is mostly
+  the latter.
   DeepSpeed's ZeRO-3 steps a few flat partitions, so only their bytes count there.
 - **data-parallel traffic**, overlapped: FSDP and ZeRO-3 prefetch the next unit's all-gather while the current one
   computes and reduce-scatter during backward (FSDP2 on a stream of its own: CPU processes have none, so there
@@ -20,9 +21,16 @@ data-parallel rank). Its parts, as the engines schedule them:
   gather (the last bucket) has nothing to hide behind.
 - **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
   measured by ``disttrain calibrate``) per block executed (x 4/3 with checkpointing): plain blocks under DDP, hooked
-  ones under FSDP and ZeRO-3, DTensor ones under tensor parallelism; a pipeline stage runs its blocks once per
-  microbatch, plus the schedule's own work per microbatch, over ``m + p - 1`` slots. On GPUs the device computes while the host
-  dispatches, so a step takes the longer of compute and overhead; CPU processes do both in turn.
+  ones under ZeRO-3 and FSDP (per FSDP unit: blocks, sub-networks such as embeddings and head, root), DTensor ones
+  under tensor parallelism; ``disttrain_megatron`` adds FSDP2's hooks to every block over its data-parallel ranks,
+  however few. A pipeline stage runs its blocks once per microbatch, plus the schedule's own work per microbatch,
+  over ``m + p - 1`` slots. On GPUs the device computes while the host dispatches, so a step takes the longer of
+  compute and overhead; CPU processes do both in turn.
+- **the model's own work**: ``disttrain calibrate --model`` times the model itself (forward, loss and backward on
+  every process at once, at one block and at up to four); its time over what the items above predict for one plain
+  process is the model's factor (:func:`model_factor`), which scales its compute and plain block overhead under
+  every plan. It counts what the matmuls and a tiny block cannot show: an MoE block's routing and loop over experts,
+  a model's own norms, activations and loss.
 - **critical-path traffic**, not overlapped: tensor-parallel all-reduces (four per block per micro-batch), pipeline
   sends, context-parallel and expert all-to-alls, embedding all-to-alls (recsys), offload copies and the CPU
   optimizer.
@@ -38,7 +46,8 @@ from dataclasses import dataclass
 
 from disttrain.parallel import registry
 from disttrain.parallel.ddp import DDPEngine
-from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.megatron import MegatronEngine
 from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.planner.estimate import Estimate, activation_bytes, flops_per_sample
 from disttrain.planner.hardware import Hardware
@@ -97,25 +106,31 @@ def microbatches(e: Estimate) -> int:
     return max(1, min(e.options.get("microbatches") or 2 * d.pp, e.micro_batch * d.tp * d.pp * d.cp))
 
 
-def plain_modules(engine: type, d: ParallelDims) -> bool:
-    """Whether the rank's blocks and parameters stay plain tensors: under DDP, and on pipeline stages that are
-    neither sharded nor split (FSDP2 makes DTensors of its parameters even over one rank, tensor parallelism too)."""
-    return engine is DDPEngine or (d.tp == 1 and d.pp > 1 and d.shard == 1)
+def plain_modules(engine: type) -> bool:
+    """Whether the rank's blocks and parameters stay plain tensors: under DDP only. FSDP2 makes DTensors of its
+    parameters even over one rank, and ``disttrain_megatron`` shards every block and stage with it over the
+    data-parallel ranks whatever their number (at dp=1 too: its hooks run around every microbatch of a pipeline);
+    tensor parallelism splits them into DTensors as well."""
+    return engine is DDPEngine
 
 
-def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> float:
+def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False, factor: float = 1.0) -> float:
     """Seconds of framework work in one step of ``e`` (see the module docstring). ``loader_batch``: each rank's
     DataLoader gives ``micro_batch`` samples whatever the strategy, so a tensor/pipeline/context-parallel group
-    runs ``tp x pp x cp`` steps for the samples the step counts; otherwise one step of them all."""
+    runs ``tp x pp x cp`` steps for the samples the step counts; otherwise one step of them all. ``factor``
+    (:func:`model_factor`) scales the plain block's share of each block's work: the engine's own adds to it."""
     o, d = hw.overheads, e.dims
     engine = registry.lookup(e.strategy).engine
     blocks = max(1, spec.layers // d.pp) + (1 if d.pp == 1 else 0)  # the ends (embeddings, head, loss) as one more
-    if d.tp > 1:
-        per_block = o.tensor_parallel
-    elif plain_modules(engine, d):
+    if engine is FSDPEngine:  # every unit's hooks run: the blocks', the sub-networks' (embeddings, head) and the root's
+        blocks = max(blocks, fsdp_units(spec))
+    if plain_modules(engine):
         per_block = o.eager
+    elif engine is MegatronEngine:  # FSDP2's hooks over the data-parallel ranks, on split (DTensor) blocks or not
+        per_block = (o.tensor_parallel if d.tp > 1 else o.eager) + (o.sharded - o.eager)
     else:
         per_block = o.sharded
+    per_block += (factor - 1) * o.eager
     if d.pp == 1:
         step = blocks * per_block
     else:
@@ -123,6 +138,25 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
         step = (m + d.pp - 1) * (blocks * per_block + o.microbatch)  # bubbles idle the host as much as the device
     recompute = 4 / 3 if e.activation_checkpointing else 1  # checkpointed blocks run their forward twice
     return step * recompute * (d.tp * d.pp * d.cp if loader_batch else 1)
+
+
+def fsdp_units(spec: ModelSpec) -> int:
+    """The FSDP units ``disttrain_fsdp`` makes of the model (:func:`disttrain.parallel.fsdp.unit_count`): counted on
+    the module the spec was built from, or on the model its config describes built on the meta device (once; kept
+    in the spec), else one per block and the root."""
+    units = spec.extra.get("fsdp_units")
+    if units is None:
+        units = spec.layers + 1 if spec.layers else 1
+        if spec.extra.get("config"):  # a family's config: its model built on meta, its units counted
+            from disttrain.parallel.fsdp import unit_count
+            from disttrain.planner.spec import meta_model
+
+            try:
+                units = unit_count(meta_model(spec.extra["config"]))
+            except (ValueError, TypeError, ImportError):  # a config the planner counts but cannot build: estimated
+                pass
+        spec.extra["fsdp_units"] = units
+    return units
 
 
 def parameter_tensors(spec: ModelSpec) -> int:
@@ -139,7 +173,7 @@ def optimizer_overhead(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
     if engine is ZeroEngine:
         return 0.0
     d, o = e.dims, hw.overheads
-    per_tensor = o.optimizer_tensor if plain_modules(engine, d) else o.optimizer_dtensor
+    per_tensor = o.optimizer_tensor if plain_modules(engine) else o.optimizer_dtensor
     return parameter_tensors(spec) / d.pp * per_tensor
 
 
@@ -161,14 +195,45 @@ def stage_imbalance(spec: ModelSpec, e: Estimate) -> float:
     return max(loads) / (sum(loads) / len(loads)) if sum(loads) else 1.0
 
 
-def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> StepTime:
-    """The parts of one step of ``e`` on ``hw`` (``loader_batch``: see :func:`overhead`)."""
+def profile_seconds(profile: dict, layers: int) -> float:
+    """Seconds of a timed model (:func:`disttrain.planner.calibrate.measure_models`) at ``layers`` blocks: the
+    line through its timings at two depths (ends + blocks x one block's), or its one timing."""
+    depths, seconds = profile["depths"], profile["seconds"]
+    if len(depths) < 2 or depths[-1] == depths[0]:
+        return seconds[-1]
+    block = max(0.0, (seconds[-1] - seconds[0]) / (depths[-1] - depths[0]))
+    return seconds[0] + (max(1, layers) - depths[0]) * block
+
+
+def model_factor(spec: ModelSpec, hw: Hardware) -> float:
+    """The model's own forward + backward on one process, as the calibration timed it (``disttrain calibrate
+    --model``), over what this model predicts for it: the work of the model's blocks that matmul throughput and a
+    tiny block do not show (an MoE's routing and loop over experts, its own norms and loss). It scales the compute
+    and the plain block's overhead of every plan of that model; 1 when the model was not timed."""
+    profile = hw.calibration.model_profile(spec) if hw.calibration is not None else None
+    if profile is None:
+        return 1.0
+    from disttrain.planner.estimate import estimate
+
+    precision = "32-true" if hw.calibration.device == "cpu" else "bf16-mixed"
+    one = estimate(spec, "disttrain_ddp", 1, micro_batch=profile["micro_batch"], seq_len=profile["seq_len"],
+                   precision=precision)
+    parts = breakdown(spec, one, hw, factor=1.0)
+    modelled = max(parts.compute, parts.overhead) if parts.overlaps else parts.compute + parts.overhead
+    return profile_seconds(profile, spec.layers) / modelled if modelled > 0 else 1.0
+
+
+def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False,
+              factor: float | None = None) -> StepTime:
+    """The parts of one step of ``e`` on ``hw`` (``loader_batch``: see :func:`overhead`; ``factor``: the
+    :func:`model_factor` to use, by default the calibration's for this model)."""
     engine = registry.lookup(e.strategy).engine
     d, c = e.dims, e.comm
+    factor = model_factor(spec, hw) if factor is None else factor
     flops = flops_per_sample(spec, e.seq_len) * e.micro_batch * (4 / 3 if e.activation_checkpointing else 1)
     saved = activation_bytes(spec, e.micro_batch, e.seq_len, _compute_bytes(e.precision), False, d)
     elementwise = 3 * saved * (4 / 3 if e.activation_checkpointing else 1) / hw.memory_bw
-    compute = flops / _matmul_rate(spec, e, hw) + elementwise
+    compute = (flops / _matmul_rate(spec, e, hw) + elementwise) * factor
     micro_steps = d.tp * d.pp * d.cp
     m = microbatches(e)
     if d.pp > 1:  # 1F1B: (p-1) of (m+p-1) slots idle, at the pace of the busiest stage
@@ -187,7 +252,7 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         dp = _link(hw, "all_reduce", c.get("dp", 0), calls, dp_bw)
         hidden_behind = compute * 2 / 3  # buckets reduce while backward (two thirds of the compute) runs
     else:
-        units = layers + 1 if spec.layers else 1
+        units = fsdp_units(spec) if engine is FSDPEngine else (layers + 1 if spec.layers else 1)
         calls = units * (ZERO3_CALLS_PER_UNIT if "zero" in e.strategy else 1)
         sent = c.get("dp", 0)
         # Forward and backward all-gathers (2 x compute bytes of every 2 x compute + reduce) and one reduce-scatter.
@@ -207,7 +272,7 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
                 + _link(hw, "all_to_all", c.get("ep", 0), per_block, ep_bw)
                 + _link(hw, "all_to_all", c.get("a2a", 0), 4, dp_bw)  # ids out, embeddings back, and their gradients
                 + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
-    return StepTime(compute, optimizer, dp, dp_exposed, critical, overhead(spec, e, hw, loader_batch),
+    return StepTime(compute, optimizer, dp, dp_exposed, critical, overhead(spec, e, hw, loader_batch, factor),
                     hw.overheads.overlaps)
 
 
