@@ -6,8 +6,8 @@ step time the calibrated step-time model predicted for it.
     python bench/planner_ranking.py --smoke    # the tiny ViT, DDP and a pipeline, one step, a quick calibration
 
 First this machine is calibrated (``disttrain calibrate``: matmul and blocks at the models' shapes, memory, the four
-collectives over 2 processes, the framework overheads; the cached calibration is used when there is one, a quick
-one for --smoke). For each model the planner's plan lists
+collectives over 2 processes, the framework overheads, and each model's own forward and backward; the cached
+calibration is used when it has timed every model, a quick one for --smoke). For each model the planner's plan lists
 the set-ups that fit; each is run by the trial runner of ``disttrain plan --trial`` (fresh processes through
 ``disttrain run``'s launcher, one warm-up step and --steps timed ones, median). Printed per model: each plan's
 predicted and measured step time, the error (predicted - measured) / measured (target: within 25%), the rank
@@ -66,6 +66,12 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def model_timings(models: list[str]) -> list[dict]:
+    """The models whose own steps `disttrain calibrate --model` times, at their micro-batch and sequence."""
+    return [{"model": MODELS[name][0], "micro_batch": MODELS[name][1], "seq_len": MODELS[name][2]}
+            for name in models]
+
+
 def model_shapes(models: list[str]) -> list[tuple[int, int, int]]:
     """The matmul shapes of the models' blocks at their micro-batch: what `disttrain calibrate --model` measures."""
     from disttrain.planner import model_spec
@@ -82,6 +88,7 @@ def model_shapes(models: list[str]) -> list[tuple[int, int, int]]:
 def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list, summary: list) -> None:
     """Measure every plan that fits ``name`` on ``devices`` processes; print and collect predicted vs measured."""
     from disttrain.planner import choose
+    from disttrain.planner.steptime import model_factor
     from disttrain.planner.trial import run_one
 
     mapping, micro, seq = MODELS[name]
@@ -106,7 +113,9 @@ def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list,
     chosen = plan.choice if plan.choice in measured else min(measured, key=lambda c: c.step_time)
     within = chosen.measured <= fastest.measured * 1.05
     rho = spearman([c.step_time for c in measured], [c.measured for c in measured])
-    print(f"\n{name} on {devices} processes (micro batch {micro}; chosen: {plan.choice.label})")
+    factor = model_factor(plan.spec, hw)
+    print(f"\n{name} on {devices} processes (micro batch {micro}; its own step {factor:.2f}x the modelled compute;"
+          f" chosen: {plan.choice.label})")
     print(f"{'plan':<46} {'predicted s':>11} {'measured s':>10} {'steps/s':>8} {'error':>7}")
     for c in measured:
         err = (c.step_time - c.measured) / c.measured
@@ -130,16 +139,20 @@ def main() -> None:
     args = p.parse_args()
 
     from disttrain.planner import calibrate as cal
-    from disttrain.planner import hardware
+    from disttrain.planner import hardware, model_spec
 
     models = ["vit tiny"] if args.smoke else args.models
     steps = 1 if args.smoke else args.steps
     rows, summary = [], []
     for devices in ([2] if args.smoke else args.devices):
         if args.smoke:  # a quick calibration of its own: a smoke run's figures must not become the machine's cache
-            calibration = cal.calibrate(2, "cpu", path=os.path.join(tempfile.mkdtemp(), "smoke.json"), quick=True)
+            calibration = cal.calibrate(2, "cpu", path=os.path.join(tempfile.mkdtemp(), "smoke.json"), quick=True,
+                                        models=model_timings(models))
         else:
-            calibration = cal.cached("cpu", devices) or cal.calibrate(devices, "cpu", shapes=model_shapes(models))
+            calibration = cal.cached("cpu", devices)
+            if calibration is None or not all(calibration.model_profile(model_spec(MODELS[name][0]))
+                                              for name in models):  # every model's own step timed
+                calibration = cal.calibrate(devices, "cpu", shapes=model_shapes(models), models=model_timings(models))
         hw = cal.hardware_from(calibration, hardware("cpu", gpus_per_node=devices, host_memory=0))
         print(f"{devices} processes, calibration: {calibration.path or 'quick'}; overlap {calibration.overlap:.2f},"
               f" all-reduce latency {calibration.links['all_reduce'].latency * 1e3:.2f} ms")
