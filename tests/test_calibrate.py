@@ -136,6 +136,24 @@ def test_the_framework_overhead_counts_each_engine_s_blocks():
     assert gpu.total == pytest.approx(max(gpu.compute, gpu.overhead) + gpu.optimizer + gpu.dp_exposed + gpu.critical)
 
 
+def test_a_collective_between_computations_costs_its_measured_extra_per_call():
+    """Critical-path collectives (tensor-parallel all-reduces, pipeline sends) sit between computations and cost
+    ``overheads.collective`` per call beyond their link's time; data-parallel traffic and DDP do not."""
+    from disttrain.planner.hardware import Overheads
+
+    spec = model_spec(TINY)
+    own = Overheads(eager=0, sharded=0, tensor_parallel=0, microbatch=0, overlaps=False)
+    cpu = replace(hardware("cpu"), overheads=own)
+    slow = replace(cpu, overheads=replace(own, collective=1e-3))
+    for strategy, options, calls in (("disttrain_megatron", {"tensor_parallel_size": 2}, 4 * 4 * 2),
+                                     ("disttrain_megatron", {"pipeline_parallel_size": 2, "microbatches": 4}, 2 * 4),
+                                     ("disttrain_ddp", {}, 0), ("disttrain_fsdp", {}, 0)):
+        e = estimate(spec, strategy, 2, micro_batch=8, precision="32-true", **options)
+        base, extra = breakdown(spec, e, cpu), breakdown(spec, e, slow)
+        assert extra.critical - base.critical == pytest.approx(calls * 1e-3), (strategy, options)
+        assert extra.dp == base.dp
+
+
 def test_the_optimizer_costs_each_parameter_tensor_it_steps():
     """Per parameter tensor a rank holds: plain under DDP, DTensor under FSDP and disttrain_megatron (FSDP2 over its
     data-parallel ranks even at dp=1; a pipeline stage its share), nothing under DeepSpeed's flat partitions; a spec

@@ -36,7 +36,7 @@ import torch
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 OVERHEADS = {"eager", "sharded", "tensor_parallel", "microbatch"}  # the measured fields of hardware.Overheads
-OPTIMIZER_OVERHEADS = {"optimizer_tensor", "optimizer_dtensor"}  # measured too; files before them: the preset's
+OPTIMIZER_OVERHEADS = {"optimizer_tensor", "optimizer_dtensor", "collective"}  # measured too; older files: the preset's
 MODEL_ROW = {"key", "name", "micro_batch", "seq_len", "depths", "seconds"}  # a row of Calibration.models
 VERSION = 1  # of the file's layout: a file of another version is measured again, not misread
 
@@ -310,6 +310,55 @@ def measure_overlap(device: torch.device, link_bytes: int, shape: tuple[int, int
     return max(0.0, min(1.0, hidden / min(compute, comm)))
 
 
+def measure_in_step(device: torch.device, sizes: Iterable[int], calls: int = 20, rounds: int = 3) -> float:
+    """Seconds a collective costs beyond its time alone (after a barrier, as the links are measured) when it sits
+    between computations, as a tensor-parallel all-reduce or a pipeline send does: ``calls`` x (a few matmuls, then
+    an all-reduce of each size), minus the matmuls alone and the all-reduce alone; the median over the sizes and
+    ``rounds`` (the three timed side by side each round). On two CPU processes an all-reduce of 64-512 KB between
+    2 ms matmuls costs 0.5-0.8 ms more than alone (0.4-0.7 ms)."""
+    import torch.distributed as dist
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    side = 512 if device.type == "cpu" else 4096
+    a = torch.randn(side // 2, side, device=device, dtype=dtype)
+    b = torch.randn(side, side, device=device, dtype=dtype)
+    sync = _device_sync(device)
+
+    def looped(fn: Callable[[], None]) -> float:
+        fn()
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        dist.barrier()
+        return (time.perf_counter() - t0) / calls
+
+    def barrier_sync() -> None:
+        sync()
+        dist.barrier()
+
+    def compute() -> None:
+        for _ in range(2):
+            a @ b
+
+    extra = []
+    for _ in range(rounds):  # the three timings side by side, again and again: the machine's drift cancels
+        for size in sizes:
+            buf = torch.zeros(size // 4, device=device)
+
+            def between() -> None:
+                compute()
+                dist.all_reduce(buf)
+
+            alone = _timed(lambda: dist.all_reduce(buf), device, calls, barrier_sync)
+            extra.append(looped(between) - looped(compute) - alone)
+    found = torch.tensor([max(0.0, statistics.median(extra))], dtype=torch.float64)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return float(found.item())
+
+
 def measure_blocks(sizes: Iterable[tuple[int, int]], device: torch.device, repeats: int = 5) -> list[list[float]]:
     """``[tokens, hidden, efficiency]`` per ``(tokens, hidden)``: a transformer block's forward and backward timed at
     that size against its matmuls alone (forward timed, backward counted as twice that). What a step reaches of the
@@ -515,9 +564,12 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     matmul = measure_matmul(shapes, device, repeats)
     memory_bw, optimizer_bw = measure_memory(device, (1 << 20 if quick else 1 << 22) if device.type == "cpu"
                                              else (1 << 27), repeats)
-    links = {op: measure_link(op, sizes, device, repeats=repeats) for op in OPS}
+    # a collective's time varies more than local work's: the median of 3x the repeats (9 at the default)
+    links = {op: measure_link(op, sizes, device, repeats=3 * repeats) for op in OPS}
     overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
     overheads = measure_overheads(device, repeats=3 if quick else 10)
+    overheads["collective"] = measure_in_step(device, (1 << 16, 1 << 18, 1 << 19), calls=5 if quick else 20,
+                                              rounds=1 if quick else 3)
     blocks = measure_blocks(sizes_of_blocks, device, repeats=2 if quick else 5)
     timed = measure_models(models, device, repeats=2 if quick else 5)
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),

@@ -24,7 +24,10 @@ class Overheads:
     processes do both in turn: their sum). ``optimizer_tensor`` / ``optimizer_dtensor``: the optimizer step's
     and ``zero_grad``'s seconds per parameter tensor, plain or a DTensor (FSDP2's shards, tensor-parallel weights),
     whatever its size: torch's AdamW loops over the tensors on a CPU, and every op on a DTensor goes through its
-    dispatch, which outweighs a small model's optimizer bytes."""
+    dispatch, which outweighs a small model's optimizer bytes. ``collective``: what a collective on the critical
+    path (tensor-parallel all-reduces, pipeline sends, context- and expert-parallel all-to-alls) costs beyond its
+    link's latency and bytes when it sits between computations, as there: the ranks arrive apart and, on CPU
+    processes, gloo's threads wake up and compete with the compute for the cores."""
 
     eager: float
     sharded: float
@@ -33,6 +36,7 @@ class Overheads:
     overlaps: bool = True
     optimizer_tensor: float = 0.0
     optimizer_dtensor: float = 0.0
+    collective: float = 0.0
 
 
 # A GPU's kernel launches (~5 us each, ~30 per block forward and backward), its hooks' and DTensor's Python; a CPU's
@@ -41,7 +45,7 @@ class Overheads:
 GPU_OVERHEADS = Overheads(eager=1.5e-4, sharded=3e-4, tensor_parallel=6e-4, microbatch=1e-3,
                           optimizer_tensor=2e-6, optimizer_dtensor=4e-6)
 CPU_OVERHEADS = Overheads(eager=5e-4, sharded=2.5e-3, tensor_parallel=5e-3, microbatch=2.5e-3, overlaps=False,
-                          optimizer_tensor=4e-5, optimizer_dtensor=2.7e-4)
+                          optimizer_tensor=4e-5, optimizer_dtensor=2.7e-4, collective=8e-4)
 
 
 @dataclass(frozen=True)

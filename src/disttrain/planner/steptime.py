@@ -33,7 +33,8 @@ data-parallel rank). Its parts, as the engines schedule them:
   a model's own norms, activations and loss.
 - **critical-path traffic**, not overlapped: tensor-parallel all-reduces (four per block per micro-batch), pipeline
   sends, context-parallel and expert all-to-alls, embedding all-to-alls (recsys), offload copies and the CPU
-  optimizer.
+  optimizer. Each collective there sits between computations, which costs more than the same collective alone
+  (``Hardware.overheads.collective`` per call, measured by ``disttrain calibrate``).
 
 Each collective costs ``latency x calls + bytes / bandwidth`` with the link measured for its kind (all-gather,
 reduce-scatter, all-reduce, all-to-all) when calibrated, else the preset's latency and intra-/inter-node bandwidth.
@@ -266,11 +267,16 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
     dp_exposed = max(dp - hw.overlap * hidden_behind, dp / calls) if dp else 0.0
 
     per_block = 4 * layers * micro_steps  # collectives per block per micro-batch, forward and backward
-    critical = (_link(hw, "all_reduce", c.get("tp", 0), per_block, tp_bw)
-                + _link(hw, "all_to_all", c.get("pp", 0), 2 * m, dp_bw)  # point-to-point sends, per microbatch
-                + _link(hw, "all_to_all", c.get("cp", 0), per_block, tp_bw)
-                + _link(hw, "all_to_all", c.get("ep", 0), per_block, ep_bw)
-                + _link(hw, "all_to_all", c.get("a2a", 0), 4, dp_bw)  # ids out, embeddings back, and their gradients
+
+    def between(op: str, sent: float, calls: float, bandwidth: float) -> float:
+        """A collective between computations: its link's time and what it costs there beyond it."""
+        return _link(hw, op, sent, calls, bandwidth) + (calls * hw.overheads.collective if sent else 0.0)
+
+    critical = (between("all_reduce", c.get("tp", 0), per_block, tp_bw)
+                + between("all_to_all", c.get("pp", 0), 2 * m, dp_bw)  # point-to-point sends, per microbatch
+                + between("all_to_all", c.get("cp", 0), per_block, tp_bw)
+                + between("all_to_all", c.get("ep", 0), per_block, ep_bw)
+                + between("all_to_all", c.get("a2a", 0), 4, dp_bw)  # ids out, embeddings back, their gradients
                 + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
     return StepTime(compute, optimizer, dp, dp_exposed, critical, overhead(spec, e, hw, loader_batch, factor),
                     hw.overheads.overlaps)
