@@ -303,7 +303,8 @@ def _calibrate(argv: list[str]) -> int:
     parser.add_argument("--devices", type=int, required=True, help="processes (one per GPU)")
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda", "gpu"))
     parser.add_argument("--model", default=None, help="also time the matmuls of this model (a recipe YAML, HF"
-                        " config or timm name) at --micro-batch, and (a recipe YAML) its own forward and backward")
+                        " config or timm name) at --micro-batch, and (a recipe YAML or HF config) its own forward and"
+                        " backward")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the recipe's, else 1")
     parser.add_argument("--force", action="store_true", help="measure again even when the cache holds a result")
     args = parser.parse_args(argv)
@@ -319,7 +320,8 @@ def _calibrate(argv: list[str]) -> int:
 
         spec = model_spec(args.model)
         recipe = spec.extra.get("recipe", {})
-        micro_batch, seq_len = args.micro_batch or recipe.get("micro_batch", 1), recipe.get("seq_len") or spec.tokens or 1
+        micro_batch = args.micro_batch or recipe.get("micro_batch", 1)
+        seq_len = recipe.get("seq_len") or spec.tokens or 1
         shapes = model_shapes(spec, micro_batch, seq_len)
         source = Path(args.model)
         if source.suffix in (".yaml", ".yml"):

@@ -36,7 +36,7 @@ import torch
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 OVERHEADS = {"eager", "sharded", "tensor_parallel", "microbatch"}  # the measured fields of hardware.Overheads
-OPTIMIZER_OVERHEADS = {"optimizer_tensor", "optimizer_dtensor", "collective"}  # measured too; older files: the preset's
+LATER_OVERHEADS = {"optimizer_tensor", "optimizer_dtensor", "collective"}  # measured since; older files: the preset's
 MODEL_ROW = {"key", "name", "micro_batch", "seq_len", "depths", "seconds"}  # a row of Calibration.models
 VERSION = 1  # of the file's layout: a file of another version is measured again, not misread
 
@@ -143,9 +143,9 @@ def load(path: str | os.PathLike) -> Optional[Calibration]:
                                    f"({data.get('version')!r}, this one reads {VERSION}): {fix}")
         data["links"] = {op: Link(**data["links"][op]) for op in OPS}
         overheads = data.get("overheads")
-        if overheads is not None and not OVERHEADS <= set(overheads) <= OVERHEADS | OPTIMIZER_OVERHEADS:
+        if overheads is not None and not OVERHEADS <= set(overheads) <= OVERHEADS | LATER_OVERHEADS:
             raise ValueError(f"overheads {sorted(overheads)} are not {sorted(OVERHEADS)}"
-                             f" (and optionally {sorted(OPTIMIZER_OVERHEADS)})")
+                             f" (and optionally {sorted(LATER_OVERHEADS)})")
         if any(len(row) != 3 or not 0 < row[2] <= 1 for row in data.get("blocks") or []):
             raise ValueError(f"blocks {data['blocks']} are not [tokens, hidden, efficiency in (0, 1]] rows")
         for row in data.get("models") or []:

@@ -31,7 +31,12 @@ from disttrain.planner.estimate import (
 from disttrain.planner.hardware import GiB, Hardware
 from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
-from disttrain.planner.steptime import StepTime, breakdown, model_factor, step_time  # noqa: F401  (step_time: public here too)
+from disttrain.planner.steptime import (  # noqa: F401  (step_time: public here too)
+    StepTime,
+    breakdown,
+    model_factor,
+    step_time,
+)
 
 TIE = 0.05  # throughputs within 5% are a tie: the simpler set-up wins (see _simplicity); the ranking bench holds
 # the model to choosing within 5% of the fastest measured plan, so closer estimates do not tell set-ups apart
