@@ -9,8 +9,9 @@ First this machine is calibrated (``disttrain calibrate``: matmul and blocks at 
 collectives over 2 processes, the framework overheads, and each model's own forward and backward; the cached
 calibration is used when it has timed every model, a quick one for --smoke). For each model the planner's plan lists
 the set-ups that fit; each is run by the trial runner of ``disttrain plan --trial`` (fresh processes through
-``disttrain run``'s launcher, one warm-up step and --steps timed ones, median). Printed per model: each plan's
-predicted and measured step time, the error (predicted - measured) / measured (target: within 25%), the rank
+``disttrain run``'s launcher, one warm-up step and --steps timed ones, median), --rounds times in alternating
+order (the median of the rounds counts). Printed per model: each plan's predicted and measured step time, the
+spread of its rounds, the error (predicted - measured) / measured (target: within 25%), the rank
 correlation (Spearman) of predicted and measured, and whether the plan the planner chose measured within 5% of the
 fastest one measured.
 """
@@ -85,11 +86,9 @@ def model_shapes(models: list[str]) -> list[tuple[int, int, int]]:
     return out
 
 
-def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list, summary: list) -> None:
-    """Measure every plan that fits ``name`` on ``devices`` processes; print and collect predicted vs measured."""
+def plans_of(name: str, devices: int, hw, smoke: bool):
+    """The planner's plan for ``name`` on ``devices`` processes and the set-ups of it that fit (on CPU)."""
     from disttrain.planner import choose
-    from disttrain.planner.steptime import model_factor
-    from disttrain.planner.trial import run_one
 
     mapping, micro, seq = MODELS[name]
     plan = choose(mapping, devices, hw, micro_batch=micro, seq_len=seq, precision="32-true",
@@ -98,17 +97,47 @@ def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list,
     if smoke:  # a replica and a pipeline: the two ways a trial calls the model
         fitting = [next(c for c in fitting if c.estimate.strategy == "disttrain_ddp"),
                    next(c for c in fitting if c.estimate.dims.pp > 1)]
-    measured = []
-    for c in fitting:
-        c.measured, why = run_one(mapping, c, devices, "cpu", steps)
-        if c.measured is None:
-            if smoke:  # the smoke run is the check that trials run at all
-                raise SystemExit(f"{name}: {c.label} did not run: {why}")
-            print(f"  {name}: {c.label} did not run: {why}")
-        else:
-            measured.append(c)
+    return plan, fitting
+
+
+def measure_rounds(plans: dict, devices: int, steps: int, rounds: int, smoke: bool) -> dict[int, float]:
+    """Every fitting plan of every model measured ``rounds`` times; ``c.measured`` is the median of its rounds
+    (None when it failed). Returns each plan's spread (slowest round / fastest - 1) by ``id``. The rounds run in
+    alternating order, so a drift in the machine's load during the run falls on the first and the last plans alike
+    instead of on whichever ran last."""
+    from statistics import median
+
+    from disttrain.planner.trial import run_one
+
+    order = [(name, c) for name, (_, fitting) in plans.items() for c in fitting]
+    times: dict[int, list[float]] = {id(c): [] for _, c in order}
+    failed: set[int] = set()
+    for r in range(rounds):
+        for name, c in (order if r % 2 == 0 else order[::-1]):
+            if id(c) in failed:
+                continue
+            seconds, why = run_one(MODELS[name][0], c, devices, "cpu", steps)
+            if seconds is None:
+                if smoke:  # the smoke run is the check that trials run at all
+                    raise SystemExit(f"{name}: {c.label} did not run: {why}")
+                print(f"  {name}: {c.label} did not run: {why}")
+                failed.add(id(c))
+            else:
+                times[id(c)].append(seconds)
+    for _, c in order:
+        c.measured = None if id(c) in failed else median(times[id(c)])
+    return {id(c): max(times[id(c)]) / min(times[id(c)]) - 1 for _, c in order if c.measured is not None}
+
+
+def report_plans(name: str, devices: int, hw, plan, fitting: list, spreads: dict[int, float], rows: list,
+                 summary: list) -> None:
+    """Print and collect ``name``'s predicted vs measured step times, and whether its choice was the fastest."""
+    from disttrain.planner.steptime import model_factor
+
+    measured = [c for c in fitting if c.measured is not None]
     if not measured:
         return
+    _, micro, _ = MODELS[name]
     fastest = min(measured, key=lambda c: c.measured)
     chosen = plan.choice if plan.choice in measured else min(measured, key=lambda c: c.step_time)
     within = chosen.measured <= fastest.measured * 1.05
@@ -116,12 +145,12 @@ def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list,
     factor = model_factor(plan.spec, hw)
     print(f"\n{name} on {devices} processes (micro batch {micro}; its own step {factor:.2f}x the modelled compute;"
           f" chosen: {plan.choice.label})")
-    print(f"{'plan':<46} {'predicted s':>11} {'measured s':>10} {'steps/s':>8} {'error':>7}")
+    print(f"{'plan':<46} {'predicted s':>11} {'measured s':>10} {'spread':>7} {'error':>7}")
     for c in measured:
         err = (c.step_time - c.measured) / c.measured
         mark = " <- chosen" if c is chosen else (" <- fastest" if c is fastest else "")
-        print(f"{c.label:<46} {c.step_time:>11.3f} {c.measured:>10.3f} {1 / c.measured:>8.2f} {err:>+7.0%}{mark}")
-        rows.append([name, devices, c.label, c.step_time, c.measured, 1 / c.measured, 100 * err,
+        print(f"{c.label:<46} {c.step_time:>11.3f} {c.measured:>10.3f} {spreads[id(c)]:>7.0%} {err:>+7.0%}{mark}")
+        rows.append([name, devices, c.label, c.step_time, c.measured, 100 * spreads[id(c)], 100 * err,
                      "chosen" if c is chosen else ""])
     print(f"chosen within 5% of the fastest measured: {'yes' if within else 'no'}"
           f" ({chosen.measured / fastest.measured:.2f}x); Spearman rank correlation {rho:+.2f}")
@@ -132,7 +161,8 @@ def rank_plans(name: str, devices: int, hw, steps: int, smoke: bool, rows: list,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per plan and round (their median counts)")
+    p.add_argument("--rounds", type=int, default=3, help="times each plan is measured, in alternating order (median)")
     p.add_argument("--devices", type=int, nargs="+", default=[2], help="process counts to plan and measure for")
     p.add_argument("--smoke", action="store_true", help="the tiny ViT, DDP and a pipeline, one step, a quick calibration")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
@@ -142,7 +172,7 @@ def main() -> None:
     from disttrain.planner import hardware, model_spec
 
     models = ["vit tiny"] if args.smoke else args.models
-    steps = 1 if args.smoke else args.steps
+    steps, rounds = (1, 1) if args.smoke else (args.steps, args.rounds)
     rows, summary = [], []
     for devices in ([2] if args.smoke else args.devices):
         if args.smoke:  # a quick calibration of its own: a smoke run's figures must not become the machine's cache
@@ -156,16 +186,19 @@ def main() -> None:
         hw = cal.hardware_from(calibration, hardware("cpu", gpus_per_node=devices, host_memory=0))
         print(f"{devices} processes, calibration: {calibration.path or 'quick'}; overlap {calibration.overlap:.2f},"
               f" all-reduce latency {calibration.links['all_reduce'].latency * 1e3:.2f} ms")
-        for name in models:
-            rank_plans(name, devices, hw, steps, args.smoke, rows, summary)
+        plans = {name: plans_of(name, devices, hw, args.smoke) for name in models}
+        spreads = measure_rounds(plans, devices, steps, rounds, args.smoke)
+        for name, (plan, fitting) in plans.items():
+            report_plans(name, devices, hw, plan, fitting, spreads, rows, summary)
     errors = [abs(r[6]) for r in rows]
     if errors:
         print(f"\nplans within 25% of measured: {sum(e <= 25 for e in errors)} of {len(errors)};"
               f" median |error| {sorted(errors)[len(errors) // 2]:.0f}%")
         write_table("planner_ranking", "Planner ranking against measurement",
-                    f"CPU processes (gloo), fp32, {steps} timed steps per plan, calibrated step-time model",
-                    ["model", "processes", "plan", "predicted s", "measured s", "steps/s", "error %", ""], rows,
-                    bars=("measured s",), fmt={"predicted s": ".3f", "measured s": ".3f", "steps/s": ".2f",
+                    f"CPU processes (gloo), fp32, median of {rounds} rounds of {steps} timed steps per plan"
+                    " (spread: slowest round / fastest - 1), calibrated step-time model",
+                    ["model", "processes", "plan", "predicted s", "measured s", "spread %", "error %", ""], rows,
+                    bars=("measured s",), fmt={"predicted s": ".3f", "measured s": ".3f", "spread %": ".0f",
                                                "error %": "+.0f"},
                     notes=summary, out_dir=args.out_dir)
 
