@@ -136,6 +136,25 @@ def test_the_framework_overhead_counts_each_engine_s_blocks():
     assert gpu.total == pytest.approx(max(gpu.compute, gpu.overhead) + gpu.optimizer + gpu.dp_exposed + gpu.critical)
 
 
+def test_zero3_costs_its_measured_work_per_block_and_its_fetches_only_their_bytes():
+    """DeepSpeed hooks every submodule and fetches each one's parameters in calls whose latency is all of them:
+    ``overheads.zero3`` (measured with DeepSpeed itself) per block, and its data-parallel traffic at the bandwidth
+    without a latency per call (counted in that figure). Without the figure (``zero3=0``), FSDP2's per-block hooks
+    and the latency per call stand in. CPU processes have no streams: the gathers wait, not hidden."""
+    from disttrain.planner.hardware import Overheads
+
+    spec = model_spec(TINY)  # 4 blocks + the ends as one more
+    e = estimate(spec, "disttrain_zero3", 2, micro_batch=8, precision="32-true")
+    plain = Overheads(eager=1e-3, sharded=4e-3, tensor_parallel=0, microbatch=0, overlaps=False)
+    measured = replace(plain, zero3=7e-3)
+    before = breakdown(spec, e, replace(hardware("cpu"), overheads=plain, latency=1e-3))
+    after = breakdown(spec, e, replace(hardware("cpu"), overheads=measured, latency=1e-3))
+    assert before.overhead == pytest.approx(5 * 4e-3) and after.overhead == pytest.approx(5 * (1e-3 + 7e-3))
+    calls = 5 * 4  # units x DeepSpeed's gathers per unit: two all-gathers (forward, backward) and a reduce-scatter each
+    assert before.dp - after.dp == pytest.approx(3 * calls * 1e-3)
+    assert after.dp_exposed == pytest.approx(after.dp) and after.dp > 0  # no stream to hide it on CPU
+
+
 def test_a_collective_between_computations_costs_its_measured_extra_per_call():
     """Critical-path collectives (tensor-parallel all-reduces, pipeline sends) sit between computations and cost
     ``overheads.collective`` per call beyond their link's time; data-parallel traffic and DDP do not."""
@@ -404,6 +423,8 @@ def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
     assert set(framework) == cal.OVERHEADS | cal.LATER_OVERHEADS and all(0 <= v < 1 for v in framework.values())
     assert 0 < framework["eager"] < framework["tensor_parallel"]
     assert 0 < framework["optimizer_tensor"] < framework["optimizer_dtensor"]
+    # DeepSpeed's hooks on every submodule and its fetches weigh more than FSDP2's hooks on a unit
+    assert framework["zero3"] > framework["sharded"] - framework["eager"]
     import torch
 
     from disttrain.planner.hardware import detect

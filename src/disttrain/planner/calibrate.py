@@ -36,7 +36,8 @@ import torch
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 OVERHEADS = {"eager", "sharded", "tensor_parallel", "microbatch"}  # the measured fields of hardware.Overheads
-LATER_OVERHEADS = {"optimizer_tensor", "optimizer_dtensor", "collective"}  # measured since; older files: the preset's
+# measured since; older files: the preset's
+LATER_OVERHEADS = {"optimizer_tensor", "optimizer_dtensor", "collective", "zero3"}
 MODEL_ROW = {"key", "name", "micro_batch", "seq_len", "depths", "seconds"}  # a row of Calibration.models
 VERSION = 1  # of the file's layout: a file of another version is measured again, not misread
 
@@ -200,6 +201,20 @@ def _device_sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
+def _barrier_sync(device: torch.device, group: Any = None) -> Callable[[], None]:
+    """The device's work done, then every rank of ``group`` here: what a sample of a collective starts and ends
+    with, so that no rank's timing includes waiting for a late one."""
+    import torch.distributed as dist
+
+    sync = _device_sync(device)
+
+    def barrier_sync() -> None:
+        sync()
+        dist.barrier(group)
+
+    return barrier_sync
+
+
 def measure_matmul(shapes: Iterable[tuple[int, int, int]], device: torch.device, repeats: int = 5
                    ) -> list[list[float]]:
     """FLOP/s of ``(m, k) @ (k, n)`` per shape (fp32 on CPU, bf16 on GPUs: the dtypes training computes in)."""
@@ -234,12 +249,7 @@ def measure_link(op: str, sizes: Iterable[int], device: torch.device, group: Any
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
-    sync = _device_sync(device)
-
-    def barrier_sync() -> None:
-        sync()
-        dist.barrier(group)
-
+    barrier_sync = _barrier_sync(device, group)
     points = []
     for size in sizes:
         elements = max(n, size // 4 // n * n)
@@ -284,7 +294,6 @@ def measure_overlap(device: torch.device, link_bytes: int, shape: tuple[int, int
     prefetch and DDP's buckets overlap them."""
     import torch.distributed as dist
 
-    sync = _device_sync(device)
     m, n, k = shape
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
@@ -299,10 +308,7 @@ def measure_overlap(device: torch.device, link_bytes: int, shape: tuple[int, int
         matmuls()
         work.wait()
 
-    def barrier_sync() -> None:
-        sync()
-        dist.barrier()
-
+    barrier_sync = _barrier_sync(device)
     compute = _timed(matmuls, device, 3, barrier_sync)
     comm = _timed(lambda: dist.all_reduce(buf), device, 3, barrier_sync)
     together = _timed(both, device, 3, barrier_sync)
@@ -335,9 +341,7 @@ def measure_in_step(device: torch.device, sizes: Iterable[int], calls: int = 20,
         dist.barrier()
         return (time.perf_counter() - t0) / calls
 
-    def barrier_sync() -> None:
-        sync()
-        dist.barrier()
+    barrier_sync = _barrier_sync(device)
 
     def compute() -> None:
         for _ in range(2):
@@ -529,6 +533,45 @@ def measure_overheads(device: torch.device, repeats: int = 5, blocks: int = 4) -
                     found.tolist()))
 
 
+def measure_zero3(device: torch.device, eager: float, repeats: int = 5, blocks: int = 4) -> Optional[float]:
+    """Seconds per block of a DeepSpeed ZeRO-3 step beyond the block's own work (``eager``, per block): ``blocks``
+    tiny blocks trained by DeepSpeed's engine over every rank, forward, backward and step, the median step (its
+    collectives' waits are part of it, as in a trial's step). DeepSpeed hooks every submodule and fetches each one's
+    parameters as it enters it, in calls too small for their bytes to count: what this measures is that work and the
+    fetches' latency, which FSDP2's per-unit hooks (``sharded``) do not show (on 2 CPU processes about 10 ms per
+    block, where a block under FSDP2's hooks takes 1.4 ms; with FSDP2's figure instead, ZeRO-3's plans of tiny models
+    were predicted 40-46% too fast). None without DeepSpeed installed (the preset's figure is used)."""
+    import argparse
+
+    import torch.distributed as dist
+
+    try:
+        import deepspeed
+    except ImportError:
+        return None
+    from disttrain.parallel.zero import ZeroOptions, zero3_config
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(blocks)]).to(device)
+    config = zero3_config(ZeroOptions(), precision="32-true", micro_batch_size=1, accumulation=1,
+                          world_size=dist.get_world_size(), gradient_clipping=None, device_type=device.type)
+    engine, *_ = deepspeed.initialize(
+        args=argparse.Namespace(device_rank=device.index or 0), config=config, model=model,
+        model_parameters=list(model.parameters()), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        dist_init_required=False)
+    x = torch.randn(1, 8, 16, device=device)
+
+    def step() -> None:
+        engine.backward(engine(x).sum())
+        engine.step()
+
+    step()  # DeepSpeed records the modules' order on the first step and prefetches by it from the second
+    found = torch.tensor([_timed(step, device, repeats, _barrier_sync(device))], dtype=torch.float64)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    engine.destroy()
+    return max(0.0, float(found.item()) / blocks - eager)
+
+
 def default_shapes(device: torch.device) -> list[tuple[int, int, int]]:
     """Square-ish matmuls from small to large, for models calibrated without their own shapes."""
     sizes = (128, 256, 512, 1024) if device.type == "cpu" else (1024, 2048, 4096, 8192)
@@ -572,6 +615,10 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
                                               rounds=1 if quick else 3)
     blocks = measure_blocks(sizes_of_blocks, device, repeats=2 if quick else 5)
     timed = measure_models(models, device, repeats=2 if quick else 5)
+    # last: DeepSpeed's set-up patches torch (its comm layer), which the models above must not meet
+    zero3 = measure_zero3(device, overheads["eager"], repeats=3 if quick else 10)
+    if zero3 is not None:
+        overheads["zero3"] = zero3
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
                        links=links, overlap=overlap, overheads=overheads, blocks=blocks, models=timed or None,

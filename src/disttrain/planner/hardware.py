@@ -37,15 +37,16 @@ class Overheads:
     optimizer_tensor: float = 0.0
     optimizer_dtensor: float = 0.0
     collective: float = 0.0
+    zero3: float = 0.0
 
 
 # A GPU's kernel launches (~5 us each, ~30 per block forward and backward), its hooks' and DTensor's Python; a CPU's
 # as measured on a 2-core host with gloo. `disttrain calibrate` measures them (planner/calibrate.py).
 # On GPUs torch's AdamW runs foreach kernels over lists of tensors (DTensors dispatch once per list), a few us a tensor.
 GPU_OVERHEADS = Overheads(eager=1.5e-4, sharded=3e-4, tensor_parallel=6e-4, microbatch=1e-3,
-                          optimizer_tensor=2e-6, optimizer_dtensor=4e-6)
+                          optimizer_tensor=2e-6, optimizer_dtensor=4e-6, zero3=1e-3)
 CPU_OVERHEADS = Overheads(eager=5e-4, sharded=2.5e-3, tensor_parallel=5e-3, microbatch=2.5e-3, overlaps=False,
-                          optimizer_tensor=4e-5, optimizer_dtensor=2.7e-4, collective=8e-4)
+                          optimizer_tensor=4e-5, optimizer_dtensor=2.7e-4, collective=8e-4, zero3=1e-2)
 
 
 @dataclass(frozen=True)

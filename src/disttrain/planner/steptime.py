@@ -15,13 +15,14 @@ data-parallel rank). Its parts, as the engines schedule them:
   the latter.
   DeepSpeed's ZeRO-3 steps a few flat partitions, so only their bytes count there.
 - **data-parallel traffic**, overlapped: FSDP and ZeRO-3 prefetch the next unit's all-gather while the current one
-  computes and reduce-scatter during backward (FSDP2 on a stream of its own: CPU processes have none, so there
-  each unit waits for its gather); DDP all-reduces gradient buckets during backward. What exceeds
+  computes and reduce-scatter during backward (on a stream of their own: CPU processes have none, so there each
+  unit waits for its gather); DDP all-reduces gradient buckets during backward. What exceeds
   ``overlap`` x the compute it can hide behind is exposed, and never less than one unit's (bucket's) share: the first
   gather (the last bucket) has nothing to hide behind.
 - **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
   measured by ``disttrain calibrate``) per block executed (x 4/3 with checkpointing): plain blocks under DDP, hooked
-  ones under ZeRO-3 and FSDP (per FSDP unit: blocks, sub-networks such as embeddings and head, root), DTensor ones
+  ones under FSDP (per FSDP unit: blocks, sub-networks such as embeddings and head, root) and ZeRO-3 (DeepSpeed's
+  hooks on every submodule and their fetches, whose latency is counted there and not with the traffic), DTensor ones
   under tensor parallelism; ``disttrain_megatron`` adds FSDP2's hooks to every block over its data-parallel ranks,
   however few. A pipeline stage runs its blocks once per microbatch, plus the schedule's own work per microbatch,
   over ``m + p - 1`` slots. On GPUs the device computes while the host dispatches, so a step takes the longer of
@@ -129,6 +130,8 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
         per_block = o.eager
     elif engine is MegatronEngine:  # FSDP2's hooks over the data-parallel ranks, on split (DTensor) blocks or not
         per_block = (o.tensor_parallel if d.tp > 1 else o.eager) + (o.sharded - o.eager)
+    elif engine is ZeroEngine and o.zero3:  # DeepSpeed's hooks and fetches, per block beyond the plain block's work
+        per_block = o.eager + o.zero3
     else:
         per_block = o.sharded
     per_block += (factor - 1) * o.eager
@@ -254,16 +257,18 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         hidden_behind = compute * 2 / 3  # buckets reduce while backward (two thirds of the compute) runs
     else:
         units = fsdp_units(spec) if engine is FSDPEngine else (layers + 1 if spec.layers else 1)
-        calls = units * (ZERO3_CALLS_PER_UNIT if "zero" in e.strategy else 1)
+        zero = engine is ZeroEngine
+        calls = units * (ZERO3_CALLS_PER_UNIT if zero else 1)
+        # ZeRO-3's many small fetches: their latency is in its measured work per block (Overheads.zero3)
+        paid = 0 if zero and hw.overheads.zero3 else calls
         sent = c.get("dp", 0)
         # Forward and backward all-gathers (2 x compute bytes of every 2 x compute + reduce) and one reduce-scatter.
-        dp = (_link(hw, "all_gather", sent * 2 / 3, 2 * calls, dp_bw)
-              + _link(hw, "reduce_scatter", sent / 3, calls, dp_bw)
+        dp = (_link(hw, "all_gather", sent * 2 / 3, 2 * paid, dp_bw)
+              + _link(hw, "reduce_scatter", sent / 3, paid, dp_bw)
               + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, dp_bw))
-        # FSDP2 prefetches on a separate stream; a device without streams (CPU processes) waits for each unit's
-        # gather in its pre-forward hook. DeepSpeed prefetches from its own threads on either.
-        streams = hw.overheads.overlaps or engine is ZeroEngine
-        hidden_behind = compute if streams else 0.0
+        # FSDP2 and DeepSpeed prefetch on a separate stream; a device without streams (CPU processes) waits for
+        # each unit's (submodule's) gather as it enters it.
+        hidden_behind = compute if hw.overheads.overlaps else 0.0
     dp_exposed = max(dp - hw.overlap * hidden_behind, dp / calls) if dp else 0.0
 
     per_block = 4 * layers * micro_steps  # collectives per block per micro-batch, forward and backward
