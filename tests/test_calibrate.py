@@ -150,7 +150,7 @@ def test_zero3_costs_its_measured_work_per_block_and_its_fetches_only_their_byte
     before = breakdown(spec, e, replace(hardware("cpu"), overheads=plain, latency=1e-3))
     after = breakdown(spec, e, replace(hardware("cpu"), overheads=measured, latency=1e-3))
     assert before.overhead == pytest.approx(5 * 4e-3) and after.overhead == pytest.approx(5 * (1e-3 + 7e-3))
-    calls = 5 * 4  # units x DeepSpeed's gathers per unit: two all-gathers (forward, backward) and a reduce-scatter each
+    calls = 5 * 4  # units x ZERO3_CALLS_PER_UNIT, each all-gathered twice (forward, backward), reduce-scattered once
     assert before.dp - after.dp == pytest.approx(3 * calls * 1e-3)
     assert after.dp_exposed == pytest.approx(after.dp) and after.dp > 0  # no stream to hide it on CPU
 
