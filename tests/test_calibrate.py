@@ -79,8 +79,12 @@ def test_the_step_time_uses_the_measured_links_and_overlap():
     hidden = breakdown(spec, fsdp, replace(streams, overlap=1.0))
     exposed = breakdown(spec, fsdp, replace(streams, overlap=0.0))
     assert exposed.dp_exposed == pytest.approx(exposed.dp) and hidden.dp_exposed < exposed.dp_exposed
-    # CPU processes have no streams to prefetch FSDP2's gathers on: each waits, whatever the measured overlap
-    assert breakdown(spec, fsdp, replace(quick, overlap=1.0)).dp_exposed == pytest.approx(exposed.dp)
+    # CPU processes have no streams to prefetch FSDP2's gathers on: each waits, whatever the measured overlap, and
+    # sits between computations (two gathers and a reduce-scatter per unit, each costing the in-step extra)
+    from disttrain.planner.steptime import fsdp_units
+
+    inline = 3 * fsdp_units(spec) * quick.overheads.collective
+    assert breakdown(spec, fsdp, replace(quick, overlap=1.0)).dp_exposed == pytest.approx(exposed.dp + inline)
 
 
 def test_the_pipeline_bubble_follows_1f1b():
@@ -157,8 +161,11 @@ def test_zero3_costs_its_measured_work_per_block_and_its_fetches_only_their_byte
 
 def test_a_collective_between_computations_costs_its_measured_extra_per_call():
     """Critical-path collectives (tensor-parallel all-reduces, pipeline sends) sit between computations and cost
-    ``overheads.collective`` per call beyond their link's time; data-parallel traffic and DDP do not."""
+    ``overheads.collective`` per call beyond their link's time. So do FSDP's gathers and reduce-scatters where the
+    device has no streams to prefetch on (CPU processes: each unit waits for its own), and not where it has; DDP's
+    buckets reduce on their own thread."""
     from disttrain.planner.hardware import Overheads
+    from disttrain.planner.steptime import fsdp_units
 
     spec = model_spec(TINY)
     own = Overheads(eager=0, sharded=0, tensor_parallel=0, microbatch=0, overlaps=False)
@@ -171,17 +178,25 @@ def test_a_collective_between_computations_costs_its_measured_extra_per_call():
         base, extra = breakdown(spec, e, cpu), breakdown(spec, e, slow)
         assert extra.critical - base.critical == pytest.approx(calls * 1e-3), (strategy, options)
         assert extra.dp == base.dp
+        inline = 3 * fsdp_units(spec) * 1e-3 if strategy == "disttrain_fsdp" else 0.0  # 2 gathers + 1 reduce a unit
+        assert extra.dp_exposed - base.dp_exposed == pytest.approx(inline), strategy
+    e = estimate(spec, "disttrain_fsdp", 2, micro_batch=8, precision="32-true")
+    streams = [replace(cpu, overheads=replace(own, overlaps=True, collective=c)) for c in (0.0, 1e-3)]
+    assert breakdown(spec, e, streams[0]).dp_exposed == breakdown(spec, e, streams[1]).dp_exposed
 
 
 def test_the_optimizer_costs_each_parameter_tensor_it_steps():
     """Per parameter tensor a rank holds: plain under DDP, DTensor under FSDP and disttrain_megatron (FSDP2 over its
     data-parallel ranks even at dp=1; a pipeline stage its share), nothing under DeepSpeed's flat partitions; a spec
-    built from a module counts its tensors."""
+    built from a module or a config counts its tensors (a config's on the model built on the meta device)."""
     from disttrain.planner.hardware import Overheads
     from disttrain.planner.steptime import parameter_tensors
+    from disttrain.planner.workload import build
 
-    spec = model_spec(TINY)  # from a config: ~9 a block and 3 outside them
+    spec = model_spec(TINY)  # a Llama: 9 a block and 3 outside them
     assert parameter_tensors(spec) == 9 * 4 + 3
+    vit = {"img_size": 32, "patch_size": 8, "num_classes": 10, "embed_dim": 64, "depth": 4, "num_heads": 4}
+    assert parameter_tensors(model_spec(vit)) == sum(1 for _ in build(vit)[0].parameters()) == 12 * 4 + 8
     own = Overheads(eager=0, sharded=0, tensor_parallel=0, microbatch=0, overlaps=False)
     per_tensor = replace(own, optimizer_tensor=1e-4, optimizer_dtensor=1e-3)
     cpu = replace(hardware("cpu"), overheads=own)

@@ -134,7 +134,7 @@ def hf_spec(config: Any, model: Optional[nn.Module] = None) -> ModelSpec:
              "tensor_parallel": family is not None and _splits(family, model),
              "pipeline": family is not None and can_pipeline(family, model),
              "experts": {"params": experts, "count": per_layer, "top_k": top_k} if experts else {},
-             "fsdp_units": unit_count(model)}
+             "fsdp_units": unit_count(model), "tensors": sum(1 for _ in model.parameters())}
     attention = "eager" if getattr(config, "_attn_implementation", None) == "eager" else "sdpa"
     return ModelSpec(own.name if own is not None else config.model_type, **_structure(model, blocks),
                      hidden=widths["hidden"], ffn=widths["ffn"], heads=widths["heads"], kv_heads=widths["kv_heads"],

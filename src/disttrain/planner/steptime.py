@@ -144,29 +144,34 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
     return step * recompute * (d.tp * d.pp * d.cp if loader_batch else 1)
 
 
-def fsdp_units(spec: ModelSpec) -> int:
-    """The FSDP units ``disttrain_fsdp`` makes of the model (:func:`disttrain.parallel.fsdp.unit_count`): counted on
-    the module the spec was built from, or on the model its config describes built on the meta device (once; kept
-    in the spec), else one per block and the root."""
-    units = spec.extra.get("fsdp_units")
-    if units is None:
-        units = spec.layers + 1 if spec.layers else 1
-        if spec.extra.get("config"):  # a family's config: its model built on meta, its units counted
-            from disttrain.parallel.fsdp import unit_count
-            from disttrain.planner.spec import meta_model
+def counted(spec: ModelSpec, key: str) -> int | None:
+    """A count made on the model: ``fsdp_units`` (the units ``disttrain_fsdp`` makes of it,
+    :func:`disttrain.parallel.fsdp.unit_count`) or ``tensors`` (its parameter tensors). Counted on the module the
+    spec was built from, or on the model its config describes built on the meta device (once; both kept in the
+    spec); None when neither is at hand (a spec of plain sizes, a config the planner cannot build)."""
+    if key not in spec.extra and spec.extra.get("config") and not spec.extra.get("uncounted"):
+        from disttrain.parallel.fsdp import unit_count
+        from disttrain.planner.spec import meta_model
 
-            try:
-                units = unit_count(meta_model(spec.extra["config"]))
-            except (ValueError, TypeError, ImportError):  # a config the planner counts but cannot build: estimated
-                pass
-        spec.extra["fsdp_units"] = units
-    return units
+        try:
+            model = meta_model(spec.extra["config"])
+        except (ValueError, TypeError, ImportError):  # a config the planner counts but cannot build: estimated
+            spec.extra["uncounted"] = True
+        else:
+            spec.extra.setdefault("fsdp_units", unit_count(model))
+            spec.extra.setdefault("tensors", sum(1 for _ in model.parameters()))
+    return spec.extra.get(key)
+
+
+def fsdp_units(spec: ModelSpec) -> int:
+    """The FSDP units ``disttrain_fsdp`` makes of the model (:func:`counted`), else one per block and the root."""
+    return counted(spec, "fsdp_units") or (spec.layers + 1 if spec.layers else 1)
 
 
 def parameter_tensors(spec: ModelSpec) -> int:
-    """The model's parameter tensors: counted when the spec was built from a module, else ~9 a block (Llama's:
-    two norms, four attention and three MLP weights) and 3 outside them (embedding, final norm, head)."""
-    return int(spec.extra.get("tensors") or 9 * spec.layers + 3)
+    """The model's parameter tensors (:func:`counted`), else ~9 a block (Llama's: two norms, four attention and
+    three MLP weights) and 3 outside them (embedding, final norm, head)."""
+    return int(counted(spec, "tensors") or 9 * spec.layers + 3)
 
 
 def optimizer_overhead(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
@@ -255,6 +260,7 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         calls = max(1, math.ceil(e.grads / DDP_BUCKET))
         dp = _link(hw, "all_reduce", c.get("dp", 0), calls, dp_bw)
         hidden_behind = compute * 2 / 3  # buckets reduce while backward (two thirds of the compute) runs
+        inline = 0.0
     else:
         units = fsdp_units(spec) if engine is FSDPEngine else (layers + 1 if spec.layers else 1)
         zero = engine is ZeroEngine
@@ -267,9 +273,10 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
               + _link(hw, "reduce_scatter", sent / 3, paid, dp_bw)
               + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, dp_bw))
         # FSDP2 and DeepSpeed prefetch on a separate stream; a device without streams (CPU processes) waits for
-        # each unit's (submodule's) gather as it enters it.
+        # each unit's (submodule's) gather as it enters it: there each of them sits between computations.
         hidden_behind = compute if hw.overheads.overlaps else 0.0
-    dp_exposed = max(dp - hw.overlap * hidden_behind, dp / calls) if dp else 0.0
+        inline = 0.0 if hw.overheads.overlaps or not sent else 3 * paid * hw.overheads.collective
+    dp_exposed = max(dp - hw.overlap * hidden_behind, dp / calls) + inline if dp else 0.0
 
     per_block = 4 * layers * micro_steps  # collectives per block per micro-batch, forward and backward
 
