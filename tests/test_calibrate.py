@@ -389,6 +389,18 @@ def test_a_trial_picks_the_fastest_measured_plan():
     assert f"trial failed: {third.label}: not runnable here" in report
 
 
+def test_a_trial_times_steps_of_milliseconds_for_half_a_second():
+    """A few steps of a few milliseconds are mostly noise: the trial runner adds steps, at their median pace, until
+    the timed ones take ``min_seconds`` in all (at most MAX_STEPS); long steps get none."""
+    from disttrain.fabric.trial_run import MAX_STEPS, more_steps
+    from disttrain.planner.trial import MIN_SECONDS
+
+    assert MIN_SECONDS == 0.5
+    assert more_steps([0.01] * 5, 0.5) == 45 and more_steps([0.01, 0.03, 0.01], 0.5) == 45
+    assert more_steps([1.0] * 3, 0.5) == 0 and more_steps([0.01] * 5, 0.0) == 0
+    assert more_steps([1e-6] * 3, 0.5) == MAX_STEPS - 3
+
+
 def test_a_trial_needs_a_model_it_can_build():
     from disttrain.planner.trial import trial
 

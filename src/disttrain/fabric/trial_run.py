@@ -2,7 +2,7 @@
 plan on the devices present, timed; rank 0 writes the step times.
 
 Usage: trial_run.py OUT PLAN_JSON   (PLAN_JSON: {"model": recipe path or model mapping, "strategy", "options",
-"micro_batch", "seq_len", "precision", "model_recomputes", "steps"})
+"micro_batch", "seq_len", "precision", "model_recomputes", "steps", "min_seconds"})
 
 The model is built from its config with random weights and trained on random data of the plan's shapes: a step's
 time depends on the shapes, not on the values. Each rank gets ``micro_batch x tp x pp x cp`` samples, the batch the
@@ -10,6 +10,7 @@ planner counts per data-parallel rank (the same global batch under every strateg
 """
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -36,6 +37,17 @@ def delay(label: str) -> float:
         if name.strip() == label:
             return float(seconds)
     return 0.0
+
+
+MAX_STEPS = 500  # at most this many timed steps, whatever min_seconds asks
+
+
+def more_steps(times: list[float], min_seconds: float) -> int:
+    """The steps still to time after ``times`` for their total to reach ``min_seconds`` (at their median pace)."""
+    left = min_seconds - sum(times)
+    if left <= 0 or not times:
+        return 0
+    return min(MAX_STEPS - len(times), math.ceil(left / max(statistics.median(times), 1e-6)))
 
 
 def main() -> None:
@@ -77,18 +89,25 @@ def main() -> None:
         if extra:
             time.sleep(extra)
 
-    times = []
-    for i in range(1 + job["steps"]):  # one warm-up step (allocations, first gathers, JIT)
-        if fabric.device.type == "cuda":
-            torch.cuda.synchronize()
-        fabric.barrier()
-        t0 = time.perf_counter()
-        step()
-        if fabric.device.type == "cuda":
-            torch.cuda.synchronize()
-        fabric.barrier()
-        if i:
+    def timed(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            if fabric.device.type == "cuda":
+                torch.cuda.synchronize()
+            fabric.barrier()
+            t0 = time.perf_counter()
+            step()
+            if fabric.device.type == "cuda":
+                torch.cuda.synchronize()
+            fabric.barrier()
             times.append(time.perf_counter() - t0)
+        return times
+
+    timed(1)  # one warm-up step (allocations, first gathers, JIT)
+    times = timed(job["steps"])
+    # Steps of a few milliseconds are timed for at least min_seconds: their first ones after the warm-up run slower
+    # (caches, the allocator) and a few of them are mostly noise. Rank 0 decides, so every rank runs as many.
+    times += timed(fabric.broadcast(more_steps(times, float(job.get("min_seconds") or 0.0)), src=0))
     if fabric.global_rank == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "median": statistics.median(times)}, f)

@@ -3,9 +3,10 @@ fastest measured one chosen (``disttrain plan --trial``, ``AutoStrategy(trial=Tr
 
 Each plan runs in fresh processes started by ``disttrain run``'s launcher (``trial_run.py``): a model built from the
 config with random weights, the plan's strategy and options, micro-batch, precision and checkpointing, random data of
-the plan's shapes, one warm-up step and ``steps`` timed ones (the median counts). A plan that fails to run is
-reported and left out. The model must be buildable from its config (a recipe YAML path, its ``model:`` mapping or an
-HF config dict): a trial never pickles a user's module.
+the plan's shapes, one warm-up step and ``steps`` timed ones, more while they add up to less than
+:data:`MIN_SECONDS` (the median counts). A plan that fails to run is reported and left out. The model must be
+buildable from its config (a recipe YAML path, its ``model:`` mapping or an HF config dict): a trial never pickles a
+user's module.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from disttrain.planner.choose import Candidate, Plan
 
 # The worker runs a Fabric loop, so it lives with the Fabric adapters (the planner itself never imports Lightning).
 WORKER = Path(__file__).parents[1] / "fabric" / "trial_run.py"
+# A plan is timed for at least this long: three steps of a few milliseconds are mostly noise, and the first ones
+# after the warm-up run slower (caches, the allocator): a tiny ViT's DDP step read 11-16 ms over 5 steps, 11-12 over 30.
+MIN_SECONDS = 0.5
 
 
 def trial_source(source: Any) -> Any:
@@ -43,13 +47,14 @@ def trial_source(source: Any) -> Any:
                      " off")
 
 
-def run_one(source: Any, c: Candidate, devices: int, accelerator: str, steps: int, timeout: float = 600.0
-            ) -> tuple[Optional[float], str]:
-    """(median measured step seconds, "") of candidate ``c``, or (None, why it failed)."""
+def run_one(source: Any, c: Candidate, devices: int, accelerator: str, steps: int, timeout: float = 600.0,
+            min_seconds: float = MIN_SECONDS) -> tuple[Optional[float], str]:
+    """(median measured step seconds, "") of candidate ``c``, or (None, why it failed): ``steps`` timed steps
+    after one warm-up, more while they take less than ``min_seconds`` in all."""
     e = c.estimate
     job = {"model": source, "strategy": e.strategy, "options": e.options, "micro_batch": e.micro_batch,
            "seq_len": e.seq_len, "precision": e.precision, "model_recomputes": e.model_recomputes, "steps": steps,
-           "label": c.label}
+           "min_seconds": min_seconds, "label": c.label}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         command = [sys.executable, "-m", "disttrain.cli", "run", str(WORKER), "--devices", str(devices),
