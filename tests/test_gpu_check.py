@@ -13,7 +13,7 @@ from conftest import ROOT, run_python
 
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 LABELS = ["1 MFU", "2 attention", "3 FP8", "4 fp16 + sharded scaler", "5 offload", "6 planner",
-          "7 megatron / pipeline", "8 recipes"]
+          "7 megatron / pipeline", "8 recipes", "9 step time"]
 
 
 def gpu_check(out, *args: str, timeout: int = 1500) -> tuple[subprocess.CompletedProcess, dict]:
@@ -68,6 +68,9 @@ def test_dry_run_judges_numerics_and_reports_device_figures(dry_run):
     assert [r["status"] for r in mfu] == ["dry", "dry"] and all(r["value"] > 0 for r in mfu)
     assert mfu[0]["details"]["profile"]["top"], "the profile of a step below target lists what took the time"
     assert len(rows_of(report, "6 planner")) == 4
+    steps = rows_of(report, "9 step time")  # the calibrated planner's prediction beside each tried plan's measurement
+    assert len(steps) == 1 and steps[0]["status"] == "dry" and steps[0]["details"]["chosen"], steps
+    assert all(r["details"]["predicted_s"] > 0 and r["details"]["measured_s"] > 0 for r in steps)
     assert {r["status"] for r in rows_of(report, "2 attention") if "tokens" in r["item"]} == {"dry"}
 
 

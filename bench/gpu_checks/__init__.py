@@ -37,6 +37,8 @@ CHECKS = (
           "disttrain_megatron and pipeline schedules on CUDA tensors at world size 1; tp=2 in 2 processes"),
     Check("recipes", "gpu_checks.recipes", "8 recipes", 60, 180,
           "dialogue LLM, ViT and daily DeepFM recipes: a few steps each on the device"),
+    Check("steptime", "gpu_checks.steptime", "9 step time", 90, 240,
+          "planner step time vs measured steps after calibrating the device: dialogue_1b, best two plans"),
 )
 
 BY_NAME = {c.name: c for c in CHECKS}
