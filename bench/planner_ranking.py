@@ -3,15 +3,15 @@ step time the calibrated step-time model predicted for it.
 
     python bench/planner_ranking.py            # tiny dialogue Llama, tiny ViT, GPT-2 and Qwen2-MoE (tiny configs)
     python bench/planner_ranking.py --devices 2 4   # also on 4 processes (calibrated for 4 first)
-    python bench/planner_ranking.py --smoke    # the tiny ViT, DDP and a pipeline, one step, a quick calibration
+    python bench/planner_ranking.py --smoke    # the tiny ViT, DDP and a pipeline, one step, preset figures
 
 First this machine is calibrated (``disttrain calibrate``: matmul and blocks at the models' shapes, memory, the four
 collectives over 2 processes, the framework overheads, and each model's own forward and backward; the cached
-calibration is used when it has timed every model, a quick one for --smoke). For each model the planner's plan lists
-the set-ups that fit; each is run by the trial runner of ``disttrain plan --trial`` (fresh processes through
-``disttrain run``'s launcher, one warm-up step and --steps timed ones, median), --rounds times in alternating
-order (the median of the rounds counts). Printed per model: each plan's predicted and measured step time, the
-spread of its rounds, the error (predicted - measured) / measured (target: within 25%), the rank
+calibration is used when it has timed every model; --smoke uses the CPU preset's figures). For each model the
+planner's plan lists the set-ups that fit; each is run by the trial runner of ``disttrain plan --trial`` (fresh
+processes through ``disttrain run``'s launcher, one warm-up step and --steps timed ones, median), --rounds times in
+alternating order (the median of the rounds counts). Printed per model: each plan's predicted and measured step
+time, the spread of its rounds, the error (predicted - measured) / measured (target: within 25%), the rank
 correlation (Spearman) of predicted and measured, and whether the plan the planner chose measured within 5% of the
 fastest one measured.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tables import write_table  # noqa: E402
@@ -164,7 +163,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per plan and round (their median counts)")
     p.add_argument("--rounds", type=int, default=3, help="times each plan is measured, in alternating order (median)")
     p.add_argument("--devices", type=int, nargs="+", default=[2], help="process counts to plan and measure for")
-    p.add_argument("--smoke", action="store_true", help="the tiny ViT, DDP and a pipeline, one step, a quick calibration")
+    p.add_argument("--smoke", action="store_true", help="the tiny ViT, DDP and a pipeline, one step, the preset's figures")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
     args = p.parse_args()
 
@@ -175,17 +174,17 @@ def main() -> None:
     steps, rounds = (1, 1) if args.smoke else (args.steps, args.rounds)
     rows, summary = [], []
     for devices in ([2] if args.smoke else args.devices):
-        if args.smoke:  # a quick calibration of its own: a smoke run's figures must not become the machine's cache
-            calibration = cal.calibrate(2, "cpu", path=os.path.join(tempfile.mkdtemp(), "smoke.json"), quick=True,
-                                        models=model_timings(models))
+        hw = hardware("cpu", gpus_per_node=devices, host_memory=0)
+        if args.smoke:  # the preset's figures: calibration has its own test, and a smoke run's must not be cached
+            print(f"{devices} processes, the CPU preset's figures (--smoke: not calibrated)")
         else:
             calibration = cal.cached("cpu", devices)
             if calibration is None or not all(calibration.model_profile(model_spec(MODELS[name][0]))
                                               for name in models):  # every model's own step timed
                 calibration = cal.calibrate(devices, "cpu", shapes=model_shapes(models), models=model_timings(models))
-        hw = cal.hardware_from(calibration, hardware("cpu", gpus_per_node=devices, host_memory=0))
-        print(f"{devices} processes, calibration: {calibration.path or 'quick'}; overlap {calibration.overlap:.2f},"
-              f" all-reduce latency {calibration.links['all_reduce'].latency * 1e3:.2f} ms")
+            hw = cal.hardware_from(calibration, hw)
+            print(f"{devices} processes, calibration: {calibration.path}; overlap {calibration.overlap:.2f},"
+                  f" all-reduce latency {calibration.links['all_reduce'].latency * 1e3:.2f} ms")
         plans = {name: plans_of(name, devices, hw, args.smoke) for name in models}
         spreads = measure_rounds(plans, devices, steps, rounds, args.smoke)
         for name, (plan, fitting) in plans.items():
