@@ -25,8 +25,9 @@ class Overheads:
     and ``zero_grad``'s seconds per parameter tensor, plain or a DTensor (FSDP2's shards, tensor-parallel weights),
     whatever its size: torch's AdamW loops over the tensors on a CPU, and every op on a DTensor goes through its
     dispatch, which outweighs a small model's optimizer bytes. ``collective``: what a collective on the critical
-    path (tensor-parallel all-reduces, pipeline sends, context- and expert-parallel all-to-alls) costs beyond its
-    link's latency and bytes when it sits between computations, as there: the ranks arrive apart and, on CPU
+    path (tensor-parallel all-reduces, pipeline sends, context- and expert-parallel all-to-alls; FSDP's gathers and
+    reduce-scatters where there are no streams to prefetch on) costs beyond its link's latency and bytes when it sits
+    between computations, as there: the ranks arrive apart and, on CPU
     processes, gloo's threads wake up and compete with the compute for the cores."""
 
     eager: float

@@ -16,7 +16,8 @@ data-parallel rank). Its parts, as the engines schedule them:
   DeepSpeed's ZeRO-3 steps a few flat partitions, so only their bytes count there.
 - **data-parallel traffic**, overlapped: FSDP and ZeRO-3 prefetch the next unit's all-gather while the current one
   computes and reduce-scatter during backward (on a stream of their own: CPU processes have none, so there each
-  unit waits for its gather); DDP all-reduces gradient buckets during backward. What exceeds
+  unit waits for its gather, which then sits between computations and costs ``Hardware.overheads.collective`` per
+  call as the critical-path collectives below do); DDP all-reduces gradient buckets during backward. What exceeds
   ``overlap`` x the compute it can hide behind is exposed, and never less than one unit's (bucket's) share: the first
   gather (the last bucket) has nothing to hide behind.
 - **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
