@@ -7,7 +7,8 @@
 
 Checks (``bench/gpu_checks/``): 1 MFU of the 1B config and of a full-width slice of the 10B config, 2 SDPA flash
 vs eager attention, 3 FP8 (torchao) vs bf16, 4 fp16 with the sharded scaler, 5 CPU offload, 6 the planner's memory
-estimate vs the allocator's peak, 7 ``disttrain_megatron`` and the pipeline code on CUDA tensors, 8 the recipes.
+estimate vs the allocator's peak, 7 ``disttrain_megatron`` and the pipeline code on CUDA tensors, 8 the recipes,
+9 the planner's step time vs measured steps after calibrating the device.
 
 How the budget holds: the checks run one after another in a worker process (imports paid once), which starts a
 check only if its usual time is left; this process stops the worker when a check outlasts its own budget or the
