@@ -5,8 +5,8 @@ the model's own step; the planner then predicts each plan's step time and the tr
 (fresh processes, one warm-up step, a few timed ones, the median). Each plan is a row: predicted against measured,
 target within 25% (``bench/planner_ranking.py`` checks the same on CPU processes).
 
-A CPU dry run does the same with the tiny config, a quick calibration and the choice alone: it proves the path runs;
-its figures are not judged."""
+A CPU dry run plans the tiny config from the CPU preset (no calibration) and runs the choice alone: it proves the
+path runs; its figures are not judged."""
 
 from __future__ import annotations
 
@@ -44,11 +44,13 @@ def planned(ctx: Context, args: dict[str, Any], micro: int, seq: int, precision:
     from disttrain.planner.hardware import detect
     from disttrain.planner.trial import trial
 
-    spec = model_spec(args)
-    path = ctx.work / "steptime" / "calibration.json"
-    calibration = cal.calibrate(1, ctx.accelerator, shapes=cal.model_shapes(spec, micro, seq), path=path,
-                                quick=ctx.dry, models=[{"model": args, "micro_batch": micro, "seq_len": seq}])
-    hw = cal.hardware_from(calibration, detect(ctx.device, 1, calibrated=False))
+    hw = detect(ctx.device, 1, calibrated=False)
+    if not ctx.dry:  # a dry run plans from the CPU preset: calibration has its own test (tests/test_calibrate.py)
+        spec = model_spec(args)
+        path = ctx.work / "steptime" / "calibration.json"
+        calibration = cal.calibrate(1, ctx.accelerator, shapes=cal.model_shapes(spec, micro, seq), path=path,
+                                    models=[{"model": args, "micro_batch": micro, "seq_len": seq}])
+        hw = cal.hardware_from(calibration, hw)
     plan = choose(args, 1, hw, micro_batch=micro, seq_len=seq, precision=precision)
     trial(plan, args, top=1 if ctx.dry else PLANS, steps=1 if ctx.dry else STEPS, accelerator=ctx.accelerator)
     if not any(c.measured is not None for c in plan.candidates):
