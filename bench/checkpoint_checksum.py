@@ -31,7 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from disttrain.parallel.integrity import CheckpointReader, ChecksumWriter, write_manifest  # noqa: E402
+from disttrain.parallel.checkpoint.integrity import CheckpointReader, ChecksumWriter, write_manifest  # noqa: E402
 from harness import parse_smoke  # noqa: E402
 
 

@@ -37,8 +37,8 @@ def init_group() -> None:
 
 
 def dataset(folder: Path, rows: int, batch_size: int):
-    from disttrain.recsys.data import DayBatches, load_day
     from disttrain.recsys.daily import load_recipe
+    from disttrain.recsys.data import DayBatches, load_day
     from disttrain.recsys.synthetic import make_days
 
     path = make_days(folder, 1, rows)[0]
@@ -51,7 +51,7 @@ def raw_torchrec(data, model_config: dict, lr: float, warmup: int) -> float:
     """torchrec's DMP and a plain loop: forward, BCE-with-logits, backward (tables step inside), Adam."""
     from torchrec.distributed import DistributedModelParallel
 
-    from disttrain.parallel.recsys import RecsysOptions, dense_parameters, fused_params, plan, sharders
+    from disttrain.parallel.engines.recsys import RecsysOptions, dense_parameters, fused_params, plan, sharders
     from disttrain.recsys.model import DeepFMNet, feature_names, to_kjt
 
     torch.manual_seed(0)

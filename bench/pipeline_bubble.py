@@ -112,7 +112,7 @@ def train_steps(model, opt, fabric, data, device, warmup, clock=None) -> tuple[l
 def old_split(model, pp: int) -> list[int]:
     """The split before stages were balanced by cost: parameter counts (the head's with the last stage, the
     embedding's not at all), cut where the running count comes closest to each stage's share."""
-    from disttrain.parallel.pipeline import block_sizes
+    from disttrain.parallel.split.pipeline import block_sizes
 
     sizes, first, last = block_sizes(model)
     sizes = list(sizes)
@@ -218,7 +218,7 @@ def child_pp(args, device) -> dict:
                                               split_points=old_split(build_model(args), 2))
     if f"1F1B m={m}" not in results:
         results[f"1F1B m={m}"] = run_pp(args, device, clock, m, pipeline_schedule="1f1b")
-    from disttrain.parallel.pipeline import SCHEDULES
+    from disttrain.parallel.split.pipeline import SCHEDULES
 
     for name in [n for n in args.schedules.split(",") if n in SCHEDULES]:  # dualpipev: torch >= 2.9
         results[f"{name} m={m}"] = run_pp(args, device, clock, m, pipeline_schedule=name)

@@ -40,7 +40,7 @@ def measure(n: int, sizes: list[str], tmp: str) -> tuple[list[dict], int]:
 def checkpoint_bytes(path: str) -> int:
     import math
 
-    from disttrain.parallel.checkpoint import stored_entries
+    from disttrain.parallel.checkpoint.io import stored_entries
 
     return sum(math.prod(md.size) * md.properties.dtype.itemsize for md in stored_entries(path).values()
                if hasattr(md, "chunks"))

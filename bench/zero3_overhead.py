@@ -62,7 +62,7 @@ def memory(device) -> dict[str, float]:
 def raw_deepspeed(args, device, data):
     import deepspeed
 
-    from disttrain.parallel.zero import ZeroOptions, import_dynamo_before_zero_init, zero3_config
+    from disttrain.parallel.engines.deepspeed import ZeroOptions, import_dynamo_before_zero_init, zero3_config
 
     import_dynamo_before_zero_init()  # the model's lazy transformers import reaches torch._dynamo: not inside zero.Init
     config = zero3_config(ZeroOptions(), precision=args.precision, micro_batch_size=args.batch, accumulation=1,

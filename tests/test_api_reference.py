@@ -31,7 +31,7 @@ def test_the_command_line_page_has_every_command_disttrain_lists():
 
 
 def test_an_option_dataclass_renders_as_a_table_of_its_own_fields():
-    from disttrain.parallel.megatron import MegatronOptions
+    from disttrain.parallel.engines.megatron import MegatronOptions
 
     lines = inspect.cleandoc(MegatronOptions.__doc__ or "").splitlines()  # as autodoc hands it over
     conf().option_table(None, "class", "MegatronOptions", MegatronOptions, None, lines)

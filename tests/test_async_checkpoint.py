@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import ROOT, run_dist, run_torchrun
 
-from disttrain.parallel import checkpoint as ckpt
 from disttrain.parallel import registry
-from disttrain.parallel.async_checkpoint import HOLD_ENV, AsyncSaver
-from disttrain.parallel.checkpoint import CheckpointError, check_checkpoint, latest_checkpoint
-from disttrain.parallel.diskspace import FAIL_ENV, DiskFullError
-from disttrain.parallel.integrity import verify_checkpoint
+from disttrain.parallel.checkpoint import io as ckpt
+from disttrain.parallel.checkpoint.async_save import HOLD_ENV, AsyncSaver
+from disttrain.parallel.checkpoint.integrity import verify_checkpoint
+from disttrain.parallel.checkpoint.io import CheckpointError, check_checkpoint, latest_checkpoint
+from disttrain.parallel.guards.diskspace import FAIL_ENV, DiskFullError
 
 STRATEGIES = ("disttrain_fsdp", "disttrain_ddp", "disttrain_megatron")
 

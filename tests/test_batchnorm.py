@@ -9,7 +9,7 @@ import torch
 from conftest import launch
 from torch import nn
 
-from disttrain.parallel.buffers import broadcast_buffers, convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
+from disttrain.parallel.engines.buffers import broadcast_buffers, convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
 
 pytestmark = pytest.mark.timeout(900)
 SHARDED = ["fsdp", "zero3"]

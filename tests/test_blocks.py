@@ -5,7 +5,8 @@ import timm
 from torch import nn
 
 from common import tiny_llama
-from disttrain.parallel import block_candidates, find_blocks
+from disttrain.parallel import block_candidates
+from disttrain.parallel import find_blocks
 
 
 def test_hf_llama_decoder_layers():
@@ -73,7 +74,7 @@ class LitGPTShaped(nn.Module):
 def test_sub_networks_look_through_containers_without_forward():
     """fully_shard refuses a ModuleDict ("containers that do not implement forward"): its callable parts are the
     units, as litgpt's GPT needs under disttrain_fsdp (its losses then match Lightning's ddp)."""
-    from disttrain.parallel.fsdp import sub_networks
+    from disttrain.parallel.split.fsdp import sub_networks
 
     model = LitGPTShaped()
     blocks = find_blocks(model)
@@ -83,7 +84,7 @@ def test_sub_networks_look_through_containers_without_forward():
 
 
 def test_sub_networks_keep_tied_parts_in_the_root():
-    from disttrain.parallel.fsdp import sub_networks
+    from disttrain.parallel.split.fsdp import sub_networks
 
     model = LitGPTShaped()
     model.lm_head.weight = model.transformer.wte.weight  # tied: both stay in the root unit

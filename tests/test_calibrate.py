@@ -356,7 +356,7 @@ def test_the_step_time_counts_the_fsdp_units_the_engine_makes(mapping):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
-    from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp
+    from disttrain.parallel.split.fsdp import FSDPOptions, apply_fsdp
     from disttrain.planner.steptime import fsdp_units
     from disttrain.planner.workload import build
     from disttrain.simulate.fake import fake_world

@@ -8,7 +8,7 @@ from conftest import run_python
 from safetensors.torch import load_file
 
 from common import tiny_llama
-from disttrain.parallel.checkpoint import (
+from disttrain.parallel.checkpoint.io import (
     CheckpointError,
     check_checkpoint,
     consolidate,
@@ -17,8 +17,8 @@ from disttrain.parallel.checkpoint import (
     optimizer_state,
     save_sharded,
 )
-from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.fsdp import FSDPOptions
+from disttrain.parallel.engines.fsdp import FSDPEngine
+from disttrain.parallel.split.fsdp import FSDPOptions
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def test_unsafe_metadata_is_refused_with_the_fix(tmp_path, trained):
 
 
 def test_bad_export_prefix_names_the_fix(tmp_path, trained):
-    from disttrain.parallel.checkpoint import export_safetensors
+    from disttrain.parallel.checkpoint.io import export_safetensors
 
     with pytest.raises(ValueError, match=r"prefix='net\.' matches no parameter \(keys start like 'model\.embed"
                                          r"_tokens\.weight'\); pass the submodule's attribute path"):

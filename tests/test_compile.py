@@ -10,7 +10,7 @@ from torch import nn
 from conftest import run_dist, run_python
 
 from disttrain.parallel import registry
-from disttrain.parallel.compile import compile_blocks, is_compiled
+from disttrain.parallel.split.compile import compile_blocks, is_compiled
 
 # One launch: every strategy that compiles against itself without compile, on a tiny Llama, ViT and GPT-2 (the
 # Megatron specs on the Llama alone: TP and PP each compile their own graphs, minutes on 2 cores); FSDP also with
@@ -83,7 +83,7 @@ def test_compile_blocks_keeps_the_modules_and_their_names():
 CACHE_RUN = """
 import json, sys, time, torch
 from torch._dynamo.utils import counters
-from disttrain.parallel.compile import compile_blocks
+from disttrain.parallel.split.compile import compile_blocks
 torch.manual_seed(0)
 blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(2)])
 compile_blocks(list(blocks))

@@ -1,11 +1,11 @@
-"""The int8 gradient codec of disttrain.parallel.compress in one process (the collectives are tested on 2 ranks in
+"""The int8 gradient codec of disttrain.parallel.split.compress in one process (the collectives are tested on 2 ranks in
 test_distributed.py): rounding within half a step of each chunk's scale, the wire format, and error feedback."""
 
 from __future__ import annotations
 
 import torch
 
-from disttrain.parallel.compress import BLOCK, dequantize, pack, quantize, unpack
+from disttrain.parallel.split.compress import BLOCK, dequantize, pack, quantize, unpack
 
 
 def test_quantize_rounds_each_chunk_within_half_its_step():

@@ -1,4 +1,4 @@
-"""Context parallelism (disttrain.parallel.cp) on CPU with gloo: the losses of 5 AdamW steps, the step-1 gradients
+"""Context parallelism (disttrain.parallel.split.cp) on CPU with gloo: the losses of 5 AdamW steps, the step-1 gradients
 (after FSDP's or an averaging reduction over the cp ranks) and an evaluation forward equal one process's, on packed
 rows, for Llama (eager, sdpa), Qwen2 and Mistral (sliding windows), at cp=2 and cp=4, under FSDP2 with activation
 checkpointing, data x cp, and cp x tensor parallel; and the one-line refusals.

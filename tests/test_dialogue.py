@@ -27,7 +27,7 @@ from disttrain.nlp import (
 from disttrain.nlp.corpus import demo_data
 from disttrain.nlp.data import IGNORE_INDEX
 from disttrain.nlp.module import build_model
-from disttrain.parallel.checkpoint import export_safetensors
+from disttrain.parallel.checkpoint.io import export_safetensors
 
 TINY = ROOT / "configs/nlp/dialogue_tiny.yaml"
 

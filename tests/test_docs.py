@@ -240,7 +240,7 @@ def test_option_tables_equal_the_option_dataclasses():
 
 
 def test_option_table_check_names_missing_unknown_and_wrong_defaults():
-    from disttrain.parallel.ddp import DDPOptions
+    from disttrain.parallel.engines.ddp import DDPOptions
 
     options = options_module()
     rows = options.table(DDPOptions)

@@ -89,8 +89,8 @@ def test_recipe_model_sections_are_read_by_their_family():
 
 
 def test_deepfm_family_keys_and_counts_are_deepfmnet_s():
-    from disttrain.planner import model_spec
     from disttrain.parallel.families.deepfm import MODEL_SCHEMA, DeepFMNet
+    from disttrain.planner import model_spec
 
     deepfm = family_named("deepfm")
     assert deepfm.config_schema({}) == MODEL_SCHEMA  # the planner checks a recsys recipe's model: as its trainer does
@@ -149,7 +149,7 @@ def test_export_formats_are_the_families_and_the_neutral_ones():
 def test_megatron_splits_the_model_inside_a_lightning_module_that_keeps_its_config():
     """DialogueLM keeps the LlamaConfig as ``self.config``: the model to split is still its ``model``."""
     from disttrain.nlp import DialogueLM
-    from disttrain.parallel.megatron import MegatronEngine, MegatronOptions
+    from disttrain.parallel.engines.megatron import MegatronEngine, MegatronOptions
 
     module = DialogueLM(config=dict(TINY_LLAMA))
     with torch.device("meta"):

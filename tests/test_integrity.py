@@ -16,7 +16,7 @@ import torch
 import xxhash
 
 from conftest import ROOT, run_python
-from disttrain.parallel.checkpoint import (
+from disttrain.parallel.checkpoint.io import (
     CheckpointError,
     latest_checkpoint,
     load_sharded,
@@ -25,7 +25,7 @@ from disttrain.parallel.checkpoint import (
     read_full,
     save_sharded,
 )
-from disttrain.parallel.integrity import (
+from disttrain.parallel.checkpoint.integrity import (
     MANIFEST_FILE,
     UnverifiedCheckpointWarning,
     load_metadata,

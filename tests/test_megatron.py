@@ -9,13 +9,13 @@ import torch
 from conftest import run_dist
 from safetensors.torch import load_file
 
-from disttrain.parallel.megatron import MegatronOptions
-from disttrain.parallel.mesh import ParallelDims
-from disttrain.parallel.options import build_options
-from disttrain.parallel.pipeline import plan_stages
+from disttrain.parallel.engines.megatron import MegatronOptions
 from disttrain.parallel.families.base import check_heads
 from disttrain.parallel.families.layout import qkv_rank_major, restore_rows
-from disttrain.parallel.tp import apply_tp
+from disttrain.parallel.mesh import ParallelDims
+from disttrain.parallel.options import build_options
+from disttrain.parallel.split.pipeline import plan_stages
+from disttrain.parallel.split.tp import apply_tp
 
 TOL = 1e-5
 
@@ -77,7 +77,7 @@ def test_balanced_split_minimises_the_costliest_stage():
 def test_block_costs_count_the_head_and_loss_and_balance_the_stages():
     from common import tiny_llama
 
-    from disttrain.parallel.pipeline import block_costs, block_sizes
+    from disttrain.parallel.split.pipeline import block_costs, block_sizes
 
     model = tiny_llama(layers=8)
     model.config.vocab_size = 1024  # a head worth ~1.5 blocks of this tiny model
@@ -180,7 +180,7 @@ def test_fabric_clip_gradients_uses_the_whole_model_norm(tmp_path, spec):
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_clip_equals_torch_in_one_process_and_refuses_nonfinite_norms(norm_type):
-    from disttrain.parallel.clip import clip_grad_norm_
+    from disttrain.parallel.engines.clip import clip_grad_norm_
 
     def model_with_grads() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -316,7 +316,7 @@ def test_a_user_plan_applies_to_the_blocks_that_contain_its_paths():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from transformers import BertConfig, BertModel
 
-    from disttrain.parallel.tp import plan_blocks
+    from disttrain.parallel.split.tp import plan_blocks
 
     bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                 vocab_size=50))

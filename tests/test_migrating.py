@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from common import global_batch, tiny_llama
 from disttrain.checkpoint_loading import open_lightning_checkpoint, parameter_order
-from disttrain.parallel.checkpoint import load_sharded, model_state, optimizer_state, save_sharded
-from disttrain.parallel.integrity import CheckpointError, UnverifiedCheckpointWarning
+from disttrain.parallel.checkpoint.integrity import CheckpointError, UnverifiedCheckpointWarning
+from disttrain.parallel.checkpoint.io import load_sharded, model_state, optimizer_state, save_sharded
 
 pytestmark = pytest.mark.timeout(1200)
 TOL = 1e-5
@@ -253,7 +253,7 @@ def test_a_model_sharded_before_setup_is_refused_in_one_line():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from disttrain.parallel.engine import refuse_user_sharding
+    from disttrain.parallel.engines.base import refuse_user_sharding
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     module = Wrapped()

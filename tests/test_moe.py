@@ -106,9 +106,9 @@ def test_expert_parallel_sizes_are_checked(sizes, error):
 def test_expert_parallel_refuses_what_has_no_experts_and_sizes_that_do_not_divide_them():
     import transformers as tf
 
+    from disttrain.parallel.engines.megatron import MegatronEngine, MegatronOptions
     from disttrain.parallel.families import family_of
     from disttrain.parallel.families.hf_plans import HF_PLANS
-    from disttrain.parallel.megatron import MegatronEngine, MegatronOptions
 
     with pytest.raises(ValueError, match=r"expert_parallel_size=2 with context_parallel_size=2 .* use"
                                          r" context_parallel_size=1"):

@@ -144,7 +144,7 @@ def tiny_exports(tmp_path_factory, demo_root):
 
     from disttrain.nlp import DialogueLM, export_hf, load_tokenizer
     from disttrain.nlp.corpus import demo_data
-    from disttrain.parallel.checkpoint import export_safetensors
+    from disttrain.parallel.checkpoint.io import export_safetensors
 
     root = tmp_path_factory.mktemp("replies")
     _, tok_dir = demo_data(demo_root)

@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, child_env, free_port, run_dist, run_python
 
 from common import reference_losses, tiny_llama
-from disttrain.parallel.checkpoint import CheckpointError, latest_checkpoint, load_sharded
+from disttrain.parallel.checkpoint.io import CheckpointError, latest_checkpoint, load_sharded
 
 TOL = 1e-5
 
@@ -125,7 +125,7 @@ def test_hybrid_shard_sizes_are_checked():
 
 # -- exports from a checkpoint (one process) -------------------------------------------------------------------
 def _save(path: Path, model: torch.nn.Module, **metadata) -> Path:
-    from disttrain.parallel.checkpoint import model_state, optimizer_state, save_sharded
+    from disttrain.parallel.checkpoint.io import model_state, optimizer_state, save_sharded
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return save_sharded(path, {"model": model_state(model), "optimizer": optimizer_state(model, opt)}, metadata)
@@ -154,7 +154,7 @@ def test_export_hf_directory_loads_in_transformers(tmp_path):
 
 
 def test_export_hf_needs_a_config(tmp_path):
-    from disttrain.parallel.export import export_checkpoint
+    from disttrain.parallel.checkpoint.export import export_checkpoint
 
     model = tiny_llama(seed=3)
     ckpt = _save(tmp_path / "ckpt", model)
@@ -171,7 +171,7 @@ def test_export_timm_state_dict_loads_in_timm(tmp_path):
     import timm
     from timm.models import load_checkpoint
 
-    from disttrain.parallel.export import export_checkpoint
+    from disttrain.parallel.checkpoint.export import export_checkpoint
 
     def vit():
         return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=64,
@@ -189,7 +189,7 @@ def test_export_timm_state_dict_loads_in_timm(tmp_path):
 
 
 def test_export_torch_state_dict_loads_in_a_plain_module(tmp_path):
-    from disttrain.parallel.export import export_checkpoint
+    from disttrain.parallel.checkpoint.export import export_checkpoint
 
     def net():
         return torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Flatten(), torch.nn.Linear(24, 1))
@@ -215,7 +215,7 @@ def test_deploy_files_parse_and_name_the_llm_recipe():
 
 
 def test_latest_checkpoint_skips_leftovers_and_incomplete_folders(tmp_path):
-    from disttrain.parallel.checkpoint import model_state, save_sharded
+    from disttrain.parallel.checkpoint.io import model_state, save_sharded
 
     assert latest_checkpoint(tmp_path / "none") is None
     model = torch.nn.Linear(2, 2)

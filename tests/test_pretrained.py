@@ -8,8 +8,8 @@ import torch
 
 from conftest import run_dist
 
-from disttrain.parallel.checkpoint import CheckpointError, load_pretrained
-from disttrain.parallel.pretrained import check_pretrained, stored_names
+from disttrain.parallel.checkpoint.io import CheckpointError, load_pretrained
+from disttrain.parallel.checkpoint.pretrained import check_pretrained, stored_names
 
 SPECS = ["disttrain_fsdp", "disttrain_zero3", "disttrain_megatron:tensor_parallel_size=2"]
 MODELS = ["llama", "qwen2", "gemma2", "phi3"]
@@ -120,7 +120,7 @@ def test_lora_export_merges_like_peft_also_for_gpt2_conv1d_layers(tmp_path):
     from peft import PeftModel, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from disttrain.parallel.lora import LoraSettings, adapter_layers, add_lora, split_export, write_adapter
+    from disttrain.parallel.split.lora import LoraSettings, adapter_layers, add_lora, split_export, write_adapter
 
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32))
@@ -154,7 +154,7 @@ def test_lora_export_merges_like_peft_also_for_gpt2_conv1d_layers(tmp_path):
 
 
 def test_lora_settings_name_the_bad_value():
-    from disttrain.parallel.lora import LoraSettings
+    from disttrain.parallel.split.lora import LoraSettings
 
     with pytest.raises(ValueError, match=r"lora: unknown key\(s\) \['rnak'\]; known:"):
         LoraSettings.from_dict({"rnak": 8})

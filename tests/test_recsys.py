@@ -17,9 +17,9 @@ import torch
 
 from conftest import ROOT, child_env, run_dist, run_python, run_torchrun
 
+from disttrain.parallel.families.deepfm import DeepFMNet, fm_interaction
 from disttrain.recsys.data import BadDataError, DayBatches, day_stats, list_days, load_day, parse_day_file
 from disttrain.recsys.metrics import ClickMetrics
-from disttrain.parallel.families.deepfm import DeepFMNet, fm_interaction
 from disttrain.recsys.publish import ModelStore
 from disttrain.recsys.synthetic import make_days
 from disttrain.recsys.validate import ValidationBounds, check_day
@@ -41,7 +41,7 @@ def test_fm_term_matches_pairwise_reference():
 def test_model_config_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"bottom_mlp=\[32\] must end with embedding_dim=16"):
         DeepFMNet(embedding_dim=16, num_embeddings_per_feature=[10] * 26, bottom_mlp=[32])
-    from disttrain.parallel.recsys import RecsysOptions
+    from disttrain.parallel.engines.recsys import RecsysOptions
 
     with pytest.raises(ValueError, match="sparse_optimizer='adam'"):
         RecsysOptions(sparse_optimizer="adam")
@@ -484,7 +484,7 @@ def test_warm_start_refuses_a_current_model_with_nan_weights(published, tmp_path
 
     import torch.distributed as dist
 
-    from disttrain.parallel.recsys import RecsysEngine, RecsysOptions
+    from disttrain.parallel.engines.recsys import RecsysEngine, RecsysOptions
     from disttrain.recsys.daily import DEFAULT_CONFIG, init_processes, load_recipe
     from disttrain.recsys.model import DeepFM
 

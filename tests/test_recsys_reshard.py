@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import run_dist
-from disttrain.parallel.checkpoint import read_full, read_meta
-from disttrain.parallel.recsys import ROW_STATE_KEY, regroup_row_state
+from disttrain.parallel.checkpoint.io import read_full, read_meta
+from disttrain.parallel.engines.recsys import ROW_STATE_KEY, regroup_row_state
 
 TOL = 1e-6
 

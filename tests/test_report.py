@@ -81,7 +81,7 @@ def test_job_log_keeps_library_output_in_its_file_once_and_the_operators_lines_o
 
     import lightning.pytorch  # noqa: F401  (its console handler: detached while the job log runs)
 
-    from disttrain.parallel.integrity import warn_unverified
+    from disttrain.parallel.checkpoint.integrity import warn_unverified
     from disttrain.report.joblog import job_log, log_path
 
     lightning_logger = logging.getLogger("lightning.pytorch")

@@ -18,9 +18,9 @@ import torch
 
 from conftest import ROOT, run_launched, run_torchrun
 from test_recsys import RECIPE, published, records, run_daily, the_error  # noqa: F401 (a fixture)
-from disttrain.parallel import checkpoint as ckpt
-from disttrain.parallel.diskspace import FAIL_ENV, DiskFullError, disk_full_cause, ensure_free, writing
-from disttrain.parallel.integrity import verify_checkpoint
+from disttrain.parallel.checkpoint import io as ckpt
+from disttrain.parallel.checkpoint.integrity import verify_checkpoint
+from disttrain.parallel.guards.diskspace import FAIL_ENV, DiskFullError, disk_full_cause, ensure_free, writing
 from disttrain.recsys.synthetic import make_days
 
 DAY = "2026-11-{:02d}".format
@@ -190,7 +190,7 @@ def test_watchdog_reports_a_silent_peer_and_not_one_that_finished():
 
     import torch.distributed as dist
 
-    from disttrain.parallel.watchdog import Watchdog, collective_timeout, set_phase
+    from disttrain.parallel.guards.watchdog import Watchdog, collective_timeout, set_phase
 
     store, lines, fired = dist.HashStore(), [], threading.Event()
     report = lambda line: (lines.append(line), fired.set())  # noqa: E731
@@ -215,7 +215,7 @@ def test_watchdog_reports_a_silent_peer_and_not_one_that_finished():
 def test_a_collective_that_never_completes_is_one_line():
     """gloo's errors when every rank is alive but one never joins (measured: rank 1 asleep past the process group's
     timeout): the waiting rank's timeout and its peer's closed connection, each one line; other errors are not."""
-    from disttrain.parallel.watchdog import describe_collective_timeout, set_phase
+    from disttrain.parallel.guards.watchdog import describe_collective_timeout, set_phase
 
     set_phase("evaluating")
     waited = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out"

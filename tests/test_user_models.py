@@ -15,7 +15,7 @@ from conftest import DIST, relative_diff, run_dist, run_python
 
 import disttrain  # noqa: F401  (installs load_from_checkpoint for disttrain folders)
 from common import global_batch, LlamaModule
-from disttrain.parallel.checkpoint import CheckpointError, model_state, save_sharded
+from disttrain.parallel.checkpoint.io import CheckpointError, model_state, save_sharded
 from user_modules import GAN, STEPS, Classifier
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -110,7 +110,7 @@ def test_activation_checkpointing_and_sdpa_follow_the_config():
 
 
 def test_export_loads_in_timm(tmp_path):
-    from disttrain.parallel.checkpoint import export_safetensors
+    from disttrain.parallel.checkpoint.io import export_safetensors
 
     vit = classifier()
     out = export_timm(tmp_path / "export", MODEL, lambda p: export_safetensors(vit, p, prefix=PREFIX),

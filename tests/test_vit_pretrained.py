@@ -8,7 +8,7 @@ import torch
 
 from conftest import ROOT, run_dist, run_python
 
-from disttrain.parallel.checkpoint import load_pretrained
+from disttrain.parallel.checkpoint.io import load_pretrained
 from disttrain.vision import build_vit, timm_checkpoint
 from disttrain.vision.pretrained import HEAD, load_timm_checkpoint
 

@@ -13,7 +13,7 @@ from conftest import relative_diff, run_dist, run_python
 from safetensors.torch import load_file
 
 from common import probe_input, reference_losses, tiny_llama
-from disttrain.parallel.zero import ZeroOptions, zero3_config
+from disttrain.parallel.engines.deepspeed import ZeroOptions, zero3_config
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run_dist
 
-from disttrain.parallel.checkpoint import (
+from disttrain.parallel.checkpoint.io import (
     CheckpointError,
     load_sharded,
     model_state,
@@ -23,7 +23,7 @@ from disttrain.parallel.checkpoint import (
     storage_reader,
     stored_entries,
 )
-from disttrain.parallel.zero import flat_range_boxes
+from disttrain.parallel.checkpoint.zero import flat_range_boxes
 from zero3_shards import edge_loss, edge_net, edge_optimizer, global_batch, reference_losses
 
 pytestmark = pytest.mark.timeout(1200)

@@ -94,7 +94,7 @@ def pipeline_world_size_1(ctx: Context, ids: torch.Tensor) -> list[Row]:
 
 def one_schedule(ctx: Context, reference: torch.nn.Module, loss: float, ids: torch.Tensor, mesh: object,
                  schedule: str, virtual: int, item: str) -> Row:
-    from disttrain.parallel.pipeline import pipeline_model
+    from disttrain.parallel.split.pipeline import pipeline_model
 
     grads = {n: p.grad for n, p in reference.named_parameters()}
     lm = copy.deepcopy(reference)

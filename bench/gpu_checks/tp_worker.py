@@ -2,7 +2,7 @@
 (``cuda:0``, or the CPU in a dry run) with the gloo backend.
 
 Usage: tp_worker.py RESULT DEVICE_TYPE MODEL_JSON STEPS SEQ. Each rank trains the unsharded reference and the
-tensor-parallel copy (``disttrain.parallel.tp.apply_tp`` with the Llama plan) from the same weights on the same
+tensor-parallel copy (``disttrain.parallel.split.tp.apply_tp`` with the Llama plan) from the same weights on the same
 batches, and writes RESULT.<rank>.json: both loss curves and the shape of its q_proj shard, or the error."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def run(device_type: str, model_args: dict, steps: int, seq: int) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from disttrain.parallel.tp import apply_tp
+    from disttrain.parallel.split.tp import apply_tp
 
     if device_type == "cuda":
         torch.cuda.set_device(0)  # both ranks share the one device

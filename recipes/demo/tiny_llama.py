@@ -27,7 +27,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import disttrain  # noqa: F401  (registers disttrain_* names)
 from disttrain.fabric import builds_empty
-from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
+from disttrain.parallel import rank_state_bytes
+from disttrain.parallel import unsharded_param_bytes
 from disttrain.report import fabric_loggers, interactive, start_run, write_report, write_run_info
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process

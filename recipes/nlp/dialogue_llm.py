@@ -50,10 +50,10 @@ from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
 from disttrain.nlp.data import collate
 from disttrain.nlp.module import lr_factor
 from disttrain.nlp.replies import Sampling, sample_replies, side_by_side
-from disttrain.parallel import watchdog
-from disttrain.parallel.checkpoint import export_safetensors, write_safetensors
-from disttrain.parallel.failures import one_line_failures
-from disttrain.parallel.lora import LoraSettings, adapter_layers, split_export, trainable_summary, write_adapter
+from disttrain.parallel.checkpoint.io import export_safetensors, write_safetensors
+from disttrain.parallel.guards import watchdog
+from disttrain.parallel.guards.failures import one_line_failures
+from disttrain.parallel.split.lora import LoraSettings, adapter_layers, split_export, trainable_summary, write_adapter
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a torchao deprecation notice per process
@@ -136,7 +136,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.pretrained:
         from transformers import AutoConfig
 
-        from disttrain.parallel.pretrained import check_pretrained
+        from disttrain.parallel.checkpoint.pretrained import check_pretrained
 
         folder = check_pretrained(args.pretrained)
         model = AutoConfig.from_pretrained(str(folder)).to_dict()

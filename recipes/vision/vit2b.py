@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.callbacks import Throughput
 from disttrain.fabric import builds_empty, use_async_checkpoint, wait_checkpoint
-from disttrain.parallel import watchdog
-from disttrain.parallel.failures import one_line_failures
+from disttrain.parallel.guards import watchdog
+from disttrain.parallel.guards.failures import one_line_failures
 from disttrain.report import StepProgress, fabric_loggers, start_run, write_report, write_run_info
 from disttrain.vision import (ImageFolderData, ViTClassifier, count_parameters, default_config, default_strategy,
                               export_timm, load_timm_checkpoint, read_yaml, timm_checkpoint)
@@ -290,7 +290,7 @@ def _export_weights(fabric: L.Fabric, model: Any, path: Path) -> Optional[Path]:
     """The strategy's full-weights export of the timm model (``self.model``) as safetensors."""
     if hasattr(fabric.strategy, "export_full"):
         return fabric.strategy.export_full(model, path, prefix=PREFIX)
-    from disttrain.parallel.checkpoint import export_safetensors  # single-device Fabric strategies
+    from disttrain.parallel.checkpoint.io import export_safetensors  # single-device Fabric strategies
 
     return export_safetensors(getattr(model, "module", model), path, prefix=PREFIX)
 

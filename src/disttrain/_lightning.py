@@ -24,16 +24,17 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from disttrain.parallel.engine import Engine
-from disttrain.parallel import registry, watchdog
-from disttrain.parallel.zero import (
+from disttrain.parallel import registry
+from disttrain.parallel.engines.base import Engine
+from disttrain.parallel.guards import watchdog
+from disttrain.parallel.engines.deepspeed import (
     hf_init_after_partitioning,
     import_dynamo_before_zero_init,
-    skip_inference_comm_op,
     trim_while_partitioning,
 )
+from disttrain.patches import skip_deepspeed_shm_op
 
-# Seconds a rank may stay silent (its heartbeat) before every other rank ends the run (parallel/watchdog.py); the
+# Seconds a rank may stay silent (its heartbeat) before every other rank ends the run (parallel/guards/watchdog.py); the
 # process group's collectives wait a few heartbeats longer. Lightning waits 30 minutes, with no word of which rank;
 # a checkpoint save or a step that takes longer needs a larger ``timeout=``.
 DEFAULT_TIMEOUT: float = 600.0
@@ -166,7 +167,7 @@ class DeepSpeedPlumbing(EngineAdapter):
 
     # Lightning's zero.Init contexts (Fabric's module_sharded_context, the Trainer's model_sharded_context), with Hugging
     # Face models initialised as transformers does under ZeRO-3, memory freed by partitioning given back as it goes, and
-    # torch._dynamo imported before (a first import inside fails; parallel/zero.py explains all three)
+    # torch._dynamo imported before (a first import inside fails; parallel/engines/deepspeed.py explains all three)
     def module_sharded_context(self) -> AbstractContextManager:
         import_dynamo_before_zero_init()
         stack = ExitStack()
@@ -186,7 +187,7 @@ class DeepSpeedPlumbing(EngineAdapter):
         validate_gpu_indices(self.parallel_devices)
         reset_seed()
         set_world_ranks()
-        skip_inference_comm_op()
+        skip_deepspeed_shm_op()
         self._init_deepspeed_distributed()  # type: ignore[attr-defined]
         after_process_group(self)
 

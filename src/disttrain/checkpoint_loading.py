@@ -14,7 +14,6 @@ the one layout (docs/migrating.md).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import os
 import pickle
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from disttrain.parallel.checkpoint import (
+from disttrain.parallel.checkpoint.io import (
     FORMAT_KEY,
     META_FILE,
     is_disttrain_folder,
@@ -45,7 +44,7 @@ from disttrain.parallel.checkpoint import (
     read_full,
     read_meta,
 )
-from disttrain.parallel.integrity import CheckpointError, CheckpointReader
+from disttrain.parallel.checkpoint.integrity import CheckpointError, CheckpointReader
 
 
 def is_checkpoint_folder(path: Any) -> bool:
@@ -63,34 +62,6 @@ def read_checkpoint_folder(path: str | os.PathLike, map_location: Any = None,
         checkpoint["state_dict"] = {k: v.to(map_location) if isinstance(v, torch.Tensor) else v
                                     for k, v in checkpoint["state_dict"].items()}
     return checkpoint
-
-
-def install_load_from_checkpoint() -> None:
-    """Let ``LightningModule.load_from_checkpoint`` / ``LightningDataModule.load_from_checkpoint`` read disttrain
-    checkpoint folders (idempotent).
-
-    Both read the path with the name ``pl_load`` in ``lightning.pytorch.core.saving`` (Fabric's ``_load``), which
-    opens it as one file: a folder fails with IsADirectoryError. No Trainer or strategy exists at that point, so
-    Lightning offers no hook; that one module-level name is rebound instead. Every path that is not a disttrain
-    checkpoint folder (files, URLs, streams, other folders) goes to Lightning's function unchanged, and nothing
-    else in Lightning (the Trainer's resume, Fabric's load, other modules importing ``_load``) is touched.
-    """
-    from lightning.pytorch.core import saving
-
-    if getattr(saving.pl_load, "_reads_disttrain_folders", False):
-        return
-    saving.pl_load = _reading_folders(saving.pl_load)
-
-
-def _reading_folders(lightning_load: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(lightning_load)
-    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        if is_checkpoint_folder(path_or_url):
-            return read_checkpoint_folder(path_or_url, map_location, weights_only)
-        return lightning_load(path_or_url, map_location=map_location, weights_only=weights_only)
-
-    pl_load._reads_disttrain_folders = True  # type: ignore[attr-defined]
-    return pl_load
 
 
 # -- checkpoints written by Lightning's own strategies, resumed under a disttrain strategy ----------------------------

@@ -157,7 +157,7 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
 
 
 def _export(argv: list[str]) -> int:
-    from disttrain.parallel.export import FORMATS, export_checkpoint
+    from disttrain.parallel.checkpoint.export import FORMATS, export_checkpoint
 
     parser = argparse.ArgumentParser(prog="disttrain export", description="Consolidate a sharded checkpoint folder"
                                      " of any disttrain strategy into the model's full weights (one process).")
@@ -179,7 +179,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _verify(argv: list[str]) -> int:
-    from disttrain.parallel.integrity import MANIFEST_FILE, checkpoint_problems, read_manifest
+    from disttrain.parallel.checkpoint.integrity import MANIFEST_FILE, checkpoint_problems, read_manifest
 
     parser = argparse.ArgumentParser(prog="disttrain verify", description="Check checkpoint folders offline against"
                                      f" their {MANIFEST_FILE} (a checksum of every file) and DCP's metadata. Prints one"
@@ -496,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    from disttrain.parallel.checkpoint import CheckpointError
-    from disttrain.parallel.diskspace import DiskFullError
+    from disttrain.parallel.checkpoint.io import CheckpointError
+    from disttrain.parallel.guards.diskspace import DiskFullError
 
     try:
         return commands[command](rest)

@@ -22,9 +22,9 @@ import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import disttrain  # noqa: F401  (registers the strategy names)
-from disttrain.parallel import async_checkpoint
-from disttrain.parallel.checkpoint import latest_checkpoint
-from disttrain.parallel.diskspace import FAIL_ENV
+from disttrain.parallel.checkpoint.io import async_save as async_checkpoint
+from disttrain.parallel.checkpoint.io import latest_checkpoint
+from disttrain.parallel.guards.diskspace import FAIL_ENV
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import LlamaModule, loader, rank_batch, mean_over_ranks, tiny_llama, write_result  # noqa: E402

@@ -1,4 +1,4 @@
-"""Context parallelism (disttrain.parallel.cp) against one process, on CPU with gloo.
+"""Context parallelism (disttrain.parallel.split.cp) against one process, on CPU with gloo.
 
 Usage: cp_core.py OUT CASE [CASE ...] under torchrun. Every rank writes OUT.<rank>.json, {case: result}: its losses
 (the cp ranks of one batch must all hold the one-process loss). After all parallel runs, rank ``i % world`` trains
@@ -22,8 +22,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from disttrain.parallel.cp import ContextParallel, apply_context_parallel, shift_labels
 from disttrain.parallel.families.llama import llama_plan
+from disttrain.parallel.split.cp import ContextParallel, apply_context_parallel, shift_labels
 
 VOCAB, STEPS, LR, BATCH = 128, 5, 1e-2, 2
 

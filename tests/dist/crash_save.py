@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(__file__))
 from common import tiny_llama  # noqa: E402
 
-from disttrain.parallel.checkpoint import model_state, optimizer_state, save_sharded  # noqa: E402
+from disttrain.parallel.checkpoint.io import model_state, optimizer_state, save_sharded  # noqa: E402
 
 ckpt_dir = Path(sys.argv[2])
 model = tiny_llama()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from disttrain.parallel.checkpoint import model_state, optimizer_state, save_sharded
+from disttrain.parallel.checkpoint.io import model_state, optimizer_state, save_sharded
 
 path = Path(sys.argv[2])
 torch.manual_seed(0)

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import fabric_train, tiny_llama, write_result  # noqa: E402
 
-from disttrain.parallel.checkpoint import latest_checkpoint  # noqa: E402
+from disttrain.parallel.checkpoint.io import latest_checkpoint  # noqa: E402
 
 ckpt_dir, steps, kill_at = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

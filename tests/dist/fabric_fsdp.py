@@ -8,9 +8,10 @@ import lightning as L
 import torch
 
 import disttrain  # noqa: F401  (registers the strategy names)
-from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
-from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.zero import zero_partition_numel
+from disttrain.parallel import rank_state_bytes
+from disttrain.parallel import unsharded_param_bytes
+from disttrain.parallel.engines.deepspeed import zero_partition_numel
+from disttrain.parallel.engines.fsdp import FSDPEngine
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402

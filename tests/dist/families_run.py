@@ -151,7 +151,7 @@ def setup(fabric: L.Fabric, name: str, model) -> tuple:
 
 
 def check(fabric: L.Fabric, name: str) -> dict:
-    from disttrain.parallel.checkpoint import full_model_state
+    from disttrain.parallel.checkpoint.io import full_model_state
 
     model = build(name)
     reference = copy.deepcopy(model)
@@ -174,7 +174,7 @@ def check(fabric: L.Fabric, name: str) -> dict:
     # The offline readers check the folder on every rank together (a collective); rank 0 writes the export.
     result["ckpt_diff"] = state_diff(full_model_state(f"{out}-ckpt", key="model"), ref_state)
     if not name.startswith(("vit", "deit", "eva")):
-        from disttrain.parallel.export import export_checkpoint
+        from disttrain.parallel.checkpoint.export import export_checkpoint
 
         export_checkpoint(f"{out}-ckpt", "hf", f"{out}-hf", key="model", config=reference.config.to_dict())
     # HF loads the exported directory as its own model

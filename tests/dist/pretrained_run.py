@@ -28,7 +28,7 @@ import lightning as L
 import torch
 
 import disttrain  # noqa: F401  (registers the strategy names)
-from disttrain.parallel.lora import (LoraSettings, adapter_layers, add_lora, init_adapters, initial_adapters,
+from disttrain.parallel.split.lora import (LoraSettings, adapter_layers, add_lora, init_adapters, initial_adapters,
                                      split_export, write_adapter)
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from common import write_result
 
-from disttrain.parallel.checkpoint import CheckpointError
-from disttrain.parallel.recsys import RecsysEngine, RecsysOptions, dense_parameters, table_columns
+from disttrain.parallel.checkpoint.io import CheckpointError
+from disttrain.parallel.engines.recsys import RecsysEngine, RecsysOptions, dense_parameters, table_columns
 from disttrain.recsys.model import DeepFMNet, feature_names, to_kjt
 
 warnings.filterwarnings("ignore")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from common import write_result
 
 import disttrain  # noqa: F401  (registers disttrain_recsys)
-from disttrain.parallel.recsys import RecsysEngine, RecsysOptions, dense_parameters
+from disttrain.parallel.engines.recsys import RecsysEngine, RecsysOptions, dense_parameters
 from disttrain.recsys.daily import evaluate
 from disttrain.recsys.data import DayBatches, load_day, split_rows
 from disttrain.recsys.model import DeepFM, DeepFMNet, feature_names, to_kjt

@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(__file__))
 from common import write_result  # noqa: E402
 
-from disttrain.parallel.ddp import DDPEngine, DDPOptions  # noqa: E402
-from disttrain.parallel.engine import FSDPEngine  # noqa: E402
-from disttrain.parallel.fsdp import FSDPOptions  # noqa: E402
-from disttrain.parallel.megatron import MegatronEngine, MegatronOptions  # noqa: E402
+from disttrain.parallel.engines.ddp import DDPEngine, DDPOptions  # noqa: E402
+from disttrain.parallel.engines.fsdp import FSDPEngine  # noqa: E402
+from disttrain.parallel.engines.megatron import MegatronEngine, MegatronOptions  # noqa: E402
+from disttrain.parallel.split.fsdp import FSDPOptions  # noqa: E402
 from disttrain.planner.spec import meta_model, recipe_model  # noqa: E402
 
 out, config = sys.argv[1], sys.argv[2]

@@ -8,7 +8,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import disttrain
-from disttrain.parallel import rank_state_bytes, unsharded_param_bytes
+from disttrain.parallel import rank_state_bytes
+from disttrain.parallel import unsharded_param_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import strategy_from_spec, LlamaModule, loader, probe_input, tmpdir, write_result  # noqa: E402

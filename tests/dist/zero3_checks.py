@@ -12,7 +12,7 @@ from deepspeed.comm import comm as deepspeed_comm
 sys.path.insert(0, os.path.dirname(__file__))
 from common import LlamaModule, loader, write_result  # noqa: E402
 
-from disttrain.parallel.zero import zero_partition_numel  # noqa: E402
+from disttrain.parallel.engines.deepspeed import zero_partition_numel  # noqa: E402
 
 
 def trainer(strategy, precision="32-true", **kw):

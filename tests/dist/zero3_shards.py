@@ -139,7 +139,7 @@ def gathered_save(path: str, module: nn.Module, optimizer) -> None:
     collective) and held on rank 0, which writes them."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from disttrain.parallel.checkpoint import flatten_optimizer, save_sharded
+    from disttrain.parallel.checkpoint.io import flatten_optimizer, save_sharded
 
     rank0 = dist.get_rank() == 0
     names = {id(p): n for n, p in module.named_parameters()}
@@ -174,7 +174,7 @@ def gathered_load(path: str, module: nn.Module, optimizer) -> None:
     """Every rank reads every full tensor and keeps its partition (DeepSpeed's safe_set_full_*)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from disttrain.parallel.checkpoint import read_full, unflatten_optimizer
+    from disttrain.parallel.checkpoint.io import read_full, unflatten_optimizer
 
     full = read_full(path, keys={"model", "optimizer"})
     params = dict(module.named_parameters())

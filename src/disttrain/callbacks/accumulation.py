@@ -41,7 +41,7 @@ def data_parallel_ranks(strategy: Any, world_size: int) -> int:
 
 def zero_options(strategy: Any) -> Any:
     """The options of a ``disttrain_zero3`` strategy (DeepSpeed accumulates inside its engine), else None."""
-    from disttrain.parallel.zero_engine import ZeroEngine
+    from disttrain.parallel.engines.zero import ZeroEngine
 
     engine = getattr(strategy, "engine", None)
     return engine.options if isinstance(engine, ZeroEngine) else None

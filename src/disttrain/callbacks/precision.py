@@ -145,7 +145,7 @@ class FP8(L.Callback):
         self.report: Optional[FP8Report] = None
 
     def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
-        from disttrain.parallel.engine import FSDPEngine
+        from disttrain.parallel.engines.fsdp import FSDPEngine
 
         engine = getattr(trainer.strategy, "engine", None)
         if engine is None or not engine.takes_module_transforms:

@@ -1,5 +1,5 @@
 """The one Fabric adapter base: the Lightning plumbing every ``disttrain_*`` Fabric strategy shares, written once
-over the strategy's engine (:mod:`disttrain.parallel.engine`). A registered strategy is a short subclass naming its
+over the strategy's engine (:mod:`disttrain.parallel.engines.base`). A registered strategy is a short subclass naming its
 registered strategy and its engine (whose options dataclass it takes), listed in the package's ``ADAPTERS``::
 
     class FSDPStrategy(EngineStrategy):
@@ -27,10 +27,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from disttrain._lightning import STEP_METHODS, DistributedPlumbing, EngineAdapter, split_timeout
-from disttrain.parallel import watchdog
-from disttrain.parallel.checkpoint import restore_rest, the_model
-from disttrain.parallel.engine import Engine
-from disttrain.parallel.precision import sharded_grad_scaler
+from disttrain.parallel.checkpoint.io import restore_rest, the_model
+from disttrain.parallel.engines.base import Engine
+from disttrain.parallel.engines.precision import sharded_grad_scaler
+from disttrain.parallel.guards import watchdog
 
 
 class FabricAdapter(EngineAdapter):
@@ -60,7 +60,7 @@ class FabricAdapter(EngineAdapter):
                         exclude: Collection[str] = ()) -> list[str]:
         """Collective: a Hugging Face folder's (or one safetensors file's) weights into the model ``fabric.setup``
         returned (built empty: ``fabric.init_module(empty_init=True)``), each rank reading only its own slices of the
-        safetensors files into its shards (:mod:`disttrain.parallel.pretrained`). ``prefix``: the HF model's path
+        safetensors files into its shards (:mod:`disttrain.parallel.checkpoint.pretrained`). ``prefix``: the HF model's path
         inside ``module``; ``partial``: only the tensors the folder has (LoRA adapters' first values); ``exclude``:
         stored tensor names left at their initialisation (a new classifier head)."""
         return self.engine.load_pretrained(getattr(module, "_forward_module", module), folder, prefix=prefix,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from disttrain.fabric.base import EngineStrategy
-from disttrain.parallel.megatron import MegatronEngine
+from disttrain.parallel.engines.megatron import MegatronEngine
 
 
 class MegatronStrategy(EngineStrategy):
     """Megatron-style 3D parallelism for ``lightning.Fabric``; options as on the Trainer strategy
-    (:class:`disttrain.parallel.megatron.MegatronOptions`).
+    (:class:`disttrain.parallel.engines.megatron.MegatronOptions`).
 
     Under pipeline parallelism an HF causal LM is called as usual, ``model(input_ids=..., labels=...).loss``;
     other models are called as ``model(x, target=y)`` and return the loss (pass ``loss_fn=`` through the model's

@@ -3,7 +3,6 @@ ZeRO engine (CPU support, a config whose batch settings always agree, the one ch
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Union
 
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
@@ -12,7 +11,8 @@ from typing_extensions import override
 
 from disttrain._lightning import DeepSpeedPlumbing
 from disttrain.fabric.base import FabricAdapter
-from disttrain.parallel.zero_engine import ZeroEngine
+from disttrain.parallel.engines.zero import ZeroEngine
+from disttrain.patches import allow_setup_optimizers_after
 
 
 # Lightning's DeepSpeed strategy stays the base: Fabric runs backward through the DeepSpeed engine for it (and asks
@@ -47,7 +47,7 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
         self._start_deepspeed(self._set_world_ranks)
         self._format_config()
         self._config_initialized = True
-        _allow_setup_optimizers_after_setup_module()
+        allow_setup_optimizers_after(ZeroStrategy)
 
     def _format_config(self) -> None:
         options = self.engine.options
@@ -86,29 +86,3 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
         if stepping:
             self.engine.after_optimizer_step(engine)
         return output
-
-
-def _allow_setup_optimizers_after_setup_module() -> None:
-    """Fabric refuses ``fabric.setup_optimizers`` for every DeepSpeed strategy (Lightning's needs the model and the
-    optimizer in one call); this one attaches the optimizer to the engine ``setup_module`` made. For it, Fabric's
-    other checks (launched, at least one optimizer, not set up twice, no meta tensors) still run; every other
-    strategy keeps Fabric's validation as it is. Installed once, when the first process group starts."""
-    from lightning.fabric import Fabric
-
-    original = Fabric._validate_setup_optimizers
-    if getattr(original, "_disttrain_zero3", False):
-        return
-
-    @functools.wraps(original)
-    def validate(fabric: Any, optimizers: Any) -> None:
-        strategy = fabric._strategy
-        if not isinstance(strategy, ZeroStrategy):
-            return original(fabric, optimizers)
-        fabric._strategy = None  # a strategy of no particular kind: Fabric checks all but the DeepSpeed refusal
-        try:
-            return original(fabric, optimizers)
-        finally:
-            fabric._strategy = strategy
-
-    validate._disttrain_zero3 = True  # type: ignore[attr-defined]
-    Fabric._validate_setup_optimizers = validate

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.parallel.checkpoint import atomic_folder
+from disttrain.parallel.checkpoint.io import atomic_folder
 
 WEIGHTS_NAME = "model.safetensors"
 

@@ -21,7 +21,7 @@ from torch import nn
 from disttrain.config import Recipe, Schema
 from disttrain.nlp.data import loss_tokens
 from disttrain.parallel.families.llama import LLAMA
-from disttrain.parallel.lora import LORA_KEYS, LoraSettings, add_lora, init_adapters
+from disttrain.parallel.split.lora import LORA_KEYS, LoraSettings, add_lora, init_adapters
 
 ConfigSource = Union[str, os.PathLike, dict, None]
 
@@ -93,7 +93,7 @@ class DialogueLM(L.LightningModule):
     reads only its own slices of the safetensors files: ``strategy.load_pretrained``); under another strategy it is
     loaded whole on every rank, then sharded. ``lora=`` (a recipe's ``lora:`` section, e.g. ``{"rank": 8}``) trains
     LoRA adapters (peft) on the frozen pretrained model: only they are in the optimizer
-    (:mod:`disttrain.parallel.lora`).
+    (:mod:`disttrain.parallel.split.lora`).
 
     Batches are ``{"input_ids", "labels", "position_ids"}`` of packed dialogues (``disttrain.nlp.data``).
     Logs ``train/loss`` per step and, after each validation, ``val/loss`` and ``val/ppl`` (token-weighted over
@@ -150,7 +150,7 @@ class DialogueLM(L.LightningModule):
 
     def load_pretrained(self, folder: str | os.PathLike, load: Callable[[str, bool], Any]) -> None:
         """Collective, after set-up: a pretrained folder read sharded into the model, then the LoRA adapters' first
-        values (:mod:`disttrain.parallel.lora`). ``load(folder, partial)``: the strategy's ``load_pretrained`` at this
+        values (:mod:`disttrain.parallel.split.lora`). ``load(folder, partial)``: the strategy's ``load_pretrained`` at this
         module's ``model.`` prefix."""
         load(str(folder), False)
         if self.lora is not None and self.lora.enabled:

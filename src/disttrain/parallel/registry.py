@@ -15,13 +15,14 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from disttrain.parallel.ddp import DDPEngine
-from disttrain.parallel.engine import Engine, FSDPEngine
-from disttrain.parallel.megatron import MegatronEngine
+from disttrain.parallel.engines.base import Engine
+from disttrain.parallel.engines.ddp import DDPEngine
+from disttrain.parallel.engines.fsdp import FSDPEngine
+from disttrain.parallel.engines.megatron import MegatronEngine
+from disttrain.parallel.engines.recsys import RecsysEngine
+from disttrain.parallel.engines.zero import ZeroEngine
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.options import build_options
-from disttrain.parallel.recsys import RecsysEngine
-from disttrain.parallel.zero_engine import ZeroEngine
 
 
 @dataclass

@@ -549,7 +549,7 @@ def measure_zero3(device: torch.device, eager: float, repeats: int = 5, blocks: 
         import deepspeed
     except ImportError:
         return None
-    from disttrain.parallel.zero import ZeroOptions, zero3_config
+    from disttrain.parallel.engines.deepspeed import ZeroOptions, zero3_config
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Block() for _ in range(blocks)]).to(device)

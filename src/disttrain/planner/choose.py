@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.parallel import registry
-from disttrain.parallel.ddp import DDPEngine
-from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.megatron import MegatronEngine
+from disttrain.parallel.engines.ddp import DDPEngine
+from disttrain.parallel.engines.fsdp import FSDPEngine
+from disttrain.parallel.engines.megatron import MegatronEngine
+from disttrain.parallel.engines.recsys import RecsysEngine
+from disttrain.parallel.engines.zero import ZeroEngine
 from disttrain.parallel.mesh import divisors
-from disttrain.parallel.recsys import RecsysEngine
-from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.planner.estimate import (
     Estimate,
     analytic,

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from disttrain.parallel import registry
-from disttrain.parallel.ddp import DDPEngine
-from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.engines.ddp import DDPEngine
+from disttrain.parallel.engines.fsdp import FSDPEngine
+from disttrain.parallel.engines.megatron import MegatronEngine
+from disttrain.parallel.engines.recsys import RecsysEngine
+from disttrain.parallel.engines.zero import ZeroEngine
 from disttrain.parallel.families import family_named
-from disttrain.parallel.megatron import MegatronEngine
 from disttrain.parallel.mesh import ParallelDims
-from disttrain.parallel.recsys import RecsysEngine
-from disttrain.parallel.zero_engine import ZeroEngine
 from disttrain.planner.shards import fsdp_rank_elements, zero3_partition
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
@@ -282,7 +282,7 @@ def _megatron(s: Setup) -> Estimate:
                          f"blocks; a {spec.family} model has none it knows")
     if p > 1 and not pipelines(spec):
         raise ValueError(f"pipeline_parallel_size={p}: disttrain_megatron has no pipeline stages for this"
-                         f" {spec.family} model (see disttrain.parallel.pipeline)")
+                         f" {spec.family} model (see disttrain.parallel.split.pipeline)")
     if spec.heads % t or spec.kv_heads % t:
         choices = [k for k in range(1, spec.kv_heads + 1) if spec.kv_heads % k == 0 and spec.heads % k == 0]
         raise ValueError(f"tensor_parallel_size={t} does not divide num_heads={spec.heads} (kv heads "
@@ -362,7 +362,7 @@ def torchrec_placement(spec: ModelSpec, world_size: int, options: Any = None) ->
         import torchrec  # noqa: F401
     except ImportError:
         return None
-    from disttrain.parallel import recsys as rs
+    from disttrain.parallel.engines import recsys as rs
 
     settings = spec.extra.get("recsys", {})
     if options is None or options == rs.RecsysOptions():
@@ -383,7 +383,7 @@ def _plan_tables(spec: ModelSpec, world_size: int, options: Any, sparse_optimize
     from torch import nn
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-    from disttrain.parallel import recsys as rs
+    from disttrain.parallel.engines import recsys as rs
 
     class Tables(nn.Module):
         def __init__(self) -> None:

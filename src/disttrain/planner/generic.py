@@ -18,12 +18,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.families import family_for_model_type, family_of, unsupported_reason
 from disttrain.parallel.families.hf_plans import expert_counts
-from disttrain.parallel.fsdp import unit_count
-from disttrain.planner.measured import Inputs, MeasuredModel
 from disttrain.parallel.families.spec import ModelSpec, count_params
+from disttrain.parallel.split.blocks import find_blocks
+from disttrain.parallel.split.fsdp import unit_count
+from disttrain.planner.measured import Inputs, MeasuredModel
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from disttrain.parallel.memory import rank_state_bytes, tensor_bytes
+from disttrain.parallel.engines.memory import rank_state_bytes, tensor_bytes
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

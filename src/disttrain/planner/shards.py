@@ -1,6 +1,6 @@
 """Exact per-rank shard sizes from the model's parameter shapes, by the engines' own rules: FSDP2's dim-0 chunks
-(:func:`disttrain.parallel.fsdp.shard_elements`), DeepSpeed's padded ZeRO-3 partition
-(:func:`disttrain.parallel.zero.partition_elements`), and tensor parallelism splitting the plan's column-wise layers
+(:func:`disttrain.parallel.split.fsdp.shard_elements`), DeepSpeed's padded ZeRO-3 partition
+(:func:`disttrain.parallel.engines.deepspeed.partition_elements`), and tensor parallelism splitting the plan's column-wise layers
 on dim 0 and row-wise layers on dim 1. Dividing the parameter count by the world size misses the padding, which grows
 with the world size (a ViT-2B qkv weight of 2688 rows holds 6, not 5.25, rows per rank at dp=512)."""
 
@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
+from disttrain.parallel.engines.deepspeed import partition_elements
 from disttrain.parallel.families import family_named
-from disttrain.parallel.fsdp import shard_elements
-from disttrain.parallel.zero import partition_elements
+from disttrain.parallel.split.fsdp import shard_elements
 from disttrain.planner.spec import ModelSpec
 
 

@@ -135,7 +135,7 @@ def _from_mapping(mapping: dict, source: str = "the model mapping") -> ModelSpec
 
 def _from_module(module: nn.Module) -> ModelSpec:
     """:func:`_module_spec`, with the module's parameter tensors counted (the optimizer's work per tensor)."""
-    from disttrain.parallel.fsdp import unit_count
+    from disttrain.parallel.split.fsdp import unit_count
 
     spec = _module_spec(module)
     spec.extra.setdefault("tensors", sum(1 for _ in module.parameters()))

@@ -48,10 +48,10 @@ import math
 from dataclasses import dataclass
 
 from disttrain.parallel import registry
-from disttrain.parallel.ddp import DDPEngine
-from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.megatron import MegatronEngine
-from disttrain.parallel.zero_engine import ZeroEngine
+from disttrain.parallel.engines.ddp import DDPEngine
+from disttrain.parallel.engines.fsdp import FSDPEngine
+from disttrain.parallel.engines.megatron import MegatronEngine
+from disttrain.parallel.engines.zero import ZeroEngine
 from disttrain.planner.estimate import Estimate, activation_bytes, flops_per_sample
 from disttrain.planner.hardware import Hardware
 from disttrain.planner.spec import ModelSpec
@@ -147,11 +147,11 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
 
 def counted(spec: ModelSpec, key: str) -> int | None:
     """A count made on the model: ``fsdp_units`` (the units ``disttrain_fsdp`` makes of it,
-    :func:`disttrain.parallel.fsdp.unit_count`) or ``tensors`` (its parameter tensors). Counted on the module the
+    :func:`disttrain.parallel.split.fsdp.unit_count`) or ``tensors`` (its parameter tensors). Counted on the module the
     spec was built from, or on the model its config describes built on the meta device (once; both kept in the
     spec); None when neither is at hand (a spec of plain sizes, a config the planner cannot build)."""
     if key not in spec.extra and spec.extra.get("config") and not spec.extra.get("uncounted"):
-        from disttrain.parallel.fsdp import unit_count
+        from disttrain.parallel.split.fsdp import unit_count
         from disttrain.planner.spec import meta_model
 
         try:
@@ -189,9 +189,9 @@ def optimizer_overhead(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
 
 def stage_imbalance(spec: ModelSpec, e: Estimate) -> float:
     """The busiest pipeline stage's compute over the average stage's, under the engine's own cost-balanced split
-    (:func:`disttrain.parallel.pipeline.plan_stages`): equal blocks, and an LM head over the vocabulary counted
+    (:func:`disttrain.parallel.split.pipeline.plan_stages`): equal blocks, and an LM head over the vocabulary counted
     with the last stage (a ViT's or classifier's head is negligible). 1 when the blocks cannot fill the stages."""
-    from disttrain.parallel.pipeline import plan_stages
+    from disttrain.parallel.split.pipeline import plan_stages
 
     stages = e.dims.pp * int(e.options.get("virtual_stages") or 1)
     if spec.layers < stages:

@@ -44,13 +44,14 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import ConfigError
-from disttrain.parallel import checkpoint as ckpt, watchdog
-from disttrain.parallel.failures import describe
-from disttrain.parallel.diskspace import DiskFullError, ensure_free, remove
+from disttrain.parallel.checkpoint import io as ckpt
+from disttrain.parallel.guards import watchdog
+from disttrain.parallel.guards.diskspace import DiskFullError, ensure_free, remove
+from disttrain.parallel.guards.failures import describe
 from disttrain.recsys.data import BadDataError, Day, DayBatches, cache_size_estimate, cached, convert_day, \
     day_stats, folder_bytes, list_days, load_day, parse_date, split_rows
-from disttrain.recsys.metrics import ClickMetrics
 from disttrain.recsys.defaults import DAILY_DEFAULTS, TRAIN_DEFAULTS
+from disttrain.recsys.metrics import ClickMetrics
 from disttrain.recsys.publish import LockedError, ModelStore, StoreError
 from disttrain.recsys.validate import ValidationBounds, check_day
 
@@ -176,7 +177,7 @@ def _store() -> Any:
 
 def init_processes(accelerator: str, timeout: float = 300, prog: str = "deepfm_daily.py") -> torch.device:
     """One process by default (a gloo or nccl group of size 1, since DMP shards over a process group); under
-    torchrun, the group of all its processes, watched by :mod:`disttrain.parallel.watchdog`: a process silent for
+    torchrun, the group of all its processes, watched by :mod:`disttrain.parallel.guards.watchdog`: a process silent for
     ``timeout`` seconds ends the run on every rank (exit status 4), and a collective waits a few seconds more."""
     use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -345,7 +346,7 @@ class DailyJob:
             newest = loaded[plan.days[-1]]
             self._check_held_out(newest, days[plan.days[-1]])
 
-        from disttrain.parallel.recsys import RecsysEngine, RecsysOptions
+        from disttrain.parallel.engines.recsys import RecsysEngine, RecsysOptions
         from disttrain.recsys.model import DeepFM
 
         import lightning as L

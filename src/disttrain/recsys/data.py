@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 
-from disttrain.parallel.diskspace import ensure_free, writing
+from disttrain.parallel.guards.diskspace import ensure_free, writing
 from disttrain.recsys.publish import fsync_dir
 
 DAY_FILE = re.compile(r"^day_(\d{4}-\d{2}-\d{2})\.tsv(\.gz)?$")

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from disttrain.config import Recipe, Schema, keys_of
+from disttrain.parallel.engines.recsys import dense_parameters
 from disttrain.parallel.families.deepfm import MODEL_SCHEMA, DeepFMNet, feature_names, to_kjt
-from disttrain.parallel.recsys import dense_parameters
 
 
 def recipe_schema() -> Schema:
     """What a DeepFM recipe YAML may hold (see :mod:`disttrain.config`)."""
-    from disttrain.parallel.recsys import RecsysOptions
+    from disttrain.parallel.engines.recsys import RecsysOptions
     from disttrain.recsys.defaults import DAILY_DEFAULTS, TRAIN_DEFAULTS
     from disttrain.recsys.validate import ValidationBounds
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from disttrain.parallel.diskspace import writing
+from disttrain.parallel.guards.diskspace import writing
 
 VERSION_DIGITS = 6
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from disttrain.parallel.diskspace import writing
+from disttrain.parallel.guards.diskspace import writing
 from disttrain.report.run import ReportError
 
 HISTORY_METRICS = ("auc", "logloss", "calibration")

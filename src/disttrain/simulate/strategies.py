@@ -10,13 +10,13 @@ from typing import Any, Callable, Union
 import torch
 
 from disttrain.parallel import registry
-from disttrain.parallel.ddp import DDPEngine
-from disttrain.parallel.engine import FSDPEngine
-from disttrain.parallel.fsdp import shard_elements
-from disttrain.parallel.megatron import MegatronEngine
-from disttrain.parallel.recsys import RecsysEngine
-from disttrain.parallel.zero import partition_elements
-from disttrain.parallel.zero_engine import ZeroEngine
+from disttrain.parallel.engines.ddp import DDPEngine
+from disttrain.parallel.engines.deepspeed import partition_elements
+from disttrain.parallel.engines.fsdp import FSDPEngine
+from disttrain.parallel.engines.megatron import MegatronEngine
+from disttrain.parallel.engines.recsys import RecsysEngine
+from disttrain.parallel.engines.zero import ZeroEngine
+from disttrain.parallel.split.fsdp import shard_elements
 from disttrain.simulate.core import (
     Role,
     Simulation,
@@ -109,7 +109,7 @@ def sharded(sim: Simulation, config: Config, options: Any) -> None:
 
 def zero3(sim: Simulation, config: Config, options: Any) -> None:
     """DeepSpeed cannot start on a fake group (its engine allocates and communicates on a real device), so the
-    partition is computed with DeepSpeed's own rule (:func:`disttrain.parallel.zero.partition_elements`) over the
+    partition is computed with DeepSpeed's own rule (:func:`disttrain.parallel.engines.deepspeed.partition_elements`) over the
     meta model's parameters."""
     n = sim.dims.shard
     numels = [p.numel() for p in meta_model(config).parameters()]
@@ -127,7 +127,7 @@ def zero3(sim: Simulation, config: Config, options: Any) -> None:
 def recsys(sim: Simulation, config: Config, options: Any) -> None:
     """torchrec's planner (the engine's ``plan``, same constraints and sharders) on a topology of ``world_size``
     GPUs; each rank's table shards are read from the sharding plan it returns."""
-    from disttrain.parallel import recsys as rs
+    from disttrain.parallel.engines import recsys as rs
     from disttrain.planner.spec import recipe_model
 
     n = sim.world_size

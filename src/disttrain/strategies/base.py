@@ -1,5 +1,5 @@
 """The one Trainer adapter base: the Lightning plumbing every ``disttrain_*`` Trainer strategy shares, written once
-over the strategy's engine (:mod:`disttrain.parallel.engine`). A registered strategy is a short subclass naming its
+over the strategy's engine (:mod:`disttrain.parallel.engines.base`). A registered strategy is a short subclass naming its
 registered strategy and its engine (whose options dataclass it takes), listed in the package's ``ADAPTERS``::
 
     class FSDPStrategy(EngineStrategy):
@@ -32,8 +32,8 @@ from typing_extensions import override
 
 from disttrain._lightning import STEP_METHODS, DistributedPlumbing, EngineAdapter, layer_sync_request, \
     split_timeout
-from disttrain.parallel import watchdog
-from disttrain.parallel.precision import sharded_grad_scaler
+from disttrain.parallel.engines.precision import sharded_grad_scaler
+from disttrain.parallel.guards import watchdog
 
 # The checkpoint keys of the one layout for the Trainer: the LightningModule's tensors and each optimizer's.
 MODEL_KEY = "state_dict"
@@ -102,7 +102,7 @@ class TrainerAdapter(EngineAdapter):
                         exclude: Collection[str] = ()) -> list[str]:
         """Collective, after setup (e.g. in ``on_fit_start``): a Hugging Face folder's (or one safetensors file's)
         weights into the LightningModule's model at ``prefix`` (``self.model``), each rank reading only its own slices
-        of the safetensors files into its shards (:mod:`disttrain.parallel.pretrained`); ``partial``: only the tensors
+        of the safetensors files into its shards (:mod:`disttrain.parallel.checkpoint.pretrained`); ``partial``: only the tensors
         the folder has; ``exclude``: stored tensor names left at their initialisation (a new classifier head)."""
         return self.engine.load_pretrained(self.model, folder, prefix=prefix, partial=partial, exclude=exclude)
 

@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch import nn
 
 from disttrain._lightning import after_process_group, split_timeout
-from disttrain.parallel.ddp import DDPEngine
+from disttrain.parallel.engines.ddp import DDPEngine
 from disttrain.strategies.base import TrainerAdapter
 
 
@@ -17,7 +17,7 @@ from disttrain.strategies.base import TrainerAdapter
 # single-device strategies (an isinstance check), and for manual optimization its DDP strategy prepares DDP's
 # reducer (prepare_for_backward, the forward redirection, the static-graph flush) and unwraps the model at teardown.
 class DDPStrategy(TrainerAdapter, LightningDDPStrategy):
-    """DDP for ``lightning.Trainer``. Options (:class:`disttrain.parallel.ddp.DDPOptions`): ``gradient_compression``
+    """DDP for ``lightning.Trainer``. Options (:class:`disttrain.parallel.engines.ddp.DDPOptions`): ``gradient_compression``
     ("fp16", "bf16", "powersgd"), ``powersgd_rank``, ``powersgd_start_iter``, ``find_unused_parameters``,
     ``static_graph``. Lightning's own hooks only register on CUDA; ours also on CPU."""
 

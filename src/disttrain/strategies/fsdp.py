@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from disttrain.parallel.engine import FSDPEngine
+from disttrain.parallel.engines.fsdp import FSDPEngine
 from disttrain.strategies.base import EngineStrategy
 
 
 class FSDPStrategy(EngineStrategy):
     """FSDP2 for ``lightning.Trainer``; runs on CUDA (nccl) and on CPU (gloo).
 
-    Pass options as keywords (see :class:`disttrain.parallel.fsdp.FSDPOptions`), e.g.
+    Pass options as keywords (see :class:`disttrain.parallel.split.fsdp.FSDPOptions`), e.g.
     ``FSDPStrategy(activation_checkpointing=True, cpu_offload=True)``. Mixed precision follows
     ``Trainer(precision=...)``. A model built in ``configure_model`` with ``empty_init=True`` is created on the meta
     device and only each rank's shard is ever allocated.

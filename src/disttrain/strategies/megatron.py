@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disttrain.parallel.megatron import MegatronEngine
+from disttrain.parallel.engines.megatron import MegatronEngine
 from disttrain.strategies.base import EngineStrategy
 
 
@@ -11,7 +11,7 @@ class MegatronStrategy(EngineStrategy):
 
     ``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="1f1b",
     microbatches=4)``; data parallel (FSDP2) takes the remaining ranks. Options:
-    :class:`disttrain.parallel.megatron.MegatronOptions`.
+    :class:`disttrain.parallel.engines.megatron.MegatronOptions`.
 
     Under pipeline parallelism ``training_step`` stays as it is: ``self.model(input_ids=..., labels=...)`` on an HF
     causal LM runs the whole schedule and returns the mean loss on every rank. A model whose loss is computed

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disttrain.parallel.recsys import RecsysEngine
+from disttrain.parallel.engines.recsys import RecsysEngine
 from disttrain.strategies.base import EngineStrategy
 
 
@@ -11,10 +11,10 @@ class RecsysStrategy(EngineStrategy):
 
     Each direct child of the LightningModule that holds an ``EmbeddingBagCollection`` (``DeepFM.net``) is wrapped
     in DMP: tables sharded by torchrec's planner, the dense rest data-parallel. Options as keywords
-    (:class:`disttrain.parallel.recsys.RecsysOptions`): ``sharding_types``, ``constraints``, ``sparse_optimizer``,
+    (:class:`disttrain.parallel.engines.recsys.RecsysOptions`): ``sharding_types``, ``constraints``, ``sparse_optimizer``,
     ``sparse_lr``, ``batch_size``. The tables' optimizer is fused into backward (it steps implicitly); the
     optimizers from ``configure_optimizers`` must cover the dense parameters only
-    (``disttrain.parallel.recsys.dense_parameters``). Checkpoints are DCP folders with the table shards and the
+    (``disttrain.parallel.engines.recsys.dense_parameters``). Checkpoints are DCP folders with the table shards and the
     fused optimizer state. Gradient accumulation does not apply to the tables (they update every backward).
     """
 

@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from disttrain._lightning import DeepSpeedPlumbing, layer_sync_request
-from disttrain.parallel.zero_engine import ZeroEngine
+from disttrain.parallel.engines.zero import ZeroEngine
 from disttrain.strategies.base import TrainerAdapter, refuse_callbacks
 
 ZERO3_REFUSALS = {
@@ -27,7 +27,7 @@ ZERO3_REFUSALS = {
 class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 3 for ``lightning.Trainer``, on CUDA (nccl) and on CPU (gloo).
 
-    Options as keywords (:class:`disttrain.parallel.zero.ZeroOptions`): ``offload_optimizer``,
+    Options as keywords (:class:`disttrain.parallel.engines.deepspeed.ZeroOptions`): ``offload_optimizer``,
     ``offload_parameters`` ("cpu" or "nvme"), ``nvme_path``, ``config`` (a ds_config merged with ours),
     ``cpu_adam``, ``extensions_dir``. Batch size, accumulation, clipping and precision come from the Trainer.
     ``configure_model`` runs under ``deepspeed.zero.Init``: no rank materialises the whole model.

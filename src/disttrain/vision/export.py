@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from disttrain.parallel.checkpoint import _rank, atomic_folder
+from disttrain.parallel.checkpoint.io import _rank, atomic_folder
 from disttrain.vision.config import build_vit
 from disttrain.vision.data import DataConfig
 

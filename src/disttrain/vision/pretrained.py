@@ -6,7 +6,7 @@ PATH is a folder as timm saves one for the Hugging Face hub (``config.json`` + `
 
 Safetensors are read sharded: the model is built empty, set up by the strategy, and each rank reads only its own
 slices into its FSDP shards, ZeRO-3 partitions or tensor-parallel slices (``strategy.load_pretrained``, see
-:mod:`disttrain.parallel.pretrained`). A torch file cannot be read in slices: it is read whole (``weights_only=True``)
+:mod:`disttrain.parallel.checkpoint.pretrained`). A torch file cannot be read in slices: it is read whole (``weights_only=True``)
 once per machine and written as a temporary safetensors file, which the sharded load then reads.
 
 The architecture is the recipe config's ``model:`` section and the checkpoint must match it tensor for tensor, with
@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from disttrain.parallel.pretrained import check_pretrained, safetensors_files
+from disttrain.parallel.checkpoint.pretrained import check_pretrained, safetensors_files
 from disttrain.vision.config import build_vit
 
 HEAD = ("head.weight", "head.bias")

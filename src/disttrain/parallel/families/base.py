@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from disttrain.parallel.mesh import ParallelDims, divisors
 from disttrain.parallel.families.layout import Reorder
 from disttrain.parallel.families.spec import ModelSpec
+from disttrain.parallel.mesh import ParallelDims, divisors
 
 Plan = dict[str, ParallelStyle]
 # A schema of config keys (see :mod:`disttrain.config`): key -> None (any value) or the schema below it.
@@ -32,13 +32,13 @@ class ExportFormat:
 
 
 def _write_torch(state: Mapping[str, torch.Tensor], output: Path, checkpoint: Path, config: Any) -> Path:
-    from disttrain.parallel.checkpoint import save_full
+    from disttrain.parallel.checkpoint.io import save_full
 
     return save_full(output, {k: v.contiguous() for k, v in state.items()})
 
 
 def _write_safetensors(state: Mapping[str, torch.Tensor], output: Path, checkpoint: Path, config: Any) -> Path:
-    from disttrain.parallel.checkpoint import write_safetensors
+    from disttrain.parallel.checkpoint.io import write_safetensors
 
     write_safetensors(state, output)
     return output

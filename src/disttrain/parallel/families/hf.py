@@ -23,7 +23,7 @@ HF_CONFIG_KEY = "hf_config"
 def hf_config_dict(checkpoint: str | os.PathLike, config: str | os.PathLike | Mapping[str, Any] | None) -> dict:
     """The HF config of an export: ``config`` (a config.json, a directory holding one, or a dict), else the
     ``hf_config`` entry saved with the checkpoint."""
-    from disttrain.parallel.checkpoint import CheckpointError, read_meta
+    from disttrain.parallel.checkpoint.io import CheckpointError, read_meta
 
     if isinstance(config, Mapping):
         return dict(config)
@@ -47,7 +47,7 @@ def write_hf(state: Mapping[str, torch.Tensor], output: Path, checkpoint: Path, 
     """config.json + model.safetensors, written into a temporary folder and swapped in whole."""
     from transformers import AutoConfig
 
-    from disttrain.parallel.checkpoint import atomic_folder, write_safetensors
+    from disttrain.parallel.checkpoint.io import atomic_folder, write_safetensors
 
     config = hf_config_dict(checkpoint, config)
     if "model_type" not in config:

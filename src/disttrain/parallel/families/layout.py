@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from disttrain.parallel import checkpoint as ckpt
+from disttrain.parallel.checkpoint import io as ckpt
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 DeepSpeed's own engine (``deepspeed.initialize``) partitions the model, runs backward and steps the optimizer;
 this engine builds its config from our options and the Trainer/Fabric settings, runs it on CPU too, swaps in CPU
 Adam for an offloaded optimizer, keeps BatchNorm statistics as DDP does, and writes and reads the one checkpoint
-layout (:mod:`disttrain.parallel.zero`).
+layout (:mod:`disttrain.parallel.engines.deepspeed`).
 """
 
 from __future__ import annotations
@@ -16,21 +16,24 @@ from typing import Any, Callable, Collection, Iterable, Optional
 import torch
 from torch import nn
 
-from disttrain.parallel.buffers import convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
-from disttrain.parallel.engine import Engine, Optimizers, refuse_user_sharding
-from disttrain.parallel.tables import refuse_torchrec_tables
-from disttrain.parallel.checkpoint import is_zero_checkpoint
-from disttrain.parallel.zero import (
+from disttrain.parallel.checkpoint.io import is_zero_checkpoint
+from disttrain.parallel.engines.base import Engine, Optimizers, refuse_user_sharding
+from disttrain.parallel.engines.buffers import convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
+from disttrain.parallel.engines.tables import refuse_torchrec_tables
+from disttrain.patches import allow_fp16_on_deepspeed_cpu
+from disttrain.parallel.engines.deepspeed import (
     ZeroOptions,
     attach_zero3_optimizer,
-    export_zero3,
-    load_zero3_checkpoint,
-    load_zero3_state,
-    save_zero3_tensors,
     set_extensions_dir,
     to_cpu_adam,
     zero3_config,
     zero3_grad_norm,
+)
+from disttrain.parallel.checkpoint.zero import (
+    export_zero3,
+    load_zero3_checkpoint,
+    load_zero3_state,
+    save_zero3_tensors,
     zero3_model_state,
     zero3_optimizer_state,
 )
@@ -60,7 +63,7 @@ class ZeroEngine(Engine):
                   gradient_clipping: Optional[float], device: torch.device) -> dict[str, Any]:
         """The DeepSpeed config (kept as ``self.config``): batch settings always agree, precision and clipping
         come from the Trainer/Fabric."""
-        allow_fp16_on_cpu(device, precision)
+        allow_fp16_on_deepspeed_cpu(device.type, precision)
         self.config = zero3_config(self.options, precision=precision, micro_batch_size=micro_batch_size,
                                    accumulation=accumulation, world_size=world_size,
                                    gradient_clipping=gradient_clipping, device_type=device.type)
@@ -169,8 +172,8 @@ class ZeroEngine(Engine):
                         partial: bool = False, exclude: Collection[str] = ()) -> list[str]:
         """An HF folder's (or one safetensors file's) weights into the partitions (and the fp32 master weights), each
         rank reading only the rows its partitions cover; ``exclude``: tensor names (as stored) left as they are."""
-        from disttrain.parallel.checkpoint import _tied_aliases
-        from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
+        from disttrain.parallel.checkpoint.io import _tied_aliases
+        from disttrain.parallel.checkpoint.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
 
         user = _user_module(module)
         names, tied = pretrained_names(folder, user.state_dict(), prefix, lambda loaded: _tied_aliases(user, loaded),
@@ -183,19 +186,6 @@ class ZeroEngine(Engine):
     def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         """The full model in its training dtype (for the fp32 master weights of a checkpoint: ``disttrain export``)."""
         return export_zero3(_user_module(module), path, prefix=prefix)
-
-
-def allow_fp16_on_cpu(device: torch.device, precision: str) -> None:
-    """DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has native fp16 kernels (AVX512-FP16/AMX). torch
-    computes fp16 on any CPU, slowly, which is enough for what CPU runs are for: testing a set-up (loss scaling,
-    overflow skips) before paying for GPUs. Only CPU runs in fp16 are affected."""
-    if device.type == "cpu" and precision.startswith("16"):
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = get_accelerator()
-        if not accelerator.is_fp16_supported():
-            accelerator.is_fp16_supported = lambda: True
-            accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
 
 
 def _user_module(module: nn.Module) -> nn.Module:

@@ -17,14 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.parallel import checkpoint as ckpt
-from disttrain.parallel.engine import FSDPEngine, refuse_user_sharding, register_forward_methods
+from disttrain.parallel.checkpoint import io as ckpt
+from disttrain.parallel.engines.base import refuse_user_sharding
+from disttrain.parallel.engines.fsdp import FSDPEngine, register_forward_methods
+from disttrain.parallel.engines.init import materialize
 from disttrain.parallel.families import family_of, find_model
-from disttrain.parallel.fsdp import FSDPOptions, apply_fsdp, claim_root, shard_blocks, shard_root
-from disttrain.parallel.init import materialize
 from disttrain.parallel.mesh import ParallelDims
-from disttrain.parallel.pipeline import SPLIT_BACKWARD, Pipeline, check_schedule, pipeline_model
-from disttrain.parallel.tp import Plan, TPResult, apply_tp
+from disttrain.parallel.split.fsdp import FSDPOptions, apply_fsdp, claim_root, shard_blocks, shard_root
+from disttrain.parallel.split.pipeline import SPLIT_BACKWARD, Pipeline, check_schedule, pipeline_model
+from disttrain.parallel.split.tp import Plan, TPResult, apply_tp
 
 
 @dataclass
@@ -194,7 +195,7 @@ class MegatronEngine(FSDPEngine):
             if module is not target and callable(hook) and not self.pipeline.owns_loss:
                 module.loss_fn = self.pipeline.defer_loss(hook)  # the documented PP hook of a LightningModule
         if dims.cp > 1:  # first: its hooks sit on the decoder layers, which TP, AC and FSDP keep
-            from disttrain.parallel.cp import apply_context_parallel
+            from disttrain.parallel.split.cp import apply_context_parallel
 
             apply_context_parallel(target, meshes.cp, attention=opts.context_parallel_attention)
         if dims.tp > 1:

@@ -132,7 +132,7 @@ def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], pref
     (folder names left at their initialisation: a classifier head for a new class count); with ``partial`` only the
     folder's tensors are loaded, and each must be a parameter of the model. A mismatch is one error naming the first
     names and the fix."""
-    from disttrain.parallel.integrity import CheckpointError
+    from disttrain.parallel.checkpoint.integrity import CheckpointError
 
     stored = stored_names(folder) - set(exclude)
     mine = [k for k in model_names if k.startswith(prefix) and stored_name(k[len(prefix):]) not in exclude]

@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from disttrain.parallel import checkpoint as ckpt
-from disttrain.parallel.engine import Engine
+from disttrain.parallel.checkpoint import io as ckpt
+from disttrain.parallel.engines.base import Engine
 # dense_parameters: what the dense optimizer is made from (users reach it here, next to the strategy's engine).
-from disttrain.parallel.tables import dense_parameters, has_torchrec_tables
+from disttrain.parallel.engines.tables import dense_parameters, has_torchrec_tables
 
 # Sharding types the planner may choose per table by default. data_parallel is left out: replicating a table
 # would defeat the point of the strategy (torchrec's planner picks it for small tables on one process).
@@ -274,7 +274,7 @@ class RecsysEngine(Engine):
             if any(id(p) not in dense for g in optimizer.param_groups for p in g["params"]):
                 raise ValueError("an optimizer covers embedding-table parameters; under disttrain_recsys the tables"
                                  " have a fused optimizer: create the dense one over"
-                                 " disttrain.parallel.recsys.dense_parameters(model)")
+                                 " disttrain.parallel.engines.recsys.dense_parameters(model)")
 
     def parallelize(self, root: nn.Module, device: torch.device, whole: bool = False) -> nn.Module:
         """Shard ``root`` itself (``whole``: a plain model) or its children holding tables (a LightningModule)."""

@@ -14,11 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from disttrain.parallel.ac import apply_ac
-from disttrain.parallel.blocks import BlockSpec, find_blocks
-from disttrain.parallel.compile import compile_blocks
-from disttrain.parallel.compress import Traffic, install_reduce_scatter
-from disttrain.parallel.precision import mixed_precision_policy
+from disttrain.parallel.engines.precision import mixed_precision_policy
+from disttrain.parallel.split.ac import apply_ac
+from disttrain.parallel.split.blocks import BlockSpec, find_blocks
+from disttrain.parallel.split.compile import compile_blocks
+from disttrain.parallel.split.compress import Traffic, install_reduce_scatter
 
 
 @dataclass

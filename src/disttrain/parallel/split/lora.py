@@ -4,7 +4,7 @@ adapter folder or as the merged model.
 
 peft injects its LoRA layers into the Hugging Face model in place (``inject_adapter_in_model``): the model keeps
 its class, so every strategy's blocks, TP plans and pipeline stages find it as before, and a wrapped layer's weight
-moves to ``<layer>.base_layer.weight`` (:func:`disttrain.parallel.pretrained.stored_name` maps it back when a
+moves to ``<layer>.base_layer.weight`` (:func:`disttrain.parallel.checkpoint.pretrained.stored_name` maps it back when a
 pretrained folder is loaded). Adapters are added where the model is built (inside the strategy's init context, so
 they are sharded with it) and given their first values after set-up, through the same sharded load as a pretrained
 folder (:func:`initial_adapters`: A as peft draws it, from a seed every rank shares; B zero): under FSDP's meta-
@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from disttrain.parallel.pretrained import is_adapter
+from disttrain.parallel.checkpoint.pretrained import is_adapter
 
 ADAPTER = "default"  # peft's adapter name: parameters are <layer>.lora_A.default.weight
 LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "seed")  # a recipe's lora: section
@@ -190,7 +190,7 @@ def write_adapter(path: str | os.PathLike, adapters: Mapping[str, torch.Tensor],
     checkpoints are (an older folder is removed only after the new one is in place). One process writes it."""
     from safetensors.torch import save_file
 
-    from disttrain.parallel.checkpoint import _replace_atomically, recover_interrupted_save
+    from disttrain.parallel.checkpoint.io import _replace_atomically, recover_interrupted_save
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ export to one safetensors file. Used by the Trainer and Fabric adapters alike.
 
 A sharded checkpoint is a folder: DCP's ``.metadata`` and ``__<rank>_0.distcp`` shards hold every tensor
 (model and optimizer states), ``meta.pt`` holds the rest (step, loop state, user metadata), and ``manifest.json``,
-written last, a checksum of every file (``parallel/integrity.py``: every read path verifies what it reads).
+written last, a checksum of every file (``parallel/checkpoint/integrity.py``: every read path verifies what it reads).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from disttrain.parallel.diskspace import DiskFullError, ensure_free, remove, tensor_bytes, writing
-from disttrain.parallel.watchdog import phase
-from disttrain.parallel.integrity import (
+from disttrain.parallel.guards.diskspace import DiskFullError, ensure_free, remove, tensor_bytes, writing
+from disttrain.parallel.guards.watchdog import phase
+from disttrain.parallel.checkpoint.integrity import (
     MANIFEST_FILE,
     CheckpointError,
     CheckpointReader,
@@ -267,7 +267,7 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
 def save_sharded(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, Any],
                  saver: Any = None) -> Path:
     """Write a sharded checkpoint folder collectively; readers never see a half-written ``path``. ``saver``: an
-    :class:`~disttrain.parallel.async_checkpoint.AsyncSaver`, which returns once the tensors are staged in host
+    :class:`~disttrain.parallel.checkpoint.async_save.AsyncSaver`, which returns once the tensors are staged in host
     memory and writes the same folder in the background (``async_checkpoint=True``)."""
     meta = {**metadata, FORMAT_KEY: {"version": 1, "tensor_keys": sorted(tensors)}}
     if saver is not None:
@@ -422,13 +422,13 @@ def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = 
                     layout: StorageLayout | None = None, partial: bool = False,
                     exclude: Collection[str] = ()) -> list[str]:
     """Collective: the weights of an HF folder into ``module``'s (sharded) parameters, each rank reading only its own
-    slices (:mod:`disttrain.parallel.pretrained`); ``prefix``: the model's path inside ``module`` (``"model."`` for
+    slices (:mod:`disttrain.parallel.checkpoint.pretrained`); ``prefix``: the model's path inside ``module`` (``"model."`` for
     a LightningModule's ``self.model``); ``partial``: load only the tensors the folder has (LoRA adapters' first
     values); ``exclude``: tensor names (as the folder names them) left as they are, e.g. a classifier head
     fine-tuned for another class count. ``folder`` may also be one safetensors file. Returns the parameters the
     folder has no tensor for that are tied to one it has (an LM head sharing the embedding); any other missing
     tensor is one error naming them."""
-    from disttrain.parallel.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
+    from disttrain.parallel.checkpoint.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
 
     layout = layout or StorageLayout()
     state = model_state(module)
@@ -660,7 +660,7 @@ def load_into(path: str | os.PathLike, targets: dict[str, Any], strict: bool = T
     """Collective ``dcp.load`` of a checkpoint folder into ``targets`` (nested dicts of tensors, DTensors or
     ShardedTensors, filled in place; other values are replaced by the stored ones): each rank reads only the
     stored chunks that overlap its targets, each verified before it is used. ``reader``: another storage (a
-    pretrained folder's :class:`~disttrain.parallel.pretrained.PretrainedReader`)."""
+    pretrained folder's :class:`~disttrain.parallel.checkpoint.pretrained.PretrainedReader`)."""
     try:
         dcp.load(targets, storage_reader=reader or storage_reader(path, weights_only),
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))

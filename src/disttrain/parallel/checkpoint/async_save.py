@@ -30,10 +30,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from disttrain.parallel.checkpoint import KEPT, abandon_folder, begin_folder, commit_folder, finish_folder
-from disttrain.parallel.diskspace import writing
-from disttrain.parallel.integrity import ChecksumWriter
-from disttrain.parallel.watchdog import phase
+from disttrain.parallel.checkpoint.integrity import ChecksumWriter
+from disttrain.parallel.checkpoint.io import KEPT, abandon_folder, begin_folder, commit_folder, finish_folder
+from disttrain.parallel.guards.diskspace import writing
+from disttrain.parallel.guards.watchdog import phase
 
 # TEST ONLY: "N": the N-th async save of this process stops after its shards are written, before meta.pt, the
 # manifest and the rename (:data:`held` is set, then the writer sleeps), so that a test can kill the run while the

@@ -21,9 +21,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from disttrain.parallel.blocks import BlockSpec, find_blocks
 from disttrain.parallel.families import Family, Plan, Reorder, find_model, unsupported_reason
 from disttrain.parallel.families.layout import QKVRowsLayout, restore_rows
+from disttrain.parallel.split.blocks import BlockSpec, find_blocks
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _lora_layer(module: nn.Module) -> bool:
 
 
 def with_adapters(block: nn.Module, plan: Plan) -> Plan:
-    """The plan for a block whose layers carry LoRA adapters (peft, :mod:`disttrain.parallel.lora`): the layer's
+    """The plan for a block whose layers carry LoRA adapters (peft, :mod:`disttrain.parallel.split.lora`): the layer's
     style goes to its own weight (``base_layer``) and to the adapter on the same side of the split, as Megatron
     splits LoRA: a column-parallel layer's B is split by output columns like the layer (A, on the replicated input,
     stays whole), a row-parallel layer's A by input rows like the layer, its all-reduce giving B (whole) the full

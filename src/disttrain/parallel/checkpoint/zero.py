@@ -1,388 +1,22 @@
-"""DeepSpeed ZeRO-3: the config built from our options and the Trainer/Fabric settings, the CPU-Adam swap,
-and consolidation of ZeRO checkpoints. Used by both ZeRO adapters (torch and deepspeed only)."""
+"""ZeRO-3 partitions in the one checkpoint layout: each rank writes and reads only the partitions DeepSpeed gave it,
+in the terms every other strategy uses (see the comment above :func:`flat_range_boxes`); and the full model
+gathered into one file (torch and deepspeed only)."""
 
 from __future__ import annotations
 
-import copy
 import ctypes
-import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
-from disttrain.parallel.checkpoint import restore_rest, write_from_rank0
-
-OFFLOAD_DEVICES = (None, "cpu", "nvme")
-
-
-@dataclass
-class ZeroOptions:
-    """What a user can set on ``disttrain_zero3`` / ``disttrain_zero3_offload`` (Trainer and Fabric alike).
-
-    offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live.
-    offload_parameters: None, "cpu" or "nvme": where parameters live between uses.
-    nvme_path: a folder on a fast local disk, for "nvme" offload.
-    config: a DeepSpeed config (dict or JSON file) merged with ours; e.g. bucket sizes. A value that contradicts
-        the Trainer/Fabric settings (batch sizes, accumulation, clipping, precision, stage) is an error.
-    cpu_adam: use DeepSpeedCPUAdam for an offloaded optimizer (the user's Adam/AdamW hyper-parameters are kept).
-        None = on GPU yes (fast), on CPU no (the torch optimizer runs on the CPU anyway, and DeepSpeedCPUAdam
-        costs a ~2.5-minute JIT build the first time).
-    extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build once.
-    micro_batch_size, gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and
-        ``accumulate_grad_batches``, and refuses these).
-    broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the ranks: rank 0's after every
-        training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
-    sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's
-        ``sync_batchnorm=True`` does the same.
-    async_checkpoint: not offered here (refused): DCP's host-memory staging cannot copy the ShardedTensors that
-        hold DeepSpeed's partitions; disttrain_fsdp (the same ZeRO-3 sharding) offers it.
-    """
-
-    offload_optimizer: Optional[str] = None
-    offload_parameters: Optional[str] = None
-    nvme_path: str = "/local_nvme"
-    config: Union[dict, str, None] = None
-    cpu_adam: Optional[bool] = None
-    extensions_dir: Optional[str] = None
-    micro_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    broadcast_buffers: bool = True
-    sync_batchnorm: bool = False
-    async_checkpoint: bool = False
-
-    # Options of other disttrain strategies that this one cannot serve (parallel.options.build_options).
-    refused: ClassVar[dict[str, str]] = {
-        "compile": "ZeRO-3 gathers and frees each layer's parameters in hooks on every submodule, inside the blocks"
-                   " torch.compile would trace; use disttrain_fsdp (the same sharding) with compile=True",
-    }
-
-    def __post_init__(self) -> None:
-        if self.async_checkpoint:
-            raise ValueError("async_checkpoint=True is not offered on disttrain_zero3: its checkpoints hold DeepSpeed's"
-                             " partitions as ShardedTensors, which DCP's host-memory staging (DefaultStager) cannot"
-                             " copy; use disttrain_fsdp (the same ZeRO-3 sharding) for async checkpoints, or remove"
-                             " async_checkpoint")
-        for name in ("offload_optimizer", "offload_parameters"):
-            if getattr(self, name) not in OFFLOAD_DEVICES or isinstance(getattr(self, name), bool):
-                said = " (Lightning's True is 'cpu' here)" if getattr(self, name) is True else ""
-                raise ValueError(f"{name}={getattr(self, name)!r} is not a place to offload to; choose None, 'cpu'"
-                                 f" or 'nvme'{said}")
-        if "nvme" in (self.offload_optimizer, self.offload_parameters) and not Path(self.nvme_path).is_dir():
-            raise ValueError(f"nvme_path={self.nvme_path!r} is not a folder; pass nvme_path= a folder on a local"
-                             " NVMe disk for nvme offload")
-        for name in ("micro_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.nvme_path != "/local_nvme" and "nvme" not in (self.offload_optimizer, self.offload_parameters):
-            raise ValueError(f"nvme_path={self.nvme_path!r} applies to NVMe offload; pass offload_optimizer='nvme'"
-                             " and/or offload_parameters='nvme' with it, or remove nvme_path")
-        if self.cpu_adam is not None and self.offload_optimizer is None:
-            raise ValueError(f"cpu_adam={self.cpu_adam} applies to an offloaded optimizer; set"
-                             " offload_optimizer='cpu' (disttrain_zero3_offload), or remove cpu_adam")
-
-    def use_cpu_adam(self, device_type: str) -> bool:
-        if self.offload_optimizer is None:
-            return False
-        return self.cpu_adam if self.cpu_adam is not None else device_type == "cuda"
-
-
-def load_user_config(config: Union[dict, str, os.PathLike, None]) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    path = Path(config)
-    if not path.is_file():
-        raise FileNotFoundError(f"DeepSpeed config {str(path)!r} does not exist; pass a JSON file or a dict")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from e
-
-
-def _offload(device: Optional[str], nvme_path: str, pin: bool) -> dict:
-    entry: dict[str, Any] = {"device": device, "pin_memory": pin}
-    if device == "nvme":
-        entry["nvme_path"] = nvme_path
-    return entry
-
-
-def zero3_config(
-    options: ZeroOptions,
-    *,
-    precision: str,
-    micro_batch_size: int,
-    accumulation: int,
-    world_size: int,
-    gradient_clipping: Optional[float],
-    device_type: str,
-) -> dict:
-    """The full DeepSpeed config. Batch settings always agree: train_batch_size = micro x accumulation x world
-    (the assertion Lightning users hit when a config sets only some of them)."""
-    owned: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": accumulation,
-        "train_batch_size": micro_batch_size * accumulation * world_size,
-    }
-    if gradient_clipping:
-        owned["gradient_clipping"] = float(gradient_clipping)
-    zero: dict[str, Any] = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
-    pin = device_type == "cuda"  # pinned host memory needs the CUDA driver
-    if options.offload_optimizer:
-        zero["offload_optimizer"] = _offload(options.offload_optimizer, options.nvme_path, pin)
-    if options.offload_parameters:
-        zero["offload_param"] = _offload(options.offload_parameters, options.nvme_path, pin)
-    # DeepSpeed clips gradients at norm 1.0 when the key is absent: say 0.0 (no clipping) unless asked for.
-    ours: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True,
-                            "gradient_clipping": 0.0, **owned}
-    if options.offload_optimizer and not options.use_cpu_adam(device_type):
-        ours["zero_force_ds_cpu_optimizer"] = False  # ZeRO-Offload refuses a client torch optimizer otherwise
-    if precision in ("16-mixed", "16-true"):
-        ours["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                        "hysteresis": 2, "min_loss_scale": 1}  # loss_scale 0 = dynamic
-    elif precision in ("bf16-mixed", "bf16-true"):
-        ours["bf16"] = {"enabled": True}
-
-    user = load_user_config(options.config)
-    _check_conflicts(user, owned, precision)
-    return _merge(ours, user)
-
-
-def _check_conflicts(user: dict, owned: dict, precision: str) -> None:
-    for key, value in owned.items():
-        if key in user and user[key] != value:
-            source = {"train_micro_batch_size_per_gpu": "the DataLoader's batch_size (Fabric: micro_batch_size=)",
-                      "gradient_accumulation_steps": "accumulate_grad_batches (Fabric: gradient_accumulation_steps=)",
-                      "train_batch_size": "micro batch x accumulation x world size",
-                      "gradient_clipping": "gradient_clip_val"}[key]
-            raise ValueError(f"ds_config sets {key}={user[key]!r} but {source} gives {value!r}; remove {key} from"
-                             " the ds_config (disttrain sets it) or change the Trainer/Fabric setting")
-    stage = user.get("zero_optimization", {}).get("stage", 3)
-    if stage != 3:
-        raise ValueError(f"ds_config sets zero_optimization.stage={stage} but disttrain_zero3 is ZeRO stage 3;"
-                         " remove the stage from the ds_config")
-    half = "fp16" if precision.startswith("16") else "bf16" if precision.startswith("bf16") else None
-    for key in ("fp16", "bf16"):
-        if user.get(key, {}).get("enabled") and key != half:
-            raise ValueError(f"ds_config enables {key} but the precision is {precision!r}; set"
-                             f" precision={'16-mixed' if key == 'fp16' else 'bf16-mixed'!r} instead of {key} in"
-                             " the ds_config")
-
-
-def _merge(ours: dict, user: dict) -> dict:
-    """The user's keys refine ours (nested dicts merged); conflicts on owned keys were rejected before."""
-    merged = copy.deepcopy(ours)
-    for key, value in user.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def set_extensions_dir(options: ZeroOptions) -> None:
-    """Point DeepSpeed's JIT op builds (CPU Adam) at a reusable cache folder before anything is built."""
-    if options.extensions_dir:
-        Path(options.extensions_dir).mkdir(parents=True, exist_ok=True)
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(options.extensions_dir)
-
-
-def skip_inference_comm_op() -> None:
-    """Let DeepSpeed's communication backend start on CPU without JIT-compiling its shared-memory all-reduce op.
-
-    On CPU, DeepSpeed builds that op when its backend starts (``deepspeed.comm.torch.build_shm_op``: ~25 s of C++
-    compiling on a machine's first run, and a compiler at all), yet only ``inference_all_reduce`` (DeepSpeed
-    inference's tensor parallelism) calls it: ZeRO training reduces through torch.distributed either way. The op is
-    marked unusable in DeepSpeed's own table of ops, the path DeepSpeed takes on machines that cannot build it."""
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__[get_accelerator().get_op_builder("ShareMemCommBuilder").NAME] = False
-
-
-def _zero_padding_rows(model: torch.nn.Module) -> None:
-    """Each embedding's padding row zero, as one process has it: under ZeRO-3 transformers initialises a head tied
-    to the embedding after the embedding, over its padding row."""
-    import deepspeed
-
-    for sub in model.modules():
-        if isinstance(sub, torch.nn.Embedding) and sub.padding_idx is not None:
-            with deepspeed.zero.GatheredParameters([sub.weight], modifier_rank=0):
-                if torch.distributed.get_rank() == 0:
-                    with torch.no_grad():
-                        sub.weight[sub.padding_idx].zero_()
-
-
-def release_freed_memory() -> None:
-    """Hand memory the process freed back to the system (glibc ``malloc_trim``; elsewhere a no-op)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def import_dynamo_before_zero_init() -> None:
-    """Import ``torch._dynamo`` before ``deepspeed.zero.Init`` is entered (a no-op once imported).
-
-    Why: zero.Init replaces ``torch.Tensor.__new__`` while it is open, and torch._dynamo, on its first import, checks
-    that its polyfill of ``torch.Tensor.__new__`` has the signature of the one in place. A first import inside
-    zero.Init (a model that imports transformers -> torchvision -> torch._dynamo lazily, or calls torch.compile)
-    fails with ``TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor>
-    and <function tensor_pynew>``. Lightning imports it first only where torchvision is installed."""
-    import torch._dynamo  # noqa: F401
-
-
-@contextmanager
-def trim_while_partitioning(min_bytes: int = 8 * 2**20) -> Iterator[None]:
-    """Around ``deepspeed.zero.Init``: after each module with at least ``min_bytes`` of its own parameters is
-    partitioned, the whole tensors it was built with (just freed) go back to the system.
-
-    Why: zero.Init builds every module whole, then keeps only this rank's partition. glibc keeps the freed blocks of a
-    big model's construction in its heap (its mmap threshold grows with the first frees), so without this the process
-    ends construction holding about the whole model on a 1B model at 2 processes, where it needs its share."""
-    from deepspeed.runtime.zero.partition_parameters import Init
-
-    original = Init._post_init_method
-
-    def post_init(self: Any, module: torch.nn.Module) -> None:
-        original(self, module)
-        own = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters(recurse=False))
-        if own >= min_bytes:
-            release_freed_memory()
-
-    Init._post_init_method = post_init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Init._post_init_method = original  # type: ignore[method-assign]
-        release_freed_memory()
-
-
-@contextmanager
-def hf_init_after_partitioning() -> Iterator[None]:
-    """Around ``deepspeed.zero.Init``: Hugging Face models built inside get their weights initialised the way
-    transformers does under its own ZeRO-3 integration, once the model is complete (each module's parameters gathered
-    in turn, initialised by ``_init_weights`` on rank 0, broadcast; then the tied weights tied).
-
-    Needed because zero.Init partitions each module as its constructor returns, so the ``post_init`` of the whole
-    model would initialise empty partitions: a no-op, except for an embedding's ``padding_idx`` row, whose indexing
-    fails (``IndexError: index 0 is out of bounds``) for every config with a ``pad_token_id`` (Phi-3, Mistral, ...).
-    transformers only takes its own zero3 path when it holds the DeepSpeed config (``HfDeepSpeedConfig``), which
-    the strategy keeps to itself."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.integrations.deepspeed import initialize_weights_zero3
-    except ImportError:  # no transformers: nothing to defer
-        yield
-        return
-    built: list[PreTrainedModel] = []
-    original = PreTrainedModel.initialize_weights
-
-    def defer(model: PreTrainedModel) -> None:
-        built.append(model)
-
-    PreTrainedModel.initialize_weights = defer  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        PreTrainedModel.initialize_weights = original  # type: ignore[method-assign]
-    inner = {id(sub) for model in built for sub in model.modules() if sub is not model}
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-    gathered_exit = GatheredParameters.__exit__
-
-    def exit_and_trim(self: Any, *exc: Any) -> Any:  # each module is gathered whole, then freed: give it back
-        result = gathered_exit(self, *exc)
-        release_freed_memory()
-        return result
-
-    GatheredParameters.__exit__ = exit_and_trim  # type: ignore[method-assign]
-    try:
-        for model in built:
-            if id(model) not in inner:  # a model's sub-models are initialised with it
-                initialize_weights_zero3(model)
-                model.tie_weights()
-                _zero_padding_rows(model)
-    finally:
-        GatheredParameters.__exit__ = gathered_exit  # type: ignore[method-assign]
-
-
-def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The same Adam/AdamW (groups and hyper-parameters) as DeepSpeedCPUAdam, the fast optimizer for an
-    offloaded optimizer state. Other optimizers are returned unchanged."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return optimizer
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
-              for g in optimizer.param_groups]
-    return DeepSpeedCPUAdam(groups, adamw_mode=isinstance(optimizer, torch.optim.AdamW))
-
-
-def partition_elements(numels: Iterable[int], world_size: int) -> int:
-    """Elements of ZeRO-3's partition on every rank for parameters of these sizes: DeepSpeed pads each parameter to a
-    multiple of the world size (``partition_parameters``' ``_padding_size``) and keeps ``ceil(numel / n)`` each."""
-    return sum(math.ceil(numel / world_size) for numel in numels)
-
-
-def zero_partition_numel(module: torch.nn.Module) -> tuple[int, int]:
-    """(elements this rank holds, elements of the whole model) for a model partitioned by zero.Init."""
-    local = total = 0
-    for p in module.parameters():
-        if hasattr(p, "ds_tensor"):
-            local += p.ds_tensor.numel()
-            total += p.ds_numel
-        else:
-            local += p.numel()
-            total += p.numel()
-    return local, total
-
-
-def attach_zero3_optimizer(engine: Any, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> Any:
-    """Give an engine made without an optimizer (``deepspeed.initialize(model=...)``: ZeRO-3 partitioned the
-    parameters and hooked the module for forward only) its ZeRO-3 optimizer over those partitioned parameters, as
-    ``deepspeed.initialize(model=, optimizer=)`` would have made it; the engine stays the same object. Returns the
-    ZeRO-3 optimizer.
-
-    DeepSpeed has no public call for this; these are the steps its engine constructor takes when it is given an
-    optimizer (``_configure_optimizer`` builds the ZeRO-3 optimizer, which hooks the module itself), after the
-    forward-only hooks are removed and every parameter is back in its partition."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-    from deepspeed.runtime.utils import check_internal_apis_for_count_used_parameters
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-
-    forward_only = engine.optimizer
-    if not isinstance(forward_only, DeepSpeedZeRoOffload):
-        raise RuntimeError(f"the DeepSpeed engine already has an optimizer ({type(forward_only).__name__}); DeepSpeed"
-                           " trains one optimizer per model: set up one optimizer for it")
-    forward_only.partition_all_parameters()
-    forward_only.destroy()
-    engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler
-    engine._configure_optimizer(optimizer, [p for p in engine.module.parameters() if p.requires_grad])
-    engine._configure_lr_scheduler()
-    engine._configure_checkpointing()
-    if isinstance(engine.optimizer, ZeROOptimizer) and check_internal_apis_for_count_used_parameters():
-        engine._support_torch_style_backward = True
-        engine.optimizer.register_grad_acc_post_hook(engine._backward_post_hook)
-    return engine.optimizer
-
-
-def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
-    """The 2-norm of the whole model's gradients (every rank's partitions, unscaled by the fp16 loss scale), computed
-    as DeepSpeed computes it when it clips in ``step()``; inf when a gradient is not finite. Collective."""
-    from deepspeed.runtime.utils import combine_grad_norm_groups
-
-    return combine_grad_norm_groups(zero_optimizer._get_norm_groups()) / zero_optimizer.loss_scale
-
+from disttrain.parallel.checkpoint.io import restore_rest, write_from_rank0
 
 def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix: str = "") -> Path:
     """Gather a ZeRO-3 partitioned module on every rank and write its full state dict from rank 0 as safetensors.
@@ -655,7 +289,7 @@ def load_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, opt
     directly into DeepSpeed's memory. ``optimizer``: the ZeRO-3 optimizer holding the fp32 master weights (None for
     a model without one). ``reader``/``stored``: another storage and its tensor names (a pretrained folder).
     Collective."""
-    from disttrain.parallel.checkpoint import CheckpointError, load_into, stored_entries
+    from disttrain.parallel.checkpoint.io import CheckpointError, load_into, stored_entries
 
     path = Path(path)
     stored = stored if stored is not None else stored_entries(path)
@@ -715,7 +349,7 @@ def _optimizer_targets(layout: _ZeroLayout, optim_key: str, stored: dict[str, An
                        path: Path) -> tuple[dict[str, Any], Callable[[], None]]:
     """The load targets of the optimizer entries the checkpoint holds for this model's parameters, and what puts
     the loaded scalars and hyper-parameters in place afterwards."""
-    from disttrain.parallel.checkpoint import CheckpointError
+    from disttrain.parallel.checkpoint.io import CheckpointError
 
     names = layout.names()
     prefix = f"{optim_key}."
@@ -784,7 +418,7 @@ def _master(model: torch.nn.Module, optimizer: Optional[tuple[str, Any]]) -> Any
 def save_zero3_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
     """Write ``tensors`` (``{key: zero3_model_state(...) | zero3_optimizer_state(...)}``) and ``metadata`` as one
     DCP checkpoint folder, atomically, each rank writing only its partitions. Collective."""
-    from disttrain.parallel.checkpoint import save_sharded
+    from disttrain.parallel.checkpoint.io import save_sharded
 
     with _sharded_tensors_allowed():
         return save_sharded(path, tensors, metadata)
@@ -797,7 +431,7 @@ def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], 
     not ask for. ``master``: the engine's ZeRO-3 optimizer when ``state`` holds the model but not the optimizer
     (its fp32 master weights are what training continues from). ``source``: a checkpoint another library wrote,
     seen in the one layout (``reader``, ``metadata``, ``stored``), read in place of ``path``. Collective."""
-    from disttrain.parallel.checkpoint import FORMAT_KEY, check_checkpoint, read_meta
+    from disttrain.parallel.checkpoint.io import FORMAT_KEY, check_checkpoint, read_meta
 
     model, optimizer, rest = _split_zero_state(state)
     if model is None:

@@ -1,7 +1,7 @@
 """Disk space: a write that cannot fit is refused before it starts, and a disk that fills during one ends in one line
 (:class:`DiskFullError`) that names the path, the space needed and the space free, never in a library's traceback.
 
-Every writer of the project goes through here: checkpoints (``parallel/checkpoint.py``: DCP shards, ``meta.pt``, the
+Every writer of the project goes through here: checkpoints (``parallel/checkpoint/io.py``: DCP shards, ``meta.pt``, the
 manifest, single files, safetensors exports), the daily job's day caches, versions, records, pointer and report.
 Each writes into a temporary name and renames it into place, so a failed write leaves nothing a reader would take
 for complete; :func:`writing` removes what the failed write left.

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from disttrain.parallel.checkpoint import full_model_state, select_prefix
+from disttrain.parallel.checkpoint.io import full_model_state, select_prefix
 from disttrain.parallel.families import export_formats
 
 FORMATS = tuple(export_formats())

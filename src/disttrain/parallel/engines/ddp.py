@@ -13,13 +13,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.parallel.ac import apply_ac, has_ac
-from disttrain.parallel.blocks import find_blocks
-from disttrain.parallel.checkpoint import is_sharded_checkpoint
-from disttrain.parallel.compile import compile_blocks, is_compiled
-from disttrain.parallel.compress import DDP_HOOKS, HookState, Traffic
-from disttrain.parallel.engine import Engine, Optimizers, refuse_user_sharding
-from disttrain.parallel.tables import refuse_torchrec_tables
+from disttrain.parallel.checkpoint.io import is_sharded_checkpoint
+from disttrain.parallel.engines.base import Engine, Optimizers, refuse_user_sharding
+from disttrain.parallel.engines.tables import refuse_torchrec_tables
+from disttrain.parallel.split.ac import apply_ac, has_ac
+from disttrain.parallel.split.blocks import find_blocks
+from disttrain.parallel.split.compile import compile_blocks, is_compiled
+from disttrain.parallel.split.compress import DDP_HOOKS, HookState, Traffic
 
 COMPRESSIONS = ("fp16", "bf16", "int8", "powersgd")
 

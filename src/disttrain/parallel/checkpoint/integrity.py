@@ -39,7 +39,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from disttrain.parallel.diskspace import fail_point
+from disttrain.parallel.guards.diskspace import fail_point
 
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = ".metadata"

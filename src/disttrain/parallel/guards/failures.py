@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from disttrain.parallel.diskspace import DiskFullError, disk_full_cause, full_disk_error
-from disttrain.parallel.integrity import CheckpointError, unwrap_dcp_error
-from disttrain.parallel.watchdog import describe_collective_timeout
+from disttrain.parallel.checkpoint.integrity import CheckpointError, unwrap_dcp_error
+from disttrain.parallel.guards.diskspace import DiskFullError, disk_full_cause, full_disk_error
+from disttrain.parallel.guards.watchdog import describe_collective_timeout
 
 
 def describe(error: BaseException, where: str = ".") -> Optional[str]:

@@ -1,0 +1,166 @@
+"""Each patch of :mod:`disttrain.patches` works around an upstream behaviour; each test here checks that upstream still
+behaves that way, so a release that changes it fails here (and the patch can go, or must change), instead of the
+patch silently doing something else. Plus: the patches are the only code that rebinds third-party attributes."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain import patches
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "disttrain"
+
+
+def test_lightning_still_has_no_plugin_hook_for_strategy_names():
+    """when_lightning_loads / register_on_first_read: Lightning fills its strategy registries from its own modules
+    only. Should it load names from entry points (as it does for callbacks, ``_load_external_callbacks``), disttrain
+    would declare an entry point instead of watching for Lightning's import."""
+    import lightning.fabric.strategies as fabric_strategies
+    import lightning.pytorch.strategies as trainer_strategies
+    from lightning.fabric.strategies import registry
+
+    for module in (fabric_strategies, trainer_strategies, registry):
+        assert "entry_points" not in inspect.getsource(module), module.__name__
+
+
+def test_lightnings_registry_reads_are_the_ones_that_register():
+    """register_on_first_read answers every public method of Lightning's registry class: a read method added
+    upstream would read the registry before disttrain's names are in it."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for registry in (STRATEGY_REGISTRY, StrategyRegistry):
+        own = next(c for c in type(registry).__mro__ if not getattr(c, "_disttrain_pending", False))
+        methods = {name for name, value in vars(own).items() if callable(value) and not name.startswith("_")}
+        dict_reads = {"get", "items", "keys", "values"}
+        assert methods | dict_reads <= set(patches.REGISTRY_READS), methods - set(patches.REGISTRY_READS)
+
+
+def test_lightnings_load_from_checkpoint_still_opens_a_folder_as_a_file(tmp_path):
+    """read_checkpoint_folders: ``load_from_checkpoint`` reads through ``saving.pl_load``, Fabric's ``_load``, which
+    cannot open a folder."""
+    from lightning.fabric.utilities.cloud_io import _load
+    from lightning.pytorch.core import saving
+
+    assert "pl_load(" in inspect.getsource(saving._load_from_checkpoint)
+    with pytest.raises((IsADirectoryError, PermissionError)):
+        _load(tmp_path)
+
+
+def test_fabric_still_refuses_setup_optimizers_for_deepspeed():
+    """allow_setup_optimizers_after: Fabric's own check refuses every DeepSpeed strategy."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DeepSpeedStrategy
+
+    validate = Fabric._validate_setup_optimizers
+    validate = getattr(validate, "__wrapped__", validate)  # Fabric's own, whether or not the patch is installed
+
+    class Stub:
+        _strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+
+        def _validate_launched(self) -> None:
+            pass
+
+    with pytest.raises(RuntimeError, match="DeepSpeed"):
+        validate(Stub(), [torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)])
+
+
+def test_the_setup_optimizers_patch_leaves_other_strategies_to_fabric():
+    from lightning.fabric import Fabric
+
+    class Mine:
+        pass
+
+    patches.allow_setup_optimizers_after(Mine)
+    try:
+        class Stub:
+            _strategy = object()
+
+            def _validate_launched(self) -> None:
+                pass
+
+        with pytest.raises(ValueError, match="at least one optimizer"):
+            Fabric._validate_setup_optimizers(Stub(), [])
+    finally:
+        Fabric._validate_setup_optimizers = getattr(Fabric._validate_setup_optimizers, "__wrapped__")
+
+
+def test_deepspeed_still_builds_its_shared_memory_op_when_its_backend_starts():
+    """skip_deepspeed_shm_op: DeepSpeed's torch backend builds the ``ShareMemCommBuilder`` op in its constructor
+    unless DeepSpeed's table of ops marks it unusable; on the CPU accelerator that op exists."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+
+    assert "build_shm_op()" in inspect.getsource(ds_torch.TorchBackend.__init__)
+    assert "__compatible_ops__" in inspect.getsource(ds_torch.build_shm_op)
+    assert CPU_Accelerator().create_op_builder(patches.SHM_OP) is not None
+
+
+def test_deepspeeds_cpu_accelerator_still_refuses_fp16_without_native_kernels():
+    """allow_fp16_on_deepspeed_cpu: a CPU without AVX512-FP16 or AMX is said to have no fp16."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "avx512_fp16" in flags or "amx_fp16" in flags:
+        pytest.skip("this CPU has native fp16 kernels: DeepSpeed accepts fp16 here without the patch")
+    assert not CPU_Accelerator().is_fp16_supported()
+
+
+def test_only_the_patches_module_rebinds_third_party_attributes():
+    """An assignment to an attribute of an imported library (``Module.name = ...``) or of a class's ``__class__``
+    happens in disttrain/patches.py only; elsewhere disttrain changes its own objects."""
+    libraries = {"lightning", "deepspeed", "transformers", "torchrec", "timm", "torch", "saving", "Fabric", "Init",
+                 "GatheredParameters", "PreTrainedModel", "accelerator"}
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "patches.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Assign):
+                continue
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and target.attr == "__class__" and \
+                        isinstance(target.value, ast.Name) and target.value.id not in ("self",):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+                base = target.value if isinstance(target, ast.Attribute) else None
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in libraries and isinstance(target, ast.Attribute) and \
+                        not _restores_in_finally(path, node):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno} {ast.unparse(target)}")
+    assert not found, f"third-party attributes rebound outside disttrain/patches.py: {found}"
+
+
+def _restores_in_finally(path: Path, node: ast.Assign) -> bool:
+    """A rebinding undone in a ``finally`` of the same function (a context manager's temporary change) is not a
+    persistent patch."""
+    tree = ast.parse(path.read_text())
+    target = ast.unparse(node.targets[0])
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                function.lineno <= node.lineno <= (function.end_lineno or 0):
+            for sub in ast.walk(function):
+                if isinstance(sub, ast.Try) and sub.finalbody:
+                    restored = [ast.unparse(t) for s in sub.finalbody for s2 in ast.walk(s)
+                                if isinstance(s2, ast.Assign) for t in s2.targets]
+                    if target in restored:
+                        return True
+    return False
+
+
+def test_importing_the_patches_module_patches_nothing():
+    """Each patch is installed where it is needed: importing the module imports no library and changes nothing."""
+    module = importlib.reload(patches)
+    tree = ast.parse(inspect.getsource(module))
+    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {alias.name.split(".")[0] for n in top_level for alias in n.names} | \
+        {(n.module or "").split(".")[0] for n in top_level if isinstance(n, ast.ImportFrom)}
+    assert not names & {"lightning", "deepspeed", "torch", "transformers"}, names
