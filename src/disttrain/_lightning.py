@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
+import inspect
 import os
 import sys
 import time
@@ -12,7 +14,7 @@ from collections.abc import Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,12 +28,13 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from disttrain.parallel import registry
 from disttrain.parallel.engines.base import Engine
-from disttrain.parallel.guards import watchdog
 from disttrain.parallel.engines.deepspeed import (
     hf_init_after_partitioning,
     import_dynamo_before_zero_init,
     trim_while_partitioning,
 )
+from disttrain.parallel.guards import watchdog
+from disttrain.parallel.options import OptionError, UnknownOptionError, as_option_error
 from disttrain.patches import skip_deepspeed_shm_op
 
 # Seconds a rank may stay silent (its heartbeat) before every other rank ends the run (parallel/guards/watchdog.py); the
@@ -102,17 +105,84 @@ def after_process_group(strategy: Any) -> None:
                    advice="the checkpoints written so far are intact: resume from the last one")
 
 
+Init = TypeVar("Init", bound=Callable[..., None])
+
+
+def checked_options(init: Init) -> Init:
+    """The ``__init__`` of an adapter, whose keywords are its options: a keyword it does not take is the options'
+    own error (the closest option, or the strategy whose option it is: :meth:`EngineAdapter.refuse_options`) instead
+    of Python's bare "unexpected keyword argument". The signature stays ``init``'s (``inspect.signature``, ``help()``,
+    Sphinx and jsonargparse follow ``__wrapped__``; type checkers see ``init``'s type), so it lists every option."""
+    accepted = set(inspect.signature(init).parameters)
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        other = {key: kwargs.pop(key) for key in list(kwargs) if key not in accepted}
+        if other:
+            type(self).refuse_options(other)  # raises, unless each is another strategy's option left at its default
+        init(self, *args, **kwargs)
+
+    return checked  # type: ignore[return-value]
+
+
 class EngineAdapter:
     """What every adapter (Trainer and Fabric) holds: the strategy's engine, built from the options. A subclass
     names its registered strategy (``strategy_name``) and engine (``engine_cls``); the options dataclass is the
-    engine's."""
+    engine's, and the subclass's ``__init__`` takes its fields as keywords (generated from the dataclass by
+    tools/strategy_signatures.py), except ``options_from_elsewhere``."""
 
     strategy_name: str
     engine_cls: type[Engine]
+    # Options of the dataclass this entry point takes from elsewhere: {option: "a Fabric option of ...: under the
+    # Trainer it comes from ..."}, refused as keywords with that clause.
+    options_from_elsewhere: ClassVar[Mapping[str, str]] = {}
+    parallel_devices: Optional[list[torch.device]]
+    num_nodes: int
+
+    @classmethod
+    def refuse_options(cls, given: dict[str, Any]) -> None:
+        """Keywords ``__init__`` does not take: one error naming the closest option (or the strategy whose option it
+        is, or what to pass instead of a Lightning strategy's option). An option this strategy cannot serve, given at
+        its default (``compile=False`` on disttrain_zero3), asks for nothing and passes."""
+        for name, why in cls.options_from_elsewhere.items():
+            if name in given:
+                raise UnknownOptionError(f"{name}={given[name]!r} is {why}; remove {name}")
+        try:
+            registry.lookup(cls.strategy_name).options(**given)
+        except (TypeError, ValueError) as e:
+            raise as_option_error(e) from None
 
     def _init_engine(self, options: dict[str, Any]) -> None:
-        """Called first in every adapter's ``__init__``: the engine exists before Lightning sets the precision."""
-        self.engine = self.engine_cls(registry.lookup(self.strategy_name).options(**options), self.strategy_name)
+        """Called first in every adapter's ``__init__``: the engine exists before Lightning sets the precision. A
+        None given for an option whose default is built (a dict) is that default."""
+        self.engine = self.engine_cls(self._options(registry.lookup(self.strategy_name), options), self.strategy_name)
+
+    @staticmethod
+    def _options(row: registry.Registered, options: dict[str, Any]) -> Any:
+        built = {f.name for f in dataclasses.fields(row.options_cls) if f.default_factory is not dataclasses.MISSING}
+        try:
+            return row.options(**{k: v for k, v in options.items() if not (v is None and k in built)})
+        except (TypeError, ValueError) as e:
+            raise as_option_error(e) from None  # the message is the whole story: one line, not two tracebacks
+
+    def check_world(self) -> None:
+        """The sizes the options ask for against the world Lightning set up (devices x nodes), before any process
+        starts: the engine's own sentence, prefixed with the devices and nodes, as one :class:`OptionError`."""
+        processes = len(self.parallel_devices or ())
+        if not processes:
+            return
+        nodes = self.num_nodes
+        try:
+            self.engine_cls.parallel_dims(self.engine.options, processes * nodes, processes)
+        except ValueError as e:
+            raise OptionError(f"{self.strategy_name} cannot run on devices={processes} x num_nodes={nodes}"
+                              f" ({processes * nodes} processes): {e}") from None
+
+    def _configure_launcher(self) -> None:
+        # Lightning's connector calls this inside Trainer(...)/Fabric(...), once devices and nodes are known and before
+        # any launcher starts processes: the one moment to refuse sizes the world cannot hold.
+        self.check_world()
+        super()._configure_launcher()  # type: ignore[misc]
 
     def set_async_checkpoint(self, enabled: bool = True) -> None:
         """The option ``async_checkpoint`` on a strategy already built (one a launcher or a Trainer/Fabric name
@@ -299,7 +369,7 @@ class AutoResolution:
     plan: Any = None
 
     def _init_engine(self, options: dict[str, Any]) -> None:
-        self.auto_options = registry.AUTO.options(**options)
+        self.auto_options = EngineAdapter._options(registry.AUTO, options)
         self.engine = self.engine_cls(self.engine_cls.options_cls(), self.strategy_name)  # the stand-in's own
 
     def _configure_launcher(self) -> None:

@@ -3,13 +3,18 @@ ZeRO engine (CPU support, a config whose batch settings always agree, the one ch
 
 from __future__ import annotations
 
-from typing import Any, Union
+from datetime import timedelta
+from typing import Any, Optional, Union
 
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from disttrain._lightning import DeepSpeedPlumbing
+from disttrain._lightning import DeepSpeedPlumbing, checked_options
 from disttrain.fabric.base import FabricAdapter
 from disttrain.parallel.engines.zero import ZeroEngine
 from disttrain.patches import allow_setup_optimizers_after
@@ -32,9 +37,72 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     strategy_name = "disttrain_zero3"
     engine_cls = ZeroEngine
 
-    def __init__(self, accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
-                 precision: Any = None, process_group_backend: Any = None, timeout: Any = None,
-                 **options: Any) -> None:
+    # BEGIN generated options: tools/strategy_signatures.py --write, from ZeroOptions (edit the dataclass)
+    @checked_options
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta, None] = None,
+        *,
+        offload_optimizer: Optional[str] = None,
+        offload_parameters: Optional[str] = None,
+        nvme_path: str = '/local_nvme',
+        config: Union[dict, str, None] = None,
+        cpu_adam: Optional[bool] = None,
+        extensions_dir: Optional[str] = None,
+        micro_batch_size: int = 1,
+        gradient_accumulation_steps: int = 1,
+        broadcast_buffers: bool = True,
+        sync_batchnorm: bool = False,
+        async_checkpoint: bool = False,
+    ) -> None:
+        """The options of ``disttrain_zero3`` as keywords (:class:`~disttrain.parallel.engines.deepspeed.ZeroOptions`),
+        after the arguments the Fabric sets.
+
+        Args:
+            accelerator: set by the Fabric from its ``accelerator``.
+            parallel_devices: set by the Fabric from its ``devices``.
+            cluster_environment: set by the Fabric (torchrun, SLURM, ...).
+            precision: set by the Fabric from its ``precision``.
+            process_group_backend: "gloo" or "nccl"; default: the devices' own.
+            timeout: seconds (or a ``timedelta``) a process may stay silent before every process ends the run; a
+                collective waits a few seconds longer. Default: ``$DISTTRAIN_TIMEOUT``, else 600.
+            offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live.
+            offload_parameters: None, "cpu" or "nvme": where parameters live between uses.
+            nvme_path: a folder on a fast local disk, for "nvme" offload.
+            config: a DeepSpeed config (dict or JSON file) merged with ours; e.g. bucket sizes. A value that contradicts
+                the Trainer/Fabric settings (batch sizes, accumulation, clipping, precision, stage) is an error.
+            cpu_adam: use DeepSpeedCPUAdam for an offloaded optimizer (the user's Adam/AdamW hyper-parameters are kept).
+                None = on GPU yes (fast), on CPU no (the torch optimizer runs on the CPU anyway, and DeepSpeedCPUAdam
+                costs a ~2.5-minute JIT build the first time).
+            extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build
+                once.
+            micro_batch_size: Fabric only (the Trainer reads its DataLoader and ``accumulate_grad_batches``, and refuses
+                these).
+            gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and ``accumulate_grad_batches``,
+                and refuses these).
+            broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the ranks: rank 0's after every
+                training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
+            sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's
+                ``sync_batchnorm=True`` does the same.
+            async_checkpoint: not offered here (refused): DCP's host-memory staging cannot copy the ShardedTensors that
+                hold DeepSpeed's partitions; disttrain_fsdp (the same ZeRO-3 sharding) offers it.
+        """
+        options = {"offload_optimizer": offload_optimizer, "offload_parameters": offload_parameters,
+                   "nvme_path": nvme_path, "config": config, "cpu_adam": cpu_adam, "extensions_dir": extensions_dir,
+                   "micro_batch_size": micro_batch_size, "gradient_accumulation_steps": gradient_accumulation_steps,
+                   "broadcast_buffers": broadcast_buffers, "sync_batchnorm": sync_batchnorm,
+                   "async_checkpoint": async_checkpoint}
+        self._init_adapter(accelerator, parallel_devices, cluster_environment, precision, process_group_backend,
+                           timeout, options)
+    # END generated options
+
+    def _init_adapter(self, accelerator: Any, parallel_devices: Any, cluster_environment: Any, precision: Any,
+                      process_group_backend: Any, timeout: Any, options: dict[str, Any]) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision,
                          process_group_backend=process_group_backend, timeout=self._split_timeout(timeout),

@@ -9,6 +9,24 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+class OptionError(ValueError):
+    """Strategy options that cannot run as given: an unknown or misplaced option, a value or combination the strategy
+    refuses, sizes the world does not divide. Its message is one line naming the values and the fix, raised before any
+    process group exists; launchers and recipes print that line alone (``parallel.guards.failures``)."""
+
+
+class UnknownOptionError(OptionError, TypeError):
+    """A keyword that is not an option of the strategy (a ``TypeError``, as Python's own for an unexpected keyword)."""
+
+
+def as_option_error(error: Exception) -> OptionError:
+    """``error`` as an :class:`OptionError` with its message (an :class:`UnknownOptionError` for a ``TypeError``): what
+    an options dataclass's own checks raise, for the places that build a strategy's options."""
+    if isinstance(error, OptionError):
+        return error
+    return (UnknownOptionError if isinstance(error, TypeError) else OptionError)(str(error))
+
+
 # Options of Lightning's own FSDPStrategy, DeepSpeedStrategy and ModelParallelStrategy that a disttrain strategy
 # names otherwise (or does without): an unknown one of these says what to pass instead, where a spelling match
 # would mislead (data_parallel_size is not tensor_parallel_size). docs/migrating.md has the full tables.
@@ -80,17 +98,17 @@ def build_options(cls: type[T], strategy: str, options: dict[str, Any]) -> T:
         if key in refused and key not in valid:
             if value in (None, False):
                 continue  # the option's default: nothing asked
-            raise ValueError(f"{key}={value!r} is not supported by {strategy}: {refused[key]}")
+            raise OptionError(f"{key}={value!r} is not supported by {strategy}: {refused[key]}")
         if key not in valid:
             refused = next((why for (prefix, name), why in NOT_OFFERED.items()
                             if name == key and strategy.startswith(prefix)), None)
             if refused is not None:
-                raise ValueError(f"{key}={options[key]!r} is not offered by {strategy}; {refused}")
+                raise OptionError(f"{key}={options[key]!r} is not offered by {strategy}; {refused}")
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             if strategy.startswith("disttrain_") and key in LIGHTNING_OPTIONS:
                 hint = f"as Lightning's option, here: {LIGHTNING_OPTIONS[key]} (docs/migrating.md); "
-            raise TypeError(
+            raise UnknownOptionError(
                 f"unknown option {key!r} for strategy {strategy!r}; {hint}valid options are: {', '.join(valid)}"
             )
     return cls(**{k: v for k, v in options.items() if k in valid})

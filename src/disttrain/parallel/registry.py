@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from disttrain.parallel.engines.base import Engine
 from disttrain.parallel.engines.ddp import DDPEngine
@@ -22,7 +22,7 @@ from disttrain.parallel.engines.megatron import MegatronEngine
 from disttrain.parallel.engines.recsys import RecsysEngine
 from disttrain.parallel.engines.zero import ZeroEngine
 from disttrain.parallel.mesh import ParallelDims
-from disttrain.parallel.options import build_options
+from disttrain.parallel.options import OptionError, build_options
 
 
 @dataclass
@@ -135,17 +135,31 @@ def names() -> list[str]:
     return [row.name for row in STRATEGIES]
 
 
+def closest_names(name: str, choices: Optional[Iterable[str]] = None, n: int = 1) -> list[str]:
+    """Up to ``n`` of the registered names (or of ``choices``) ``name`` was most likely meant to be, closest first.
+    A disttrain name is compared without its ``disttrain_`` prefix (to ``name`` without it too), which every
+    disttrain name shares and which would make any name that has it look close to all of them; ``"fsdpp"`` and
+    ``"disttrain_fdsp"`` both find ``disttrain_fsdp``."""
+    query = str(name)
+    scored = []
+    for choice in names() if choices is None else choices:
+        ours = choice.startswith("disttrain_")
+        a, b = (query.removeprefix("disttrain_"), choice.removeprefix("disttrain_")) if ours else (query, choice)
+        scored.append((difflib.SequenceMatcher(None, a, b).ratio(), ours, choice))
+    return [choice for ratio, _, choice in sorted(scored, reverse=True) if ratio >= 0.6][:n]
+
+
 def lookup(name: str) -> Registered:
-    """The row of a registered name; an unknown one is one error with the closest name and the full list."""
+    """The row of a registered name; an unknown one is one error (an :class:`OptionError`) with the closest name and
+    the full list."""
     for row in STRATEGIES:
         if row.name == name:
             return row
-    close = difflib.get_close_matches(str(name), names(), n=1) or \
-        difflib.get_close_matches(f"disttrain_{name}", names(), n=1)
+    close = closest_names(name)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"strategy={name!r} is not a registered disttrain strategy; {hint}choose one of"
-                     f" {', '.join(names())}")
+    raise OptionError(f"strategy={name!r} is not a registered disttrain strategy; {hint}choose one of"
+                      f" {', '.join(names())}")
 
 
 __all__ = ["AUTO", "AutoOptions", "DDP", "FSDP", "FSDP_OFFLOAD", "MEGATRON", "RECSYS", "Registered", "STRATEGIES",
-           "ZERO3", "ZERO3_OFFLOAD", "lookup", "names", "non_default"]
+           "ZERO3", "ZERO3_OFFLOAD", "closest_names", "lookup", "names", "non_default"]

@@ -6,6 +6,10 @@ registered strategy and its engine (whose options dataclass it takes), listed in
         strategy_name = "disttrain_fsdp"
         engine_cls = FSDPEngine
 
+and an ``__init__`` whose keywords are the dataclass's fields, generated from it (``python
+tools/strategy_signatures.py --write`` writes it between two marker lines; tests/test_signatures.py fails when it
+differs from the dataclass).
+
 :class:`TrainerAdapter` holds what every adapter does (checkpoint keys of the one layout, clipping, buffers,
 ``full_model``/``export_full``); :class:`EngineStrategy` puts it over Lightning's ``ParallelStrategy`` for engines
 that set models up themselves. DDP and ZeRO-3 put it over Lightning's own strategies (see their modules for why).
@@ -202,15 +206,14 @@ class FSDP2MixedPrecision(EngineMixedPrecision):
 
 class EngineStrategy(TrainerAdapter, DistributedPlumbing, ParallelStrategy):
     """The base of the Trainer strategies whose engine sets models up (FSDP, Megatron, recsys); CUDA (nccl) and
-    CPU (gloo). Subclasses set ``strategy_name`` and ``engine_cls``; options are keywords of the engine's
-    options dataclass."""
+    CPU (gloo). Subclasses set ``strategy_name`` and ``engine_cls``; their ``__init__``, generated from the engine's
+    options dataclass (tools/strategy_signatures.py), takes its options as keywords and calls :meth:`_init_adapter`."""
 
     _launcher_cls = _SubprocessScriptLauncher
 
-    def __init__(self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
-                 cluster_environment: Optional[Any] = None, precision_plugin: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None, timeout: Any = None,
-                 **options: Any) -> None:
+    def _init_adapter(self, accelerator: Optional[Any], parallel_devices: Optional[list[torch.device]],
+                      cluster_environment: Optional[Any], precision_plugin: Optional[Precision],
+                      process_group_backend: Optional[str], timeout: Any, options: dict[str, Any]) -> None:
         self._init_engine(options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
