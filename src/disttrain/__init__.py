@@ -11,7 +11,8 @@ start-up of everything that does not need it, ``disttrain plan`` among them; bot
 
 - once Lightning is imported (now, or later: a finder in ``sys.meta_path`` that answers for the one module name
   ``lightning``, then removes itself), its two strategy registries are marked to register disttrain's names the
-  first time anything reads them, and ``load_from_checkpoint`` learns the folders;
+  first time anything reads them, ``load_from_checkpoint`` learns the folders, and a misspelt strategy name given
+  to the Trainer or Fabric is answered with the closest registered one;
 - the first read of either registry (``Trainer(strategy="disttrain_fsdp")``, ``lightning run model --strategy``)
   registers every name in both (:func:`register_strategies`, which a program may also call itself).
 
@@ -60,8 +61,15 @@ def _lightning_loaded() -> None:
     from disttrain.checkpoint_loading import is_checkpoint_folder, read_checkpoint_folder
 
     patches.read_checkpoint_folders(is_checkpoint_folder, read_checkpoint_folder)
+    patches.suggest_strategy_names(_unknown_strategy_error)
     for registry in (StrategyRegistry, STRATEGY_REGISTRY):
         patches.register_on_first_read(registry, register_strategies)
+
+
+def _unknown_strategy_error(name: str, registered: list[str], lightning_message: str) -> Any:
+    from disttrain.names import unknown_strategy_error  # on use: it imports every adapter
+
+    return unknown_strategy_error(name, registered, lightning_message)
 
 
 patches.when_lightning_loads(_lightning_loaded)

@@ -1,5 +1,8 @@
 """Started by torchrun in every process of ``disttrain run`` / ``lightning run model``: register the disttrain
-strategy names in this process, then run the user's script as ``__main__`` with its own arguments."""
+strategy names in this process, then run the user's script as ``__main__`` with its own arguments. A failure with a
+one-line description (strategy options the world cannot run, a full disk, a stalled rank: ``parallel.guards.failures``)
+is handed to the launcher, which prints that line alone, instead of a traceback per process (``--verbose`` keeps
+them)."""
 
 import os
 import runpy
@@ -41,4 +44,11 @@ _fresh_store_after_restart()
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, str(Path(script).resolve().parent))
-runpy.run_path(script, run_name="__main__")
+try:
+    runpy.run_path(script, run_name="__main__")
+except Exception as e:
+    from disttrain.cli import leave_report
+
+    if not leave_report(e):
+        raise
+    sys.exit(1)

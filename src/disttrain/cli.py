@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import socket
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
@@ -43,6 +47,10 @@ def _launcher_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
                         help="restart all processes this many times when one fails (torchrun's elastic restarts);"
                              " the script resumes from its newest complete checkpoint")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every process's traceback and torchrun's report when the run fails (default: a"
+                             " failure with a one-line description, such as strategy sizes the devices cannot hold,"
+                             " is that line alone; also DISTTRAIN_VERBOSE=1)")
     return parser
 
 
@@ -121,8 +129,13 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
     if not Path(args.script).is_file():
         raise SystemExit(f"script {args.script!r} does not exist; pass the path of a Python file")
     if args.strategy is not None and args.strategy not in STRATEGY_REGISTRY:
-        names = ", ".join(sorted(STRATEGY_REGISTRY.available_strategies()))
-        raise SystemExit(f"--strategy {args.strategy!r} is not a registered strategy; choose one of: {names}")
+        from disttrain.parallel.registry import closest_names
+
+        available = STRATEGY_REGISTRY.available_strategies()
+        close = closest_names(args.strategy, available, n=2)
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        raise SystemExit(f"{prog}: error: --strategy {args.strategy!r} is not a registered strategy; {hint}choose one"
+                         f" of: {', '.join(sorted(available))}")
     nproc = _num_processes(args.accelerator, args.devices)
     port = rendezvous_port(args.main_port, args.num_nodes, args.node_rank, args.max_restarts, prog, default_port)
 
@@ -142,6 +155,10 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
 
     from torch.distributed import run as torchrun
 
+    from disttrain.parallel.guards.failures import VERBOSE_ENV, verbose
+
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # the processes let their tracebacks through too
     if args.max_restarts > 0:
         # Restarts need a rendezvous that every node's agent can join again after a failure: c10d (the static one
         # only fits a fixed set of processes). The bootstrap gives each restarted attempt a fresh store.
@@ -149,11 +166,88 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
                       f"--rdzv-id=disttrain-{port}", f"--max-restarts={args.max_restarts}"]
     else:
         rendezvous = [f"--node_rank={args.node_rank}", f"--master_addr={args.main_address}", f"--master_port={port}"]
-    torchrun.main([
-        f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", *rendezvous,
-        str(BOOTSTRAP), args.script, *script_args,
-    ])
+    argv = [f"--nproc_per_node={nproc}", f"--nnodes={args.num_nodes}", *rendezvous, str(BOOTSTRAP), args.script,
+            *script_args]
+    if verbose():
+        torchrun.main(argv)
+        return 0
+    with one_line_reports() as reports:
+        try:
+            torchrun.main(argv)
+        except Exception:
+            line = reports.first()
+            if line is None:
+                raise
+            print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+            return 1
     return 0
+
+
+# The folder where a launched process leaves its one-line failure for the launcher.
+REPORT_ENV = "DISTTRAIN_LAUNCH_REPORTS"
+
+
+def leave_report(error: BaseException) -> bool:
+    """In a launched process (the bootstrap), for a failure of the user's script: leave its one line
+    (``parallel.guards.failures.describe``) in the launcher's folder as ``rank<N>.txt``; whether it did (not for a
+    failure with no one-line description, nor under ``DISTTRAIN_VERBOSE=1``)."""
+    from disttrain.parallel.guards.failures import describe, verbose
+
+    folder = os.environ.get(REPORT_ENV)
+    line = None if verbose() or not folder else describe(error)
+    if line is None:
+        return False
+    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt"
+    path.with_suffix(".part").write_text(line)
+    path.with_suffix(".part").replace(path)  # whole or absent when the launcher reads it
+    return True
+
+
+class Reports:
+    """The folder where the processes leave their one-line failures (:func:`leave_report`), by rank."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def first(self) -> str | None:
+        """The line of the lowest rank that left one (None: no process did)."""
+        found = sorted(self.folder.glob("rank*.txt"), key=lambda p: int(p.stem.removeprefix("rank")))
+        return found[0].read_text() if found else None
+
+
+class AfterReport(logging.Filter):
+    """Drops torchrun's records once a process has left its line: the signal it sends the other processes and the
+    failure it logs are the consequence of that line, which the launcher prints."""
+
+    def __init__(self, reports: Reports) -> None:
+        super().__init__()
+        self.reports = reports
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.reports.first() is None
+
+
+# torchrun's loggers that report a failed process (the signal to the others, the exit codes).
+TORCHRUN_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+
+
+@contextmanager
+def one_line_reports() -> Iterator[Reports]:
+    """A fresh folder for the processes' one-line failures (``$DISTTRAIN_LAUNCH_REPORTS``) and torchrun's failure
+    records quiet after one arrives, for the duration of a launch."""
+    with tempfile.TemporaryDirectory(prefix="disttrain-run-") as folder:
+        reports = Reports(Path(folder))
+        quiet = AfterReport(reports)
+        loggers = [logging.getLogger(name) for name in TORCHRUN_LOGGERS]
+        os.environ[REPORT_ENV] = folder
+        for logger in loggers:
+            logger.addFilter(quiet)
+        try:
+            yield reports
+        finally:
+            for logger in loggers:
+                logger.removeFilter(quiet)
+            os.environ.pop(REPORT_ENV, None)
 
 
 def _export(argv: list[str]) -> int:

@@ -4,10 +4,11 @@ the row's default options, so ``disttrain_fsdp_offload`` is ``FSDPStrategy(cpu_o
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 from disttrain import fabric, strategies
-from disttrain.parallel.registry import STRATEGIES, Registered, lookup
+from disttrain.parallel.options import OptionError
+from disttrain.parallel.registry import STRATEGIES, Registered, closest_names, lookup, names
 
 
 class Adapters(NamedTuple):
@@ -35,3 +36,14 @@ def register(trainer_registry: Any, fabric_registry: Any) -> list[str]:
             if row.name not in registry:
                 registry.register(row.name, cls, description=row.description, **row.defaults)
     return [row.name for row in STRATEGIES]
+
+
+def unknown_strategy_error(name: str, registered: list[str], lightning_message: str) -> Optional[OptionError]:
+    """The error for ``Trainer(strategy=name)`` / ``Fabric(strategy=name)`` when no registry holds ``name``:
+    Lightning's message and the closest registered names (disttrain's among them), or None when no name is close
+    (Lightning's error stands). Installed by :func:`disttrain.patches.suggest_strategy_names`."""
+    close = closest_names(name, registered, n=2)
+    if not close:
+        return None
+    ours = f" (disttrain's strategies: {', '.join(names())})" if any(c.startswith("disttrain_") for c in close) else ""
+    return OptionError(f"{lightning_message}; did you mean {' or '.join(map(repr, close))}?{ours}")

@@ -12,6 +12,8 @@ patch                                 works around
                                       that runs a callback right after ``import lightning``)
 :func:`register_on_first_read`        ... and importing it eagerly would triple the start-up of every command (a
                                       registry registers disttrain's names the first time anything reads it)
+:func:`suggest_strategy_names`        Lightning's error for an unknown strategy name suggests no name (and knows
+                                      only its own examples)
 :func:`read_checkpoint_folders`       ``LightningModule.load_from_checkpoint`` opens its path as one file
 :func:`allow_setup_optimizers_after`  Fabric refuses ``setup_optimizers`` for every DeepSpeed strategy
 :func:`skip_deepspeed_shm_op`         DeepSpeed JIT-compiles an inference-only op when its backend starts on CPU
@@ -100,6 +102,44 @@ def register_on_first_read(registry: dict, register: Callable[[], Any]) -> None:
 
     registry.__class__ = type(own.__name__, (own,),
                               {"_disttrain_pending": True, **{m: first(m) for m in REGISTRY_READS}})
+
+
+# The start of the error both of Lightning's connectors raise for a strategy name no registry holds.
+INVALID_STRATEGY = "You selected an invalid strategy name"
+
+
+def suggest_strategy_names(error_for: Callable[[str, list[str], str], Any]) -> None:
+    """``Trainer(strategy=NAME)`` and ``Fabric(strategy=NAME)`` with a name no registry holds: the error
+    ``error_for(NAME, registered names, Lightning's message)`` returns (one naming the closest name), or Lightning's
+    own when it returns None (idempotent).
+
+    Both connectors check the name in ``_check_config_and_set_final_flags`` against a list they read from their
+    registry and raise a ValueError that lists a few of Lightning's own names ("Example choices: auto, ddp, ...") and
+    none of the registered ones, with no suggestion. That method is wrapped: it runs unchanged, and only that one
+    error, for a string, is replaced; every other check and error of the method stays Lightning's."""
+    from lightning.fabric.connector import _Connector
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    for connector in (_Connector, _AcceleratorConnector):
+        lightning_check = connector._check_config_and_set_final_flags
+        if getattr(lightning_check, "_suggests_names", False):
+            continue
+
+        @functools.wraps(lightning_check)
+        def check(self: Any, *args: Any, _lightning_check: Callable[..., None] = lightning_check, **kwargs: Any) -> None:
+            try:
+                _lightning_check(self, *args, **kwargs)
+            except ValueError as e:
+                name = getattr(self, "_strategy_flag", None)
+                if not (str(e).startswith(INVALID_STRATEGY) and isinstance(name, str)):
+                    raise
+                better = error_for(name, list(self._registered_strategies), str(e))
+                if better is None:
+                    raise
+                raise better from None
+
+        check._suggests_names = True  # type: ignore[attr-defined]
+        connector._check_config_and_set_final_flags = check
 
 
 def read_checkpoint_folders(is_folder: Callable[[Any], bool], read: Callable[..., Any]) -> None:
