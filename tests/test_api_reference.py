@@ -5,6 +5,7 @@ suite; and its two generated parts (option tables, command help) follow the code
 from __future__ import annotations
 
 import dataclasses
+import html
 import importlib.util
 import inspect
 import re
@@ -58,3 +59,7 @@ def test_api_reference_builds_without_warnings(tmp_path):
             "cli"} <= pages, pages
     options = (tmp_path / "html" / "options.html").read_text()
     assert "FSDPOptions" in options and "hybrid_shard" in options
+    # a strategy class: every option in its signature, and what it does (its generated __init__ docstring)
+    strategies = html.unescape(re.sub(r"<[^>]+>", "", (tmp_path / "html" / "strategies.html").read_text()))
+    assert "tensor_parallel_size: int = 1" in strategies, "MegatronStrategy's signature lacks its options"
+    assert "tensor_parallel_size – ranks that split each block’s heads and MLP" in strategies

@@ -30,10 +30,10 @@ def test_lightning_run_model_launches_fabric_script_with_disttrain_fsdp(tmp_path
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
-def test_unknown_strategy_is_rejected_with_the_choices(tmp_path):
+def test_unknown_strategy_is_rejected_with_the_closest_and_the_choices(tmp_path):
     proc = run_python("-m", "disttrain.cli", "run", "tests/dist/cli_fabric.py", "--strategy", "disttrain_fsdq")
     assert proc.returncode != 0
-    assert "'disttrain_fsdq' is not a registered strategy; choose one of:" in proc.stderr
+    assert "'disttrain_fsdq' is not a registered strategy; did you mean 'disttrain_fsdp'? choose one of:" in proc.stderr
     assert "disttrain_fsdp_offload" in proc.stderr
 
 

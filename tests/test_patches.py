@@ -53,6 +53,51 @@ def test_lightnings_load_from_checkpoint_still_opens_a_folder_as_a_file(tmp_path
         _load(tmp_path)
 
 
+def connectors():
+    from lightning.fabric.connector import _Connector
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    return _Connector, _AcceleratorConnector
+
+
+@pytest.mark.parametrize("connector", connectors(), ids=["fabric", "trainer"])
+def test_lightnings_connectors_still_answer_an_unknown_name_without_a_suggestion(connector):
+    """suggest_strategy_names: both connectors refuse a name their registry lacks in
+    ``_check_config_and_set_final_flags``, with the message the patch recognises, naming a few of Lightning's own
+    strategies and suggesting none. Should Lightning suggest the closest name itself, the patch can go."""
+    check = connector._check_config_and_set_final_flags
+    check = getattr(check, "__wrapped__", check)  # Lightning's own, whether or not the patch is installed
+    stub = connector.__new__(connector)
+    stub._registered_strategies = ["ddp", "fsdp", "disttrain_fsdp"]
+    with pytest.raises(ValueError) as info:
+        check(stub, strategy="disttrain_fsdpp", accelerator="cpu", precision="32-true", plugins=None,
+              **({"sync_batchnorm": False} if connector is connectors()[1] else {}))
+    message = str(info.value)
+    assert message.startswith(patches.INVALID_STRATEGY) and stub._strategy_flag == "disttrain_fsdpp"
+    assert "disttrain_fsdp" not in message.replace("'disttrain_fsdpp'", "") and "mean" not in message
+
+
+@pytest.mark.parametrize("connector", connectors(), ids=["fabric", "trainer"])
+def test_the_name_patch_replaces_only_that_error(connector):
+    """Installed by ``import disttrain``: a close name gets the suggestion, a far one and any other error of the
+    method stay Lightning's."""
+    import disttrain  # noqa: F401  (installs the patch when Lightning loads)
+
+    check = connector._check_config_and_set_final_flags
+    assert getattr(check, "_suggests_names", False)
+    extra = {"sync_batchnorm": False} if connector is connectors()[1] else {}
+    stub = connector.__new__(connector)
+    stub._registered_strategies = ["ddp", "fsdp", "disttrain_fsdp"]
+    stub._accelerator_types = stub._registered_accelerators = ["cpu"]
+    with pytest.raises(ValueError, match=r"; did you mean 'disttrain_fsdp' or 'fsdp'\?"):
+        check(stub, strategy="fsdpp", accelerator="cpu", precision="32-true", plugins=None, **extra)
+    with pytest.raises(ValueError) as far:
+        check(stub, strategy="xyzzy", accelerator="cpu", precision="32-true", plugins=None, **extra)
+    assert "mean" not in str(far.value)
+    with pytest.raises(ValueError, match="invalid accelerator name"):
+        check(stub, strategy="ddp", accelerator="tpu9", precision="32-true", plugins=None, **extra)
+
+
 def test_fabric_still_refuses_setup_optimizers_for_deepspeed():
     """allow_setup_optimizers_after: Fabric's own check refuses every DeepSpeed strategy."""
     from lightning.fabric import Fabric

@@ -5,6 +5,8 @@ The pages are generated from the docstrings (autodoc). Two things come from the 
 the option dataclasses' entries (``name: text`` in the class docstring) become a table, read by the same parser as
 the option tables of docs/strategies.md (docs/options.py), and the command-line page shows what ``disttrain COMMAND
 --help`` prints, for every command that ``disttrain --help`` lists (a command missing from the page is a warning).
+A strategy class shows its signature and, from its ``__init__`` docstring (generated from the same dataclass by
+tools/strategy_signatures.py), what each option does.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 autodoc_member_order = "bysource"
+# A strategy class's __init__ docstring describes each of its options (generated from the options dataclass)
+autoclass_content = "both"
 autodoc_typehints = "signature"
 autodoc_inherit_docstrings = False  # Lightning's own docstrings belong to Lightning's reference
 autodoc_default_options = {"members": True, "show-inheritance": True}
