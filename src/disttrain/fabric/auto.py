@@ -16,6 +16,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 from disttrain._lightning import AutoResolution, checked_options
 from disttrain.fabric.ddp import DDPStrategy
+from disttrain.parallel.options import OptionError
 
 
 class AutoStrategy(AutoResolution, DDPStrategy):
