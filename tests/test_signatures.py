@@ -66,7 +66,8 @@ def test_the_signature_is_the_options_dataclass(cls):
     for parameter, field in zip(keywords, fields):
         built = field.default_factory is not dataclasses.MISSING  # type: ignore[misc]
         assert parameter.default == (None if built else field.default), field.name
-        assert hints[field.name] == (Optional[field_hints[field.name]] if built else field_hints[field.name]), field.name
+        expected = Optional[field_hints[field.name]] if built else field_hints[field.name]
+        assert hints[field.name] == expected, field.name
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # IDEs flag a typo too
 
 

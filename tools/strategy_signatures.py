@@ -49,12 +49,12 @@ class Argument:
 def lightning_arguments(entry: str) -> list[Argument]:
     """The arguments before the options, as Lightning's connector sets them (``entry``: "Trainer" or "Fabric")."""
     precision = "precision_plugin" if entry == "Trainer" else "precision"
+    entry = "the Trainer" if entry == "Trainer" else "Fabric"
     return [
-        Argument("accelerator", "Optional[Accelerator]", f"set by the {entry} from its ``accelerator``."),
-        Argument("parallel_devices", "Optional[list[torch.device]]", f"set by the {entry} from its ``devices``."),
-        Argument("cluster_environment", "Optional[ClusterEnvironment]",
-                 f"set by the {entry} (torchrun, SLURM, ...)."),
-        Argument(precision, "Optional[Precision]", f"set by the {entry} from its ``precision``."),
+        Argument("accelerator", "Optional[Accelerator]", f"set by {entry} from its ``accelerator``."),
+        Argument("parallel_devices", "Optional[list[torch.device]]", f"set by {entry} from its ``devices``."),
+        Argument("cluster_environment", "Optional[ClusterEnvironment]", f"set by {entry} (torchrun, SLURM, ...)."),
+        Argument(precision, "Optional[Precision]", f"set by {entry} from its ``precision``."),
         Argument("process_group_backend", "Optional[str]", '"gloo" or "nccl"; default: the devices\' own.'),
         Argument("timeout", "Union[float, timedelta, None]",
                  "seconds (or a ``timedelta``) a process may stay silent before every process ends the run; a"
@@ -125,8 +125,9 @@ def docstring(cls: type, entry: str) -> list[str]:
     if missing:
         raise ValueError(f"{options.__name__}'s docstring has no `name: text` entry for {', '.join(missing)}")
     built = [f.name for f in fields if builds_default(f)]
+    sets = "the Trainer sets" if entry == "Trainer" else "Fabric sets"
     intro = (f"The options of ``{cls.strategy_name}`` as keywords (:class:`~{options.__module__}.{options.__name__}`),"
-             f" after the arguments the {entry} sets.")
+             f" after the arguments {sets}.")
     if built:
         intro += f" ``None`` for {', '.join(f'``{n}``' for n in built)} is its default."
     lines = textwrap.wrap(intro, WIDTH, initial_indent='        """', subsequent_indent="        ",

@@ -126,7 +126,8 @@ def suggest_strategy_names(error_for: Callable[[str, list[str], str], Any]) -> N
             continue
 
         @functools.wraps(lightning_check)
-        def check(self: Any, *args: Any, _lightning_check: Callable[..., None] = lightning_check, **kwargs: Any) -> None:
+        def check(self: Any, *args: Any, _lightning_check: Callable[..., None] = lightning_check,
+                  **kwargs: Any) -> None:
             try:
                 _lightning_check(self, *args, **kwargs)
             except ValueError as e:

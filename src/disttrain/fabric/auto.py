@@ -52,13 +52,13 @@ class AutoStrategy(AutoResolution, DDPStrategy):
         trial_steps: int = 3,
     ) -> None:
         """The options of ``disttrain_auto`` as keywords (:class:`~disttrain.parallel.registry.AutoOptions`), after the
-        arguments the Fabric sets.
+        arguments Fabric sets.
 
         Args:
-            accelerator: set by the Fabric from its ``accelerator``.
-            parallel_devices: set by the Fabric from its ``devices``.
-            cluster_environment: set by the Fabric (torchrun, SLURM, ...).
-            precision: set by the Fabric from its ``precision``.
+            accelerator: set by Fabric from its ``accelerator``.
+            parallel_devices: set by Fabric from its ``devices``.
+            cluster_environment: set by Fabric (torchrun, SLURM, ...).
+            precision: set by Fabric from its ``precision``.
             process_group_backend: "gloo" or "nccl"; default: the devices' own.
             timeout: seconds (or a ``timedelta``) a process may stay silent before every process ends the run; a
                 collective waits a few seconds longer. Default: ``$DISTTRAIN_TIMEOUT``, else 600.

@@ -44,13 +44,13 @@ class RecsysStrategy(EngineStrategy):
         batch_size: int = 512,
     ) -> None:
         """The options of ``disttrain_recsys`` as keywords (:class:`~disttrain.parallel.engines.recsys.RecsysOptions`),
-        after the arguments the Fabric sets. ``None`` for ``constraints`` is its default.
+        after the arguments Fabric sets. ``None`` for ``constraints`` is its default.
 
         Args:
-            accelerator: set by the Fabric from its ``accelerator``.
-            parallel_devices: set by the Fabric from its ``devices``.
-            cluster_environment: set by the Fabric (torchrun, SLURM, ...).
-            precision: set by the Fabric from its ``precision``.
+            accelerator: set by Fabric from its ``accelerator``.
+            parallel_devices: set by Fabric from its ``devices``.
+            cluster_environment: set by Fabric (torchrun, SLURM, ...).
+            precision: set by Fabric from its ``precision``.
             process_group_backend: "gloo" or "nccl"; default: the devices' own.
             timeout: seconds (or a ``timedelta``) a process may stay silent before every process ends the run; a
                 collective waits a few seconds longer. Default: ``$DISTTRAIN_TIMEOUT``, else 600.

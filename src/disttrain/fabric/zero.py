@@ -61,13 +61,13 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
         async_checkpoint: bool = False,
     ) -> None:
         """The options of ``disttrain_zero3`` as keywords (:class:`~disttrain.parallel.engines.deepspeed.ZeroOptions`),
-        after the arguments the Fabric sets.
+        after the arguments Fabric sets.
 
         Args:
-            accelerator: set by the Fabric from its ``accelerator``.
-            parallel_devices: set by the Fabric from its ``devices``.
-            cluster_environment: set by the Fabric (torchrun, SLURM, ...).
-            precision: set by the Fabric from its ``precision``.
+            accelerator: set by Fabric from its ``accelerator``.
+            parallel_devices: set by Fabric from its ``devices``.
+            cluster_environment: set by Fabric (torchrun, SLURM, ...).
+            precision: set by Fabric from its ``precision``.
             process_group_backend: "gloo" or "nccl"; default: the devices' own.
             timeout: seconds (or a ``timedelta``) a process may stay silent before every process ends the run; a
                 collective waits a few seconds longer. Default: ``$DISTTRAIN_TIMEOUT``, else 600.
