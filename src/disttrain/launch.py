@@ -14,8 +14,8 @@ options to a strategy:
   strategy, and since Fabric refuses a strategy object next to ``LT_STRATEGY``, the variable is taken over once the
   object is built.
 
-:func:`fabric_kwargs` leaves to Fabric what the launcher set (``LT_ACCELERATOR``, ``LT_DEVICES``, ``LT_NUM_NODES``,
-``LT_PRECISION``: the launcher's win) and passes the rest. :func:`add_recipe_flags` adds the flags every recipe
+:func:`fabric_kwargs` leaves to Fabric what the launcher decides (it started the processes: accelerator, devices,
+nodes, and the precision when it names one; Fabric reads its ``LT_*`` variables itself) and passes the rest. :func:`add_recipe_flags` adds the flags every recipe
 takes, with one help text and the recipe's defaults shown; :func:`strategy_options` turns the parallel sizes given
 into options.
 """
