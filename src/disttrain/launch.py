@@ -165,8 +165,9 @@ def build_strategy(name: Optional[str] = None, options: Optional[Mapping[str, An
         take it; ``flags`` (option -> command-line flag) makes the message name the user's flag.
     model, planner: for a strategy that plans (``disttrain_auto``), what it plans for (a recipe YAML, its ``model:``
         dict, a module; required under Fabric, which starts its processes before it sees the model) and what the
-        run fixes (``micro_batch``, ``seq_len``, ``activation_checkpointing``: :class:`~disttrain.parallel.registry.
-        AutoOptions`); the other strategies do not use them, so a recipe passes them whatever the name.
+        run fixes (``micro_batch``, ``seq_len``, ``activation_checkpointing``, options of
+        :class:`~disttrain.parallel.registry.AutoOptions`); the other strategies do not use them, so a recipe passes
+        them whatever the name.
     world: the number of processes, when known: the degrees the options give are checked against it now, before
         any process starts.
 
@@ -352,11 +353,13 @@ def add_recipe_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any
     """Add every shared recipe flag (:func:`shared_flags`) to ``parser``, in one group, with its shared help and
     the recipe's default shown.
 
-    defaults: for each flag's dest (``"steps"``), its default: a value, or a :class:`Default` (``Default.config(
-        "train.steps")`` when the config decides). Each shared flag is either here or in ``does_not_apply``.
+    defaults: for each flag's dest (``"steps"``), its default: a value, or a :class:`Default`
+        (``Default.config("train.steps")`` when the config decides). Each shared flag is here or in
+        ``does_not_apply``.
     does_not_apply: flags this recipe cannot use, with why and what to set instead: listed in ``--help`` all the
         same, and giving one (other than a parallel size of 1) exits with that one line before anything starts.
-    aliases: older names of a flag (dest -> ["--max-steps"]), accepted and left out of ``--help``.
+    aliases: older names of a flag (dest -> ``["--max-steps"]``), accepted, and left out of ``--help`` so that
+        every recipe lists the same flags.
     """
     does_not_apply = dict(does_not_apply or {})
     flags = shared_flags()
