@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_dist, run_launched, run_python
+from conftest import ROOT, free_port, run_dist, run_launched, run_python
 from disttrain.nlp import (
     DataError,
     DialogueLM,
@@ -338,6 +338,27 @@ def test_recipe_context_parallel(tmp_path, demo):
     assert refused.returncode != 0
     assert "dialogue_llm: error: --context-parallel-size 2 is an option of disttrain_megatron" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.slow
+def test_recipe_tensor_parallel_and_activation_checkpointing_from_the_shared_flags(tmp_path, demo):
+    """`python recipes/nlp/dialogue_llm.py --strategy disttrain_megatron --tensor-parallel-size 2
+    --activation-checkpointing` (no launcher: the recipe starts its 2 CPU processes): the heads split over both
+    processes (one data-parallel rank, so 16 rows are 2 micro-steps of 8), every decoder layer recomputed, held-out
+    loss falls and the export is the plain HF model."""
+    out = tmp_path / "out"
+    proc = run_python("recipes/nlp/dialogue_llm.py", "--demo-root", str(demo[0]), "--out", str(out), "--strategy",
+                      "disttrain_megatron", "--tensor-parallel-size", "2", "--activation-checkpointing", "--steps", "3",
+                      "--eval-every", "3", "--global-batch", "16", "--no-report",
+                      env={"MASTER_PORT": str(free_port())}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "MegatronStrategy on 2 x cpu" in proc.stdout and "2 micro-step(s) per optimizer step" in proc.stdout
+    assert "activation checkpointing: every decoder layer recomputed in backward" in proc.stdout
+    strategy = json.loads((out / "run.json").read_text())["strategy"]
+    assert strategy["options"] == {"tensor_parallel_size": 2} and strategy["degrees"]["tp"] == 2
+    before, after = held_out(proc.stdout)
+    assert after < before
+    assert (out / "hf" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

@@ -12,12 +12,13 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, launch, run_launched, run_python
+from conftest import ROOT, free_port, launch, run_launched, run_python
 from safetensors.torch import load_file
 
-from disttrain.vision import (ImageFolderData, TrainConfig, ViTClassifier, build_vit, count_parameters, data_config,
-                              default_config, default_strategy, export_timm, read_yaml, write_digits)
+from disttrain.vision import (ImageFolderData, SkippingSampler, TrainConfig, ViTClassifier, build_vit, count_parameters,
+                              data_config, default_config, default_strategy, export_timm, read_yaml, write_digits)
 from disttrain.vision.config import TIMM_ARCHITECTURE, train_config
+from disttrain.vision.defaults import reference_options
 from disttrain.vision.export import PREFIX
 from vision_fabric import MODEL, batch, classifier, reference
 
@@ -128,7 +129,7 @@ def test_export_loads_in_timm(tmp_path):
 
 
 def test_default_strategy_and_config(monkeypatch):
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from disttrain.parallel import registry
 
     assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
     assert default_config(2, None).name == "vit_tiny.yaml"  # CPU: the tiny config
@@ -138,18 +139,31 @@ def test_default_strategy_and_config(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_strategy(16, "gpu") == ("disttrain_megatron", {"tensor_parallel_size": 2})
     assert default_strategy(1, "gpu") == ("disttrain_fsdp", {})  # tp=2 needs two devices
-    # not monkeypatch.delitem: it saves the entry with the registry's get(), which builds a strategy object, and
-    # would put that object back in place of the entry
-    entry = STRATEGY_REGISTRY.pop("disttrain_megatron")
-    try:
-        assert default_strategy(2, "gpu") == ("disttrain_fsdp", {})
-        assert default_strategy(1, "gpu") == ("disttrain_fsdp", {})  # tp=2 needs an even number of devices
-        assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
-    finally:
-        STRATEGY_REGISTRY["disttrain_megatron"] = entry
-    from disttrain.fabric import MegatronStrategy
+    assert default_strategy(3, "gpu") == ("disttrain_fsdp", {})  # ... and an even number of them
+    assert default_strategy(2, "cpu") == ("disttrain_fsdp", {})
+    # The reference set-up is asked of the registry (the strategy that takes tensor_parallel_size), not named.
+    without = tuple(row for row in registry.STRATEGIES if row.name != "disttrain_megatron")
+    monkeypatch.setattr(registry, "STRATEGIES", without)
+    assert default_strategy(2, "gpu") == ("disttrain_fsdp", {})
 
-    assert STRATEGY_REGISTRY["disttrain_megatron"]["strategy"] is MegatronStrategy
+
+def test_reference_tp_applies_where_the_strategy_takes_it_and_no_size_is_given():
+    assert reference_options("disttrain_megatron", {}, 2) == {"tensor_parallel_size": 2}
+    assert reference_options("disttrain_megatron", {"pipeline_parallel_size": 2}, 2) == {}  # the user's sizes
+    assert reference_options("disttrain_megatron", {"tensor_parallel_size": 1}, 2) == {}
+    assert reference_options("disttrain_megatron", {}, 1) == {}  # tp=2 does not divide 1 process
+    assert reference_options("disttrain_fsdp", {}, 2) == {} and reference_options("ddp", {}, 2) == {}
+
+
+def test_a_resumed_epoch_skips_the_samples_trained_before_its_checkpoint():
+    data = list(range(40))
+    whole = SkippingSampler(data, num_replicas=2, rank=1, shuffle=True, seed=0)
+    resumed = SkippingSampler(data, num_replicas=2, rank=1, shuffle=True, seed=0)
+    for sampler in (whole, resumed):
+        sampler.set_epoch(3)
+    resumed.skip = 6
+    assert list(resumed) == list(whole)[6:]
+    assert list(resumed) == list(whole)  # the epoch after starts at its beginning again
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +281,39 @@ def test_recipe_runs_under_megatron_with_head_split_tp(tmp_path):
     assert accuracy > 0.2  # learning (10 classes: chance is 0.1), after 1.5 epochs
     # TP sums in another order than one process: a few near-tie predictions may flip
     assert accuracy_of_export(out / "export", digits) == pytest.approx(accuracy, abs=0.02)
+
+
+@pytest.mark.slow
+def test_recipe_runs_pipeline_stages_from_the_shared_flags_and_resumes_inside_an_epoch(tmp_path):
+    """`python recipes/vision/vit2b.py --strategy disttrain_megatron --pipeline-parallel-size 2` (the recipe starts
+    its 2 CPU processes): two stages and no default head split (a size was given); --save-every writes a checkpoint
+    every 2 steps, and a run resumed from the first one continues inside the epoch, with the steps left."""
+    out, digits = tmp_path / "run", tmp_path / "digits"
+    common = ("recipes/vision/vit2b.py", "--config", "configs/vision/vit_tiny.yaml", "--strategy", "disttrain_megatron",
+              "--pipeline-parallel-size", "2", "--steps", "4", "--log-every", "1", "--data-root", str(digits),
+              "--no-report")
+    proc = run_python(*common, "--save-every", "2", "--out", str(out), env={"MASTER_PORT": str(free_port())},
+                      timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    strategy = json.loads((out / "run.json").read_text())["strategy"]
+    assert strategy["options"] == {"pipeline_parallel_size": 2} and strategy["degrees"] == {"dp_shard": 1, "pp": 2}
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    resumed = run_python(*common, "--resume", str(out / "checkpoints" / "step-000002"), "--out", str(tmp_path / "b"),
+                         env={"MASTER_PORT": str(free_port())}, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-4000:]
+    assert "at epoch 0, step 2" in resumed.stdout
+    assert "epoch 1 step 3:" in resumed.stdout and "epoch 1 step 1:" not in resumed.stdout
+    assert (tmp_path / "b" / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_recipe_accumulates_to_the_global_batch_under_the_old_flag_names(tmp_path):
+    """--global-batch on one process: 64 images per optimizer step are 2 micro-steps of --batch-size 32 (the old
+    name of --micro-batch), and --max-steps (the old --steps) still stops the run."""
+    proc = run_python("recipes/vision/vit2b.py", "--config", "configs/vision/vit_tiny.yaml", "--devices", "1",
+                      "--strategy", "auto", "--batch-size", "32", "--global-batch", "64", "--max-steps", "3",
+                      "--log-every", "1", "--out", str(tmp_path / "run"), "--data-root", str(tmp_path / "digits"),
+                      "--no-report", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "2 micro-step(s) of 32 images per optimizer step" in proc.stdout
+    assert "epoch 1 step 3:" in proc.stdout and "step 4" not in proc.stdout

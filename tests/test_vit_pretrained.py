@@ -138,7 +138,7 @@ def test_recipe_fine_tunes_a_checkpoint_with_another_class_count(tmp_path):
     model_args = {**yaml.safe_load((ROOT / "configs/vision/vit_tiny.yaml").read_text())["model"], "num_classes": 1000}
     save_for_hf(build_vit(model_args), str(tmp_path / "hub"), model_args=model_args, safe_serialization=True)
     proc = run_python("recipes/vision/vit2b.py", "--config", "configs/vision/vit_tiny.yaml", "--pretrained",
-                      str(tmp_path / "hub"), "--max-steps", "3", "--out", str(tmp_path / "run"), "--data-root",
+                      str(tmp_path / "hub"), "--steps", "3", "--out", str(tmp_path / "run"), "--data-root",
                       str(tmp_path / "digits"), "--logger", "none", "--no-report", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("pretrained: head.weight/head.bias re-initialised for 10 classes (checkpoint has 1000)"

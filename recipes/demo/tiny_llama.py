@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import time
 
 import lightning as L
@@ -27,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import disttrain  # noqa: F401  (registers disttrain_* names)
 from disttrain.fabric import builds_empty
+from disttrain.launch import build_strategy, fabric_kwargs, launched
 from disttrain.parallel import rank_state_bytes
 from disttrain.parallel import unsharded_param_bytes
 from disttrain.report import fabric_loggers, interactive, start_run, write_report, write_run_info
@@ -54,11 +54,11 @@ def counting_batch(n: int, seq_len: int, vocab: int, generator: torch.Generator)
 
 
 def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict]:
-    # Under `lightning run model` the launcher sets strategy/devices; run with plain python it uses these.
-    loggers = fabric_loggers(args.out, args.logger)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="disttrain_fsdp", loggers=loggers) \
-        if not os.environ.get("LT_CLI_USED") else L.Fabric(loggers=loggers)
-    if not os.environ.get("LT_CLI_USED"):
+    # Under `lightning run model` the launcher's strategy and devices; with plain python these.
+    strategy = build_strategy("disttrain_fsdp")
+    fabric = L.Fabric(**fabric_kwargs(strategy, accelerator="cpu", devices=2,
+                                      loggers=fabric_loggers(args.out, args.logger)))
+    if not launched():
         fabric.launch()
     fabric.seed_everything(0)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=128, intermediate_size=352, num_hidden_layers=4,

@@ -19,8 +19,9 @@ import lightning as L
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import disttrain
+import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.callbacks import Throughput
+from disttrain.launch import build_strategy, takes
 from disttrain.report import (start_run, strategy_description, trainer_loggers, trainer_progress_callbacks, write_report,
                               write_run_info)
 
@@ -61,8 +62,10 @@ def main() -> None:
     p.add_argument("--logger", default="tensorboard,csv", help="tensorboard,csv | csv | tensorboard | none")
     args = p.parse_args()
 
-    strategy = disttrain.strategies.FSDPStrategy(activation_checkpointing=True, empty_init=True) \
-        if args.strategy == "disttrain_fsdp" else args.strategy
+    # Activation checkpointing and the meta-device build where the strategy offers both (the registry says which).
+    wanted = {"activation_checkpointing": True, "empty_init": True}
+    strategy = build_strategy(args.strategy, wanted if all(takes(args.strategy, o) for o in wanted) else {},
+                              entry="trainer")
     trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices,
                         num_nodes=args.num_nodes, precision=args.precision, max_steps=args.max_steps,
                         logger=trainer_loggers(args.out, args.logger), enable_checkpointing=False,

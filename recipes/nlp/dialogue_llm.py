@@ -6,6 +6,8 @@ attending to each other.
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_zero3
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_auto
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_megatron \
+        --tensor-parallel-size 2      # each block's heads and MLP split over the 2 processes
+    lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_megatron \
         --context-parallel-size 2     # each packed row split over the 2 processes (long dialogues)
     lightning run model recipes/nlp/dialogue_llm.py --accelerator cpu --devices 2 --strategy disttrain_megatron \
         --config configs/nlp/dialogue_moe_tiny.yaml --expert-parallel-size 2   # MoE: experts split over 2 processes
@@ -22,6 +24,10 @@ run up at the end (`disttrain report OUT`, OUT being the --out folder, redraws t
 --save-every N writes resumable checkpoints (model, optimizer, schedule and the data position) under
 --out/checkpoints (--async-checkpoint or train.async_checkpoint: written in the background while training goes on);
 --resume PATH continues with the next unseen batch.
+
+The flags every recipe shares (strategy, devices, parallel sizes, steps, batch, checkpoints: disttrain.launch) are
+listed together by --help, with their defaults: the config's values where it has them. Under `lightning run model`
+the launcher's --strategy, --devices, --accelerator and --precision are the ones used.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import tempfile
 import time
 import warnings
@@ -41,9 +46,11 @@ import lightning as L
 import torch
 from safetensors.torch import load_file
 
-import disttrain  # registers the disttrain_* names
+import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.callbacks import GradientAccumulation, Throughput, apply_fast_attention
 from disttrain.fabric import builds_empty, use_async_checkpoint, wait_checkpoint
+from disttrain.launch import Default, add_recipe_flags, build_strategy, fabric_kwargs, flag_names, launched, \
+    strategy_options, world_size
 from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_datasets, export_hf, load_tokenizer, \
     read_jsonl, read_recipe_config, reply_from_export
 from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
@@ -61,9 +68,31 @@ warnings.filterwarnings("ignore", message=".*all_gather is deprecated")  # Light
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Where the shared flags' defaults come from in this recipe (disttrain.launch.add_recipe_flags).
+FLAG_DEFAULTS = {
+    "strategy": "disttrain_fsdp", "accelerator": "cpu", "devices": 2, "num_nodes": 1,
+    "precision": Default.config("train.precision"),
+    "tensor_parallel_size": Default(None, "1"), "context_parallel_size": Default(None, "1"),
+    "expert_parallel_size": Default(None, "1"),
+    "seq_len": Default.config("data.seq_len"), "steps": Default.config("train.steps"),
+    "micro_batch": Default.config("train.micro_batch_size"),
+    "global_batch": Default.config("train.global_batch_size", "none: micro batch x data-parallel ranks"),
+    "lr": Default.config("train.lr"), "activation_checkpointing": Default.config("train.activation_checkpointing"),
+    "resume": Default(None, "none: a fresh start"), "out": "runs/dialogue_llm", "save_every": Default(0, "0: none"),
+    "async_checkpoint": Default.config("train.async_checkpoint"),
+}
+DOES_NOT_APPLY = {
+    "pipeline_parallel_size": "pipeline stages run full, unpadded sequences of one dialogue, and this recipe packs"
+                              " several dialogues into each row; split the model with --tensor-parallel-size,"
+                              " --context-parallel-size or --expert-parallel-size, or shard it with disttrain_fsdp or"
+                              " disttrain_zero3",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "configs/nlp/dialogue_tiny.yaml"), help="recipe YAML")
+    p.add_argument("--config", default=str(ROOT / "configs/nlp/dialogue_tiny.yaml"),
+                   help="recipe YAML (default: configs/nlp/dialogue_tiny.yaml)")
     p.add_argument("--data", default=None, help="chat JSONL (default: the config's data.train, else the demo)")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer folder (default: config, else demo)")
     p.add_argument("--pretrained", default=None,
@@ -74,41 +103,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train LoRA adapters of this rank on the frozen --pretrained model (overrides lora.rank; 0: the"
                         " whole model trains); the run exports the adapter folder --out/adapter (peft's format)")
     p.add_argument("--merge", action="store_true",
-                   help="with LoRA: export the merged model (--out/hf, a plain HF folder) instead of the adapter folder")
+                   help="with LoRA: export the merged model (--out/hf, a plain HF folder) instead of the adapter"
+                        " folder")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSONL lines")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: train.steps)")
-    p.add_argument("--eval-every", type=int, default=None, help="default: train.eval_every")
-    p.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
-    p.add_argument("--global-batch", type=int, default=None, help="default: train.global_batch_size")
-    p.add_argument("--lr", type=float, default=None, help="default: train.lr")
-    p.add_argument("--out", default="runs/dialogue_llm", help="the run folder: logs, report, checkpoints, HF export")
-    p.add_argument("--logger", default="tensorboard,csv", help="tensorboard,csv | csv | tensorboard | none")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="held-out loss every N steps (default: train.eval_every)")
+    p.add_argument("--logger", default="tensorboard,csv",
+                   help="tensorboard,csv | csv | tensorboard | none (default: tensorboard,csv)")
     p.add_argument("--no-report", action="store_true", help="do not draw --out/report.png at the end")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: none)")
-    p.add_argument("--async-checkpoint", action="store_true", default=None,
-                   help="write the checkpoints in the background while training goes on (default:"
-                        " train.async_checkpoint)")
-    p.add_argument("--log-every", type=int, default=0, help="print the train loss every N steps (0: at evals)")
-    p.add_argument("--resume", default=None, help="a checkpoint folder written by --save-every")
+    p.add_argument("--log-every", type=int, default=0, metavar="N",
+                   help="print the train loss every N steps (default: 0, at evals)")
     p.add_argument("--prompt", default=None, help="sample prompt answered after training (default: train.prompt)")
-    p.add_argument("--demo-root", default=str(ROOT / DEFAULT_DEMO_ROOT), help="where the demo data is built")
-    # Only for plain `python`: under `lightning run model` the launcher's own options decide.
-    p.add_argument("--accelerator", default="cpu")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--strategy", default="disttrain_fsdp")
-    p.add_argument("--context-parallel-size", type=int, default=1,
-                   help="disttrain_megatron: ranks that split each packed row (long dialogues); data.seq_len must"
-                        " divide by it")
-    p.add_argument("--expert-parallel-size", type=int, default=1,
-                   help="disttrain_megatron: ranks that split an MoE model's experts (a model: section with"
-                        " model_type: qwen2_moe, mixtral, ...); it must divide the processes and the experts")
-    p.add_argument("--precision", default=None, help="default: train.precision")
+    p.add_argument("--demo-root", default=str(ROOT / DEFAULT_DEMO_ROOT),
+                   help=f"where the demo data is built (default: {DEFAULT_DEMO_ROOT})")
+    add_recipe_flags(p, FLAG_DEFAULTS, DOES_NOT_APPLY)
     return p.parse_args(argv)
-
-
-# The disttrain_megatron sizes the command line sets (--context-parallel-size, --expert-parallel-size).
-MEGATRON_SIZES = ("context_parallel_size", "expert_parallel_size")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -117,10 +126,13 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     train = dict(config.get("train", {}))
     for key, value in (("steps", args.steps), ("eval_every", args.eval_every), ("micro_batch_size", args.micro_batch),
                        ("global_batch_size", args.global_batch), ("lr", args.lr), ("prompt", args.prompt),
-                       ("precision", args.precision), ("async_checkpoint", args.async_checkpoint)):
+                       ("precision", args.precision), ("async_checkpoint", args.async_checkpoint),
+                       ("activation_checkpointing", args.activation_checkpointing)):
         if value is not None:
             train[key] = value
     data = dict(config.get("data", {}))
+    if args.seq_len is not None:
+        data["seq_len"] = args.seq_len
     data["train"] = args.data or data.get("train")
     data["tokenizer"] = args.tokenizer or data.get("tokenizer")
     model = config["model"]
@@ -148,36 +160,21 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str, Any]]:
     cfg = settings(args)
     train = cfg["train"]
-    cli = bool(os.environ.get("LT_CLI_USED"))
-    precision = None if os.environ.get("LT_PRECISION") else train.get("precision", "32-true")
     micro = int(train.get("micro_batch_size", 8))
-    strategy: Any = os.environ.get("LT_STRATEGY") if cli else args.strategy
-    cli_kwargs: dict[str, Any] = {}
-    sizes = {name: getattr(args, name) for name in MEGATRON_SIZES if getattr(args, name) > 1}
-    for name, size in sizes.items():
-        if strategy != "disttrain_megatron":
-            raise ValueError(f"--{name.replace('_', '-')} {size} is an option of disttrain_megatron (the strategy that"
-                             f" composes context, expert, tensor and data parallelism), not of {strategy}; pass"
-                             " --strategy disttrain_megatron")
-    # Fabric refuses a strategy object next to the launcher's LT_STRATEGY: where the recipe builds the object (the
-    # planner needs the model before Fabric starts processes; the parallel sizes are options), it takes the name
-    # over.
-    if strategy == "disttrain_auto":
-        os.environ.pop("LT_STRATEGY", None)
-        strategy = cli_kwargs["strategy"] = disttrain.fabric.AutoStrategy(model=cfg["model"], micro_batch=micro)
-    elif sizes:
-        os.environ.pop("LT_STRATEGY", None)
-        strategy = cli_kwargs["strategy"] = disttrain.fabric.MegatronStrategy(**sizes)
-    cli_kwargs["loggers"] = fabric_loggers(args.out, args.logger)
-    fabric = L.Fabric(precision=precision, **cli_kwargs) if cli else L.Fabric(
-        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-        precision=precision, **{"strategy": strategy, **cli_kwargs})
+    # The parallel sizes are checked against the strategy and the processes here, before any process starts.
+    strategy = build_strategy(args.strategy, strategy_options(args), model=cfg["model"], flags=flag_names(),
+                              world=world_size(args.devices, args.num_nodes),
+                              planner={"micro_batch": micro, "seq_len": cfg["data"].get("seq_len"),
+                                       "activation_checkpointing": train.get("activation_checkpointing") or None})
+    fabric = L.Fabric(**fabric_kwargs(strategy, accelerator=args.accelerator, devices=args.devices,
+                                      num_nodes=args.num_nodes, precision=train.get("precision", "32-true"),
+                                      loggers=fabric_loggers(args.out, args.logger)))
     if train.get("async_checkpoint"):
         use_async_checkpoint(fabric.strategy, "--async-checkpoint (train.async_checkpoint)")
     dp = _sampler_kwargs(fabric)["num_replicas"]
     accumulation = GradientAccumulation(global_batch_size=int(train.get("global_batch_size") or micro * dp))
     accumulation.attach(fabric, micro)  # before launch: feeds disttrain_zero3's DeepSpeed config
-    if not cli:
+    if not launched():
         fabric.launch()
     fabric.seed_everything(int(cfg["data"].get("seed", 0)))
 
@@ -204,6 +201,8 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
     lora: LoraSettings = cfg["lora"]
     with fabric.init_module(empty_init=builds_empty(fabric.strategy)):  # meta device / zero.Init: shards only, for any model size
         module.configure_model()
+    if train.get("activation_checkpointing"):  # the model's own, so every strategy recomputes the same blocks
+        module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     attention = apply_fast_attention(module, device=fabric.device)
     # The schedule is applied by hand each step (set_lr): DeepSpeed's ZeRO-3 optimizer regroups the parameters, so
     # a torch LR scheduler bound to the optimizer before setup would no longer match its param groups.
@@ -407,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
                  f"held out; {run['accumulation'].steps} micro-step(s) per optimizer step")
     attention = sorted(set(run["attention"].values()))
     fabric.print(f"attention: {', '.join(attention) or 'unchanged'}")
+    if run["cfg"]["train"].get("activation_checkpointing"):
+        fabric.print("activation checkpointing: every decoder layer recomputed in backward")
     if state["step"]:
         fabric.print(f"resumed at step {state['step']} (epoch {state['sampler'].epoch}, "
                      f"sample {state['sampler'].position} of this rank's share)")

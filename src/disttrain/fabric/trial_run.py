@@ -19,9 +19,9 @@ import time
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import disttrain  # noqa: F401  (registers the disttrain_* names)
+from disttrain.launch import LAUNCHER_SETTINGS, LAUNCHER_STRATEGY, build_strategy, fabric_kwargs, launched
 from disttrain.parallel import registry
 from disttrain.planner.spec import model_spec, recipe_model
 from disttrain.planner.workload import build, loss_of, random_batch
@@ -55,13 +55,15 @@ def main() -> None:
     source = job["model"]
     mapping = recipe_model(source) if isinstance(source, str) else dict(source)
     spec = model_spec(source)
-    row = registry.lookup(job["strategy"])
-    options = job["options"]
-    dims = row.dims(int(os.environ["WORLD_SIZE"]), row.options(**options))
-    entry = STRATEGY_REGISTRY[job["strategy"]]
-    fabric = L.Fabric(strategy=entry["strategy"](**{**entry["init_params"], **options}),
-                      precision=job["precision"])
-    if not os.environ.get("LT_CLI_USED"):
+    world = int(os.environ["WORLD_SIZE"])
+    dims = registry.lookup(job["strategy"]).dims(world, job["options"])
+    # The job names the strategy and precision: a launcher that started the planning process left its own in the
+    # environment, which this run's launcher (`disttrain run`, given neither) passed on.
+    for variable in (LAUNCHER_STRATEGY, LAUNCHER_SETTINGS["precision"]):
+        os.environ.pop(variable, None)
+    strategy = build_strategy(job["strategy"], job["options"], world=world)
+    fabric = L.Fabric(**fabric_kwargs(strategy, precision=job["precision"]))
+    if not launched():
         fabric.launch()
     with fabric.init_module():
         model, kind = build(mapping)

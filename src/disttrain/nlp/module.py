@@ -29,7 +29,7 @@ ConfigSource = Union[str, os.PathLike, dict, None]
 # The keys of the data: and train: sections, as the dialogue recipe and DialogueData read them.
 DATA_KEYS = ("train", "tokenizer", "seq_len", "val_fraction", "seed", "demo_topics")
 TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "lr", "weight_decay", "warmup_steps", "steps", "eval_every",
-              "precision", "prompt", "prompts", "sampling", "async_checkpoint")
+              "precision", "prompt", "prompts", "sampling", "async_checkpoint", "activation_checkpointing")
 
 
 def recipe_schema() -> Schema:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import ConfigError
+from disttrain.launch import check_options
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.guards import watchdog
 from disttrain.parallel.guards.diskspace import DiskFullError, ensure_free, remove
@@ -56,6 +57,7 @@ from disttrain.recsys.publish import LockedError, ModelStore, StoreError
 from disttrain.recsys.validate import ValidationBounds, check_day
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "recsys" / "deepfm_tiny.yaml"
+STRATEGY = "disttrain_recsys"  # the recipe's strategy: section holds its options
 # TEST ONLY: name a point of the run (after-day-YYYY-MM-DD, before-publish, before-pointer) and the job dies there
 # with os._exit, as a killed process would (no cleanup); the tests use it to check that a restart recovers.
 CRASH_ENV = "DISTTRAIN_DAILY_CRASH_AT"
@@ -346,13 +348,14 @@ class DailyJob:
             newest = loaded[plan.days[-1]]
             self._check_held_out(newest, days[plan.days[-1]])
 
-        from disttrain.parallel.engines.recsys import RecsysEngine, RecsysOptions
+        from disttrain.parallel.engines.recsys import RecsysEngine
         from disttrain.recsys.model import DeepFM
 
         import lightning as L
         L.seed_everything(int(self.train["seed"]), verbose=False)
         module = DeepFM(self.recipe["model"], lr=float(self.train["lr"]))
-        engine = RecsysEngine(RecsysOptions(**self.strategy_options))
+        # The recipe's strategy: section, as the launch layer reads it for the Trainer of each day (_fit_day).
+        engine = RecsysEngine(check_options(STRATEGY, self.strategy_options), STRATEGY)
         engine.parallelize(module, self.device)  # shard now, so the warm start loads straight into the shards
         current_metrics = plan.current_metrics
         if plan.resume:
@@ -673,7 +676,7 @@ class DailyJob:
         """One epoch over the day's training rows (all but the held-out tail); returns their number."""
         import lightning as L
 
-        from disttrain.strategies import RecsysStrategy
+        from disttrain.launch import build_strategy
 
         train_rows, _ = split_rows(day.rows, float(self.daily["eval_fraction"]))
         dataset = DayBatches(day, train_rows, int(self.train["batch_size"]), module.table_sizes,
@@ -698,7 +701,7 @@ class DailyJob:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(num_workers|small|does not have many workers).*")
             warnings.filterwarnings("ignore", message=".*FLOPs of a step are unknown.*")
-            trainer = L.Trainer(strategy=RecsysStrategy(**self.strategy_options),
+            trainer = L.Trainer(strategy=build_strategy(STRATEGY, self.strategy_options, entry="trainer"),
                                 accelerator="gpu" if self.device.type == "cuda" else "cpu", devices=local,
                                 num_nodes=self.world // local, max_epochs=1, logger=loggers,
                                 enable_checkpointing=False, callbacks=callbacks, log_every_n_steps=every,
@@ -865,7 +868,9 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
                    help="process days up to this date, which must have data (default: the newest day present)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="recipe YAML (default: deepfm_tiny.yaml)")
     p.add_argument("--force", action="store_true", help="retrain --run-date even if it was processed already")
-    p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "gpu", "cuda"))
+    p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "gpu", "cuda"),
+                   help="where each process trains: auto is a GPU per process when there are GPUs, else the CPU"
+                   " (default: auto)")
     p.add_argument("--auc-tolerance", type=float, default=None, help="override daily.auc_tolerance")
     p.add_argument("--min-auc", type=float, default=None, help="override daily.min_auc")
     p.add_argument("--max-bad-fraction", type=float, default=None, help="override daily.max_bad_fraction")

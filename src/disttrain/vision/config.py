@@ -30,7 +30,9 @@ CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "vision"
 class TrainConfig:
     """The ``train:`` section.
 
-    epochs / max_steps: how long (max_steps, when set, stops earlier). lr, weight_decay, warmup_steps,
+    epochs / max_steps: how long (max_steps, when set, stops earlier; optimizer steps). global_batch_size: images
+    per optimizer step over all data-parallel ranks; gradient accumulation makes up what ``data.batch_size`` x
+    data-parallel ranks leaves (None: no accumulation). lr, weight_decay, warmup_steps,
     min_lr_ratio: AdamW with linear warm-up then cosine decay to ``lr * min_lr_ratio``. label_smoothing: for the
     hard-label loss (mixup has its own). activation_checkpointing: recompute each block in backward (timm's
     ``set_grad_checkpointing``). sdpa: attention through ``scaled_dot_product_attention`` (FlashAttention-2 on
@@ -41,6 +43,7 @@ class TrainConfig:
 
     epochs: int = 10
     max_steps: Optional[int] = None
+    global_batch_size: Optional[int] = None
     lr: float = 1e-3
     weight_decay: float = 0.05
     warmup_steps: int = 0

@@ -7,14 +7,16 @@ Distributed sampling comes from the entry point: the Trainer and ``fabric.setup_
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning as L
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from disttrain.parallel.options import build_options
 
@@ -62,6 +64,18 @@ class DataConfig:
 def data_config(section: Optional[dict[str, Any]], **overrides: Any) -> DataConfig:
     values = {**(section or {}), **{k: v for k, v in overrides.items() if v is not None}}
     return build_options(DataConfig, "data:", values)
+
+
+class SkippingSampler(DistributedSampler):
+    """A ``DistributedSampler`` (this rank's share, in its epoch's order) whose next epoch can start part-way:
+    set ``skip`` to the number of this rank's samples to leave out of it (those a resumed run trained on before its
+    checkpoint); they are not loaded. Later epochs start at their beginning again."""
+
+    skip: int = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
 
 
 def write_digits(root: Union[str, os.PathLike], size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:

@@ -1,19 +1,27 @@
 """What the ViT recipe runs when the user does not say: the config and the strategy for this machine.
 
 The config is the planner's call (what fits); the strategy follows the set-up of the 2B ViT reference
-case (head-split tensor parallel x data parallel on 16 GPUs).
+case (head-split tensor parallel x data parallel on 16 GPUs): the registered strategy that splits heads (the one
+whose options have ``tensor_parallel_size``, asked through the registry), at tp=2.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from disttrain.launch import degree_options, takes
+from disttrain.parallel import registry
 from disttrain.vision.config import CONFIG_DIR, count_parameters, read_yaml
 
 TINY = CONFIG_DIR / "vit_tiny.yaml"
+# The 2B reference case splits each block's heads over 2 ranks (tensor parallel), data parallel over the rest.
+REFERENCE_TP = 2
+TP_OPTION = "tensor_parallel_size"
+DEFAULT_STRATEGY = "disttrain_fsdp"  # when the reference set-up cannot run (no CUDA, an odd device count)
 
 
 def default_config(world_size: int, device_memory: Optional[int], micro_batch: Optional[int] = None) -> Path:
@@ -39,16 +47,31 @@ def default_config(world_size: int, device_memory: Optional[int], micro_batch: O
     return TINY
 
 
+def head_split_strategy() -> Optional[str]:
+    """The registered strategy that splits attention heads (takes ``tensor_parallel_size``), or None."""
+    return next((row.name for row in registry.STRATEGIES if takes(row.name, TP_OPTION)), None)
+
+
+def reference_options(strategy: str, given: Mapping[str, Any], world_size: Optional[int]) -> dict[str, Any]:
+    """The reference case's head-split TP (``tensor_parallel_size=2``) for a ``strategy`` that takes it, when
+    ``given`` sets no parallel size of its own and the processes pair up (an even ``world_size``); else {}."""
+    if not takes(strategy, TP_OPTION) or any(option in given for option in degree_options()):
+        return {}
+    if not world_size or world_size % REFERENCE_TP:
+        return {}
+    return {TP_OPTION: REFERENCE_TP}
+
+
 def default_strategy(devices: int, accelerator: str = "auto") -> tuple[str, dict[str, Any]]:
     """The set-up of the 2B ViT reference case, head-split tensor parallel (tp=2) x data parallel, when CUDA
-    devices are used, ``disttrain_megatron`` is registered and the device count is even; otherwise
-    ``disttrain_fsdp``."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
+    devices are used, a registered strategy splits heads (:func:`head_split_strategy`) and the device count is
+    even; otherwise ``disttrain_fsdp``. Returns the name and its options."""
     cuda = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-    if cuda and "disttrain_megatron" in STRATEGY_REGISTRY and devices >= 2 and devices % 2 == 0:
-        return "disttrain_megatron", {"tensor_parallel_size": 2}
-    return "disttrain_fsdp", {}
+    name = head_split_strategy() if cuda else None
+    options = reference_options(name, {}, devices) if name is not None and devices >= REFERENCE_TP else {}
+    if not options:
+        return DEFAULT_STRATEGY, {}
+    return name, options
 
 
 def cuda_memory() -> Optional[int]:
