@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import inspect
 import os
 from collections.abc import Mapping, Sequence
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from disttrain.parallel import registry
+from disttrain.parallel.options import OptionError
 
 Entry = Literal["fabric", "trainer"]
 # Variables `lightning run model` / `disttrain run` set for Fabric in every process (disttrain.cli.launch).
@@ -40,9 +40,10 @@ LAUNCHER_SETTINGS = {"accelerator": "LT_ACCELERATOR", "devices": "LT_DEVICES", "
                      "precision": "LT_PRECISION"}
 
 
-class LaunchError(ValueError):
+class LaunchError(OptionError):
     """A strategy, option or flag that cannot run, found before any process starts; the message is one line that
-    names the value and the fix."""
+    names the value and the fix (an :class:`~disttrain.parallel.options.OptionError`: launchers and recipes print
+    it alone)."""
 
 
 def launched() -> bool:
@@ -209,8 +210,7 @@ def _lightning_strategy(name: str, options: dict[str, Any], lightning_registry: 
     if name not in lightning_registry and name != "auto":
         known = [*registry.names(), *sorted(n for n in lightning_registry.available_strategies()
                                             if not n.startswith("disttrain_"))]
-        close = difflib.get_close_matches(name, known, n=1) or \
-            difflib.get_close_matches(f"disttrain_{name}", known, n=1)
+        close = registry.closest_names(name, known)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise LaunchError(f"strategy {name!r} is not registered; {hint}choose a disttrain strategy"
                           f" ({', '.join(registry.names())}) or one of Lightning's own (auto, ddp, fsdp, deepspeed,"
