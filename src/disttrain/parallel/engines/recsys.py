@@ -74,14 +74,17 @@ class RecsysOptions:
     }
 
     def __post_init__(self) -> None:
-        from torchrec.distributed.types import ShardingType
+        named = [("sharding_types", self.sharding_types or [])] + \
+            [(f"constraints[{name!r}]", c.get("sharding_types") or []) for name, c in self.constraints.items()]
+        if any(types for _, types in named):  # torchrec (seconds to import) only when there are types to check
+            from torchrec.distributed.types import ShardingType
 
-        known = [t.value for t in ShardingType]
-        for where, types in [("sharding_types", self.sharding_types or [])] + \
-                [(f"constraints[{name!r}]", c.get("sharding_types") or []) for name, c in self.constraints.items()]:
-            for kind in types:
-                if kind not in known:
-                    raise ValueError(f"{where} has unknown sharding type {kind!r}; choose from {', '.join(known)}")
+            known = [t.value for t in ShardingType]
+            for where, types in named:
+                for kind in types:
+                    if kind not in known:
+                        raise ValueError(f"{where} has unknown sharding type {kind!r}; choose from"
+                                         f" {', '.join(known)}")
         if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse_optimizer={self.sparse_optimizer!r} is not supported by the fused kernel;"
                              f" choose one of {', '.join(SPARSE_OPTIMIZERS)}")
