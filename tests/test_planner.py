@@ -396,3 +396,48 @@ def test_long_dialogues_are_planned_with_context_parallelism():
 def test_context_parallel_sizes_it_cannot_split_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_hsdp_is_a_candidate_when_the_world_spans_nodes():
+    """Across nodes the planner also shards FSDP within each node and replicates across (HSDP): its gathers and
+    reduce-scatters go over the node's links, only the gradient all-reduce across the replicas over the network."""
+    from dataclasses import replace
+
+    from disttrain.planner.steptime import across_nodes, breakdown, crosses_nodes
+
+    a100 = hardware("A100-40GB")
+    plan = choose(DIALOGUE_10B, 32, a100, micro_batch=1)
+    hsdp = [c for c in plan.candidates if c.estimate.dims.hybrid]
+    assert [c.label for c in hsdp] == ["disttrain_fsdp hsdp shard=8 x 4", "disttrain_fsdp hsdp shard=8 x 4 +AC"]
+    assert hsdp[0].strategy_options() == {"hybrid_shard": True, "shard_size": 8}
+    e = hsdp[0].estimate
+    fsdp = next(c for c in plan.candidates if c.label == "disttrain_fsdp").estimate
+    assert e.states == pytest.approx(4 * fsdp.states, rel=1e-3)  # a copy per node: 8 shards, not 32
+    assert crosses_nodes(e, a100) == dict(crosses_nodes(fsdp, a100), dp=False, after_step=False)
+    assert across_nodes(e, a100) == e.comm["dp_replicate"] < across_nodes(fsdp, a100) / 10
+    # a slower network slows only the replicas' all-reduce
+    slow = replace(a100, inter_node_bw=a100.inter_node_bw / 4)
+    gathers = breakdown(model_spec(DIALOGUE_10B), e, a100).dp - e.comm["dp_replicate"] / a100.inter_node_bw
+    assert breakdown(model_spec(DIALOGUE_10B), e, slow).dp == pytest.approx(
+        gathers + e.comm["dp_replicate"] / slow.inter_node_bw, rel=1e-6)
+    # one node: nothing to replicate across; offload variants are planned as registered
+    assert not any(c.estimate.dims.hybrid for c in choose(DIALOGUE_10B, 8, a100, micro_batch=1).candidates)
+    assert not any(c.estimate.dims.hybrid and c.layout.offloaded for c in plan.candidates)
+
+
+def test_cli_plan_lists_hsdp_with_its_traffic_across_nodes(capsys):
+    """`disttrain plan --model configs/nlp/dialogue_10b.yaml --gpus 32 --gpus-per-node 8` (A100-class 80 GB)."""
+    from disttrain.cli import main
+
+    assert main(["plan", "--model", str(ROOT / "configs/nlp/dialogue_10b.yaml"), "--gpus", "32",
+                 "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("strategy"))
+    assert head.split()[-2:] == ["x-node", "GB"]
+    rows = {line[:46].strip(): line.split() for line in out.splitlines() if line.startswith("disttrain_fsdp")}
+    # the 10B model's fp32 gradient shard (1/8 of it) all-reduced across 4 replicas, against FSDP's 32-way traffic
+    assert float(rows["disttrain_fsdp hsdp shard=8 x 4"][-1]) == pytest.approx(7.62, abs=0.01)
+    assert float(rows["disttrain_fsdp"][-1]) == pytest.approx(78.7, abs=0.1)
+    # On 80 GB GPUs a node's copy of the states fits without recomputation, and HSDP is estimated fastest
+    assert "recommendation: disttrain_fsdp hsdp shard=8 x 4  {'hybrid_shard': True, 'shard_size': 8}" in out
+    assert "dp 71.1 GB, dp_replicate 7.62 GB; across nodes 7.62 GB (dp_replicate))" in out

@@ -132,3 +132,17 @@ def test_context_parallel_at_real_size_and_the_planner():
     assert any(note.startswith("context parallelism: the 8 ranks") for note in sim.notes)
     est = estimate(config, "disttrain_megatron", 32, context_parallel_size=8)
     assert est.states == pytest.approx(sim.busiest.states, rel=0.02)
+
+
+def test_hybrid_sharding_at_real_size_and_the_planner():
+    """HSDP on 4 nodes of 8: the 10B model sharded within each node (dp_shard=8) and replicated across (4 replicas);
+    the engine's own sharding on the fake group against the planner's model states (within 2%) and its gradient
+    all-reduce across the replicas."""
+    sim = simulate(DIALOGUE, "disttrain_fsdp", 32, hybrid_shard=True, shard_size=8)
+    assert sim.dims.degrees() == {"dp_replicate": 4, "dp_shard": 8}
+    assert sum(role.ranks for role in sim.roles) == 32
+    est = estimate(DIALOGUE, "disttrain_fsdp", 32, hybrid_shard=True, shard_size=8)
+    assert est.label == "disttrain_fsdp hsdp shard=8 x 4"
+    assert est.states == pytest.approx(sim.busiest.states, rel=0.02)
+    assert est.comm["dp_replicate"] == pytest.approx(sim.busiest.comm["dp_replicate"], rel=0.02)
+    assert "planner error" in versus(sim, est)

@@ -10,6 +10,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from disttrain.parallel.engines.layout import Accumulation, Layout
+
 
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
     """Micro-steps per optimizer step so that micro x data-parallel ranks x steps = the global batch."""
@@ -39,12 +41,18 @@ def data_parallel_ranks(strategy: Any, world_size: int) -> int:
         return world_size
 
 
-def zero_options(strategy: Any) -> Any:
-    """The options of a ``disttrain_zero3`` strategy (DeepSpeed accumulates inside its engine), else None."""
-    from disttrain.parallel.engines.zero import ZeroEngine
-
+def layout_of(strategy: Any) -> Optional[Layout]:
+    """How a disttrain strategy's engine holds the model (:mod:`disttrain.parallel.engines.layout`: what it can do
+    with precision, accumulation and gradients), or None for a strategy without an engine (Lightning's own)."""
     engine = getattr(strategy, "engine", None)
-    return engine.options if isinstance(engine, ZeroEngine) else None
+    return engine.layout(engine.options) if engine is not None else None
+
+
+def accumulates_itself(strategy: Any) -> bool:
+    """Whether the strategy's engine accumulates gradients inside itself from its batch settings (DeepSpeed): it
+    divides the loss by them and decides the step boundary."""
+    layout = layout_of(strategy)
+    return layout is not None and layout.can.accumulation is Accumulation.ENGINE
 
 
 def count_loss_tokens(batch: Any) -> int:
@@ -74,8 +82,8 @@ class GradientAccumulation(L.Callback):
     ``normalize_by_tokens=True`` (LLM training): ``training_step`` returns the *sum* of its token losses (e.g.
     ``cross_entropy(..., reduction="sum")``); the accumulated gradients are divided by the number of loss tokens
     of the whole step (all micro-steps, all ranks), so every token weighs the same however the tokens fall into
-    micro-batches. ``tokens_fn(batch)`` counts them (default: ``labels != -100``). Not with ``disttrain_zero3``,
-    whose engine owns the gradients.
+    micro-batches. ``tokens_fn(batch)`` counts them (default: ``labels != -100``). Not with an engine that owns the
+    gradients (``disttrain_zero3``: DeepSpeed's).
     """
 
     def __init__(self, global_batch_size: int, micro_batch_size: Optional[int] = None,
@@ -101,9 +109,12 @@ class GradientAccumulation(L.Callback):
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) contradicts"
                              f" GradientAccumulation(global_batch_size={self.global_batch_size}) which needs"
                              f" {self.steps}; drop accumulate_grad_batches from the Trainer")
-        if self.normalize_by_tokens and zero_options(trainer.strategy) is not None:
-            raise ValueError("normalize_by_tokens needs the gradients, which DeepSpeed's engine owns under"
-                             " disttrain_zero3; use disttrain_fsdp or disttrain_ddp, or normalize_by_tokens=False")
+        layout = layout_of(trainer.strategy)
+        if self.normalize_by_tokens and layout is not None and layout.can.owns_gradients:
+            name = getattr(trainer.strategy.engine, "name", type(trainer.strategy).__name__)
+            raise ValueError(f"normalize_by_tokens needs the gradients, which the library's own engine owns under"
+                             f" {name} (DeepSpeed); use disttrain_fsdp or disttrain_ddp, or"
+                             " normalize_by_tokens=False")
         trainer.accumulate_grad_batches = self.steps
 
     @staticmethod
@@ -136,8 +147,8 @@ class GradientAccumulation(L.Callback):
             raise ValueError("GradientAccumulation.attach needs micro_batch_size= (Fabric has no DataLoader yet)")
         self.steps = accumulation_steps(self.global_batch_size, micro,
                                         data_parallel_ranks(fabric.strategy, fabric.world_size))
-        options = zero_options(fabric.strategy)
-        if options is not None:  # disttrain_zero3: DeepSpeed accumulates inside its engine, from its config
+        if accumulates_itself(fabric.strategy):  # e.g. DeepSpeed: inside its engine, from its config
+            options = fabric.strategy.engine.options
             options.micro_batch_size, options.gradient_accumulation_steps = micro, self.steps
             if getattr(fabric.strategy, "_config_initialized", False) and \
                     fabric.strategy.config.get("gradient_accumulation_steps") != self.steps:
@@ -153,16 +164,16 @@ class GradientAccumulation(L.Callback):
         return (micro_step + 1) % self.steps == 0
 
     def scale(self, fabric: "L.Fabric", loss: torch.Tensor) -> torch.Tensor:
-        """The micro-step's share of the loss: ``loss / steps``, except under ``disttrain_zero3`` whose engine
-        divides by its gradient_accumulation_steps itself."""
+        """The micro-step's share of the loss: ``loss / steps``, except under an engine that accumulates itself
+        (``disttrain_zero3``), which divides by its gradient_accumulation_steps."""
         assert self.steps is not None, "attach() first"
-        return loss if zero_options(fabric.strategy) is not None else loss / self.steps
+        return loss if accumulates_itself(fabric.strategy) else loss / self.steps
 
     @contextmanager
     def micro_step(self, fabric: "L.Fabric", model: torch.nn.Module, micro_step: int) -> Iterator[None]:
         """Skips gradient synchronisation unless this is the last micro-step of the optimizer step."""
-        if zero_options(fabric.strategy) is not None:
-            yield  # DeepSpeed decides the boundary itself
+        if accumulates_itself(fabric.strategy):
+            yield  # the engine decides the boundary itself
             return
         with fabric.no_backward_sync(model, enabled=not self.is_last(micro_step)):
             yield

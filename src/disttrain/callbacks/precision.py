@@ -9,7 +9,8 @@ import lightning as L
 import torch
 from torch import nn
 
-from disttrain.callbacks.accumulation import zero_options
+from disttrain.callbacks.accumulation import layout_of
+from disttrain.parallel.engines.layout import Precision
 
 _PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 
@@ -46,14 +47,14 @@ class MixedPrecision(L.Callback):
         from lightning.pytorch.plugins.precision import DeepSpeedPrecision
         from lightning.pytorch.plugins.precision import MixedPrecision as AMP
 
-        if zero_options(strategy) is not None:
+        if _deepspeed_precision(strategy):
             return DeepSpeedPrecision(self.precision)
         device = strategy.root_device.type if strategy.parallel_devices else "cpu"
         return AMP(self.precision, device, scaler=self._scaler(device))
 
     def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        engine = getattr(trainer.strategy, "deepspeed_engine", None) if zero_options(trainer.strategy) is not None \
+        engine = getattr(trainer.strategy, "deepspeed_engine", None) if _deepspeed_precision(trainer.strategy) \
             else None
         if engine is not None:
             self.skipped_steps = int(engine.skipped_steps)
@@ -86,6 +87,12 @@ class MixedPrecision(L.Callback):
         if self.loss_scale is not None and scale < self.loss_scale:
             self.skipped_steps += 1  # GradScaler halves the scale exactly when it skips the step for inf/nan
         self.loss_scale = scale
+
+
+def _deepspeed_precision(strategy: Any) -> bool:
+    """Whether the strategy's engine applies the precision with DeepSpeed's own (its loss scaler, its counters)."""
+    layout = layout_of(strategy)
+    return layout is not None and layout.can.precision is Precision.DEEPSPEED
 
 
 @dataclasses.dataclass
@@ -145,17 +152,15 @@ class FP8(L.Callback):
         self.report: Optional[FP8Report] = None
 
     def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
-        from disttrain.parallel.engines.fsdp import FSDPEngine
-
-        engine = getattr(trainer.strategy, "engine", None)
-        if engine is None or not engine.takes_module_transforms:
+        layout = layout_of(trainer.strategy)
+        if layout is None or not layout.can.module_transforms:
             raise ValueError(f"FP8 needs disttrain_fsdp or disttrain_ddp (got {type(trainer.strategy).__name__});"
                              " DeepSpeed ZeRO-3 keeps its own fp16/bf16 partitions")
         nccl = trainer.strategy.root_device.type == "cuda"
-        fsdp = isinstance(engine, FSDPEngine)  # FSDP2 (also under disttrain_megatron) can gather weights in float8
+        # FSDP2 (also under disttrain_megatron) can gather weights in float8; gloo has no float8 collectives.
+        gather = nccl and layout.can.float8_all_gather
 
         def convert(model: nn.Module) -> None:
-            self.report = convert_to_fp8(model, self.recipe, fp8_all_gather=nccl and fsdp,
-                                         skip_names=self.skip_names)
+            self.report = convert_to_fp8(model, self.recipe, fp8_all_gather=gather, skip_names=self.skip_names)
 
         trainer.strategy.add_module_transform(convert)

@@ -1,11 +1,11 @@
 """Every disttrain strategy, registered once: its name, engine, options and description.
 
 Everything else finds a strategy here: the Lightning name table (``disttrain.names``: the Trainer and Fabric
-adapters of each row's engine), the planner (its formulas by engine class), the simulator (its runners by engine
-class), the CLI (``disttrain strategies``, the ``--strategy`` choices), the docs' tables and the tests. A row's
-options are its engine's options dataclass, with the row's ``defaults`` (``disttrain_fsdp_offload`` is
-``disttrain_fsdp`` with ``cpu_offload=True``); ``Registered.dims`` turns options into :class:`ParallelDims` with the
-engine's own rule.
+adapters of each row's engine), the planner, the simulator and the callbacks (through the engine's layout, how it
+holds a model's states: :mod:`disttrain.parallel.engines.layout`), the CLI (``disttrain strategies``, the
+``--strategy`` choices), the docs' tables and the tests. A row's options are its engine's options dataclass, with the
+row's ``defaults`` (``disttrain_fsdp_offload`` is ``disttrain_fsdp`` with ``cpu_offload=True``); ``Registered.dims``
+turns options into :class:`ParallelDims` with the engine's own rule, ``Registered.layout`` into its layout.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional
 from disttrain.parallel.engines.base import Engine
 from disttrain.parallel.engines.ddp import DDPEngine
 from disttrain.parallel.engines.fsdp import FSDPEngine
+from disttrain.parallel.engines.layout import Layout
 from disttrain.parallel.engines.megatron import MegatronEngine
 from disttrain.parallel.engines.recsys import RecsysEngine
 from disttrain.parallel.engines.zero import ZeroEngine
@@ -92,6 +93,14 @@ class Registered:
         if not dataclasses.is_dataclass(options):
             options = self.options(**(options or {}))
         return self.engine.parallel_dims(options, world_size, local_size)
+
+    def layout(self, options: Any = None) -> Layout:
+        """How this strategy holds a model's states with ``options`` (a dataclass or a dict; default: the row's)."""
+        if self.engine is None:
+            raise ValueError(f"{self.name} has no layout of its own: it runs as the strategy the planner chooses")
+        if not dataclasses.is_dataclass(options):
+            options = self.options(**(options or {}))
+        return self.engine.layout(options)
 
     def given(self, options: Any) -> dict[str, Any]:
         """The options of ``options`` that differ from the dataclass defaults and the row's, for labels and reports."""

@@ -1,10 +1,12 @@
 """Choosing a strategy: the memory estimate decides what fits, the step-time model (:mod:`disttrain.planner.steptime`,
 calibrated on the machine when it is the one planned for) ranks what fits by throughput, and a trial
 (:mod:`disttrain.planner.trial`) can measure the best few instead. No rule about model size or device count
-overrides that: every strategy the planner has a formula for is a candidate, with Megatron's tp x pp (x cp, x ep)
-splits, activation checkpointing on and off, and the micro-batch (the largest that fits, up to ``MAX_MICRO_BATCH``)
+overrides that: every strategy the planner has a formula for is a candidate, with the degrees its layout lets the
+planner choose (the tp x pp (x cp, x ep) splits of a model-parallel layout, replication across nodes of a sharded one:
+HSDP), activation checkpointing on and off, and the micro-batch (the largest that fits, up to ``MAX_MICRO_BATCH``)
 as searched choices unless the recipe or the caller fixes them (docs/choosing.md explains the choice in a user's
-terms).
+terms). Candidates, their order and the ties are read from each strategy's layout
+(:mod:`disttrain.parallel.engines.layout`), never from its engine class or name.
 """
 
 from __future__ import annotations
@@ -14,12 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.parallel import registry
-from disttrain.parallel.engines.ddp import DDPEngine
-from disttrain.parallel.engines.fsdp import FSDPEngine
-from disttrain.parallel.engines.megatron import MegatronEngine
-from disttrain.parallel.engines.recsys import RecsysEngine
-from disttrain.parallel.engines.zero import ZeroEngine
-from disttrain.parallel.mesh import divisors
+from disttrain.parallel.engines.layout import Layout
+from disttrain.parallel.mesh import ParallelDims, divisors
 from disttrain.planner.estimate import (
     Estimate,
     analytic,
@@ -33,7 +31,9 @@ from disttrain.planner.hardware import hardware as make_hardware
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 from disttrain.planner.steptime import (  # noqa: F401  (step_time: public here too)
     StepTime,
+    across_nodes,
     breakdown,
+    crosses_nodes,
     model_factor,
     step_time,
 )
@@ -64,6 +64,12 @@ class Candidate:
     @property
     def row(self) -> registry.Registered:
         return registry.lookup(self.estimate.strategy)
+
+    @property
+    def layout(self) -> Layout:
+        """How this set-up holds the model's states (its engine's declaration, with its options)."""
+        assert self.estimate.layout is not None
+        return self.estimate.layout
 
     @property
     def samples_per_s(self) -> float:
@@ -106,7 +112,7 @@ class Plan:
         name, unit = self.unit
         trial = any(c.measured is not None for c in self.candidates)
         head = (f"{'strategy':<46} {'micro':>5} {'states ' + name:>11} {'activations':>11} {'buffers':>8}"
-                f" {'per rank':>9} {'host':>7} {'fits':>4} {'step s':>8} {'samples/s':>9}"
+                f" {'per rank':>9} {'host':>7} {'fits':>4} {'step s':>8} {'samples/s':>9} {'x-node GB':>9}"
                 + (f" {'measured s':>10}" if trial else ""))
         lines = [head, "-" * len(head)]
         for c in self.candidates:
@@ -114,7 +120,8 @@ class Plan:
             measured = "" if not trial else f" {c.measured:>10.3g}" if c.measured is not None else f" {'-':>10}"
             lines.append(f"{c.label:<46} {e.micro_batch:>5} {e.states / unit:>11.1f} {e.activations / unit:>11.1f}"
                          f" {e.buffers / unit:>8.1f} {e.device / unit:>9.1f} {e.host / unit:>7.1f}"
-                         f" {'yes' if c.fits else 'no':>4} {c.step_time:>8.3g} {c.samples_per_s:>9.3g}{measured}")
+                         f" {'yes' if c.fits else 'no':>4} {c.step_time:>8.3g} {c.samples_per_s:>9.3g}"
+                         f" {across_nodes(e, self.hardware) / 1e9:>9.3g}{measured}")
         return "\n".join(lines)
 
     def report(self) -> str:
@@ -140,66 +147,85 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def _megatron_grid(spec: ModelSpec, world_size: int, hw: Hardware, seq_len: int) -> list[dict]:
-    """tp x pp splits (tp inside a node) of the heads and layers the model has, for long sequences tp x cp
-    (context parallelism inside a node: its all-to-alls are on every block's critical path), and for MoE models tp x
-    ep (the experts split inside a node)."""
-    if not tensor_parallel(spec):
+def model_parallel_grid(spec: ModelSpec, world_size: int, hw: Hardware, seq_len: int,
+                        searched: Iterable[str]) -> list[dict[str, int]]:
+    """Degrees of the model-parallel dimensions among ``searched`` that the model can take: tp x pp splits (tp
+    inside a node) of the heads and layers it has, for long sequences tp x cp (context parallelism inside a node: its
+    all-to-alls are on every block's critical path), and for MoE models tp x ep (the experts split inside a node)."""
+    searched = set(searched)
+    if not tensor_parallel(spec) or "tp" not in searched:
         return []
-    out = []
+    out: list[dict[str, int]] = []
     for t in divisors(min(world_size, hw.gpus_per_node)):
         if spec.heads % t or spec.kv_heads % t:
             continue
-        for p in divisors(world_size // t):
+        for p in divisors(world_size // t) if "pp" in searched else [1]:
             if (t, p) != (1, 1) and p <= 16 and spec.layers % p == 0 and (p == 1 or pipelines(spec)):
-                out.append({"tensor_parallel_size": t, "pipeline_parallel_size": p})
-        experts = (spec.extra.get("experts") or {}).get("count", 0)
+                out.append({"tp": t, "pp": p})
+        experts = (spec.extra.get("experts") or {}).get("count", 0) if "ep" in searched else 0
         for e in divisors(min(world_size // t, hw.gpus_per_node // t)) if experts else []:
             if e > 1 and experts % e == 0:  # expert parallelism inside a node, over the data-parallel ranks
-                out.append({"tensor_parallel_size": t, "expert_parallel_size": e})
-        if seq_len < LONG_SEQUENCE or not spec.extra.get("context_parallel"):
+                out.append({"tp": t, "ep": e})
+        if "cp" not in searched or seq_len < LONG_SEQUENCE or not spec.extra.get("context_parallel"):
             continue
         heads, kv = spec.heads // t, spec.kv_heads // t  # per tensor-parallel rank: what the all-to-all splits
         for c in divisors(hw.gpus_per_node // t):
             if c > 1 and world_size % (t * c) == 0 and seq_len % c == 0 and heads % c == 0 and \
                     (kv % c == 0 or c % kv == 0):
-                out.append({"tensor_parallel_size": t, "context_parallel_size": c})
+                out.append({"tp": t, "cp": c})
     return out
 
 
-# The set-ups of a strategy worth estimating, by engine (default: the strategy with its own options).
-VARIANTS = {MegatronEngine: _megatron_grid,
-            RecsysEngine: lambda spec, world_size, hw, seq_len: [{}] if spec.table_rows else []}
+def variants(row: registry.Registered, spec: ModelSpec, world_size: int, hw: Hardware,
+             seq_len: int) -> list[dict[str, Any]]:
+    """The options of ``row`` worth estimating, from its layout: tables placed by torchrec only for a model with
+    tables; a model split by model-parallel dimensions at each split of :func:`model_parallel_grid`; otherwise the
+    strategy as registered and, when its layout lets the planner replicate across nodes and the world spans them,
+    sharded within each node and replicated across (HSDP; not for set-ups that offload, whose point is memory)."""
+    layout = row.layout()
+    if layout.tables:
+        return [{}] if spec.table_rows else []
+    if layout.split_by:
+        grid = model_parallel_grid(spec, world_size, hw, seq_len, layout.searched)
+    else:
+        grid = [{}]
+        node = hw.gpus_per_node
+        if "dp_replicate" in layout.searched and not layout.offloaded and world_size > node and \
+                world_size % node == 0:
+            grid.append({"dp_replicate": world_size // node, "dp_shard": node})
+    return [row.engine.degree_options(degrees) for degrees in grid]  # type: ignore[union-attr]
 
 
 def offloaded(row: registry.Registered, options: Mapping[str, Any] | None = None) -> bool:
-    """Whether ``row`` with ``options`` keeps its states in host memory (the _offload names)."""
-    merged = {**row.defaults, **(options or {})}
-    return bool(merged.get("cpu_offload") or merged.get("offload_optimizer"))
+    """Whether ``row`` with ``options`` keeps some of its states off the device (the _offload names)."""
+    return row.layout(dict(options or {})).offloaded
 
 
 def candidates(spec: ModelSpec, world_size: int, hw: Hardware,
                seq_len: int | None = None) -> list[tuple[registry.Registered, dict]]:
-    """Every set-up worth estimating, as (strategy row, options): each planned strategy, Megatron's tp x pp splits,
-    recsys for models with tables; tables first, 3D last, offload after the strategies that keep states on the
-    device."""
+    """Every set-up worth estimating, as (strategy row, options) (:func:`variants`); tables first, model-parallel
+    splits last, offload after the strategies that keep states on the device."""
     names = planned()
     rows = [row for row in registry.STRATEGIES if row.name in names]
-    rows.sort(key=lambda row: (row.engine is not RecsysEngine, row.engine is MegatronEngine, offloaded(row)))
-    return [(row, options) for row in rows
-            for options in VARIANTS.get(row.engine, lambda *_: [{}])(spec, world_size, hw,
-                                                                     int(seq_len or spec.tokens or 1))]
+
+    def order(row: registry.Registered) -> tuple[bool, bool, bool]:
+        layout = row.layout()
+        return not layout.tables, bool(layout.split_by), layout.offloaded
+
+    rows.sort(key=order)
+    return [(row, options) for row in rows for options in variants(row, spec, world_size, hw,
+                                                                   int(seq_len or spec.tokens or 1))]
 
 
-def _split_batch(options: Mapping[str, Any], micro_batch: int, loader_batch: bool) -> dict | None:
-    """The ``microbatches`` option of a pipeline set-up: the most, up to the engine's default ``2 x pp``, that divide
-    the samples the pipeline gets and that its 1F1B schedule takes (at least ``pp``); None when none does. Empty
-    for set-ups without a pipeline or with microbatches given."""
-    pp = options.get("pipeline_parallel_size", 1)
+def _split_batch(dims: ParallelDims, options: Mapping[str, Any], micro_batch: int,
+                 loader_batch: bool) -> dict | None:
+    """The ``microbatches`` option of a pipeline set-up at degrees ``dims``: the most, up to the engine's default
+    ``2 x pp``, that divide the samples the pipeline gets and that its 1F1B schedule takes (at least ``pp``); None
+    when none does. Empty for set-ups without a pipeline or with microbatches given."""
+    pp = dims.pp
     if pp == 1 or options.get("microbatches"):
         return {}
-    samples = micro_batch if loader_batch else micro_batch * options.get("tensor_parallel_size", 1) * pp * \
-        options.get("context_parallel_size", 1)
+    samples = micro_batch if loader_batch else micro_batch * dims.tp * pp * dims.cp
     valid = [m for m in range(pp, 2 * pp + 1) if samples % m == 0]
     return {"microbatches": max(valid)} if valid else None
 
@@ -261,13 +287,14 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
             continue
         # Searched: the strategy's own activation_checkpointing option, where it has one. Fixed on (the recipe's
         # train.activation_checkpointing): the model checkpoints its blocks itself, under every strategy.
+        dims = row.dims(world_size, options)
         fixed = settings.get("activation_checkpointing", (None,))[0]
         option = recomputable(spec) and "activation_checkpointing" in row.options_cls.__dataclass_fields__
         by_model = bool(fixed) and recomputable(spec)
         for ac in ((False, True) if option and fixed is None else (False,)):
             best = None
             for b in batches:  # the largest micro-batch that fits (estimates grow with it)
-                split = _split_batch(options, b, loader_batch)
+                split = _split_batch(dims, options, b, loader_batch)
                 if split is None:
                     continue
                 e = estimate(spec, row.name, world_size, micro_batch=b, seq_len=seq_len, precision=precision_,
@@ -313,11 +340,12 @@ def measurement_note(spec: ModelSpec) -> str:
 
 def _simplicity(c: Candidate) -> tuple:
     """The order that breaks ties in throughput: the set-up with the fewest moving parts (tables sharded, a
-    replica, shards, DeepSpeed, then tensor/pipeline splits; no offload; no recomputation)."""
-    order = (RecsysEngine, DDPEngine, FSDPEngine, ZeroEngine, MegatronEngine)
-    engine = c.row.engine
-    return (offloaded(c.row, c.estimate.options), c.estimate.activation_checkpointing,
-            order.index(engine) if engine in order else len(order), c.estimate.dims.tp * c.estimate.dims.pp)
+    replica, shards, a library's own engine (DeepSpeed), then tensor/pipeline splits; no offload; no recomputation;
+    a flat shard group before a hybrid one)."""
+    layout, dims = c.layout, c.estimate.dims
+    kind = (0 if layout.tables else 4 if layout.split_by else 1 if layout.replica
+            else 3 if layout.can.owns_gradients else 2)
+    return (layout.offloaded, c.estimate.activation_checkpointing, kind, dims.tp * dims.pp, dims.hybrid)
 
 
 def _settings_note(plan: Plan) -> str:
@@ -351,8 +379,9 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     if note:
         reasons.append(note)
     fitting = plan.ranked()
-    if not any(c.row is registry.DDP and c.fits for c in plan.candidates):
-        worst = next((c for c in plan.candidates if c.row is registry.DDP), None)
+    replicas = [c for c in plan.candidates if c.layout.replica]  # a whole copy of the model and states per rank
+    if not any(c.fits for c in replicas):
+        worst = next(iter(replicas), None)
         if worst is not None:
             reasons.append(f"DDP does not fit: a full replica {worst.why} (model states alone "
                            f"{_gib(worst.estimate.states)} GiB)")
@@ -361,8 +390,10 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
         reasons.append(f"context parallelism considered: {context[0].estimate.seq_len} tokens per sequence (from"
                        f" {LONG_SEQUENCE}); cp ranks each compute 1/cp of every sequence's tokens (activations / cp)"
                        " for two all-to-alls per block")
-    if spec.table_rows and registry.RECSYS.name not in allowed:
-        reasons.append("disttrain_recsys (table-wise embedding sharding) is not available here")
+    placing = [row.name for row in registry.STRATEGIES if row.engine is not None and row.layout().tables]
+    if spec.table_rows and not allowed & set(placing):
+        reasons.append(f"{' or '.join(placing) or 'a strategy that places tables'} (table-wise embedding sharding)"
+                       " is not available here")
     if not fitting:
         reasons.append("nothing fits: " + "; ".join(f"{c.label}: {c.why}" for c in plan.candidates[:6]) +
                        "; use more devices, a smaller micro-batch or a shorter sequence")
@@ -370,7 +401,7 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     best = fitting[0].samples_per_s
     near = sorted((c for c in fitting if c.samples_per_s >= best / (1 + TIE)), key=_simplicity)
     plan.choice = choice = near[0]
-    reasons.append(_why(choice, "the highest estimated throughput"))
+    reasons.append(_why(choice, "the highest estimated throughput", plan.hardware))
     for r in [c for c in fitting if c is not choice][:2]:
         reasons.append(f"next: {r.label} at micro-batch {r.estimate.micro_batch}, {r.samples_per_s:.3g} samples/s"
                        f" ({r.step_time:.3g} s per step)")
@@ -388,9 +419,13 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     reasons.append(_timing_note(plan.hardware, spec))
 
 
-def _why(choice: Candidate, by: str) -> str:
+def _why(choice: Candidate, by: str, hw: Hardware) -> str:
     e, p = choice.estimate, choice.parts
     comm = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in e.comm.items() if k != "bubble" and v)
+    if comm and e.world_size > hw.gpus_per_node:  # the world spans nodes: say what goes over their links
+        over = [k for k, crossing in crosses_nodes(e, hw).items() if crossing and e.comm.get(k)]
+        comm += (f"; across nodes {across_nodes(e, hw) / 1e9:.3g} GB ({', '.join(over)})" if over
+                 else "; none across nodes")
     parts = (f"; compute {p.compute:.3g} s, optimizer {p.optimizer:.3g} s, data-parallel traffic {p.dp:.3g} s of"
              f" which {p.dp_exposed:.3g} s not overlapped, critical-path traffic {p.critical:.3g} s, framework"
              f" overhead {p.overhead:.3g} s") if p else ""

@@ -13,6 +13,13 @@ Memory of one rank, in bytes, split the way a user can act on it:
 - ``buffers``: temporaries a strategy adds: DDP's gradient buckets, FSDP/ZeRO-3's gathered unit (and the one being
   prefetched), ZeRO-3's reduce bucket, tensor-parallel and all-to-all buffers, the logits' gradient.
 - ``host``: host RAM per rank under CPU offload (optimizer state, master weights, gradients).
+
+Everything a strategy contributes is read from its engine's declaration (``Engine.layout(options)``,
+:mod:`disttrain.parallel.engines.layout`): which states are sharded over which dimensions, in which dtype and where,
+how parameters are gathered and gradients reduced, the buffers it adds. The formula follows the structure it
+declares: a model split by model-parallel dimensions (tensor, pipeline, expert) -> :func:`_model_parallel`;
+embedding tables placed by torchrec -> :func:`_tables`; otherwise replicated or sharded states ->
+:func:`_data_parallel`.
 """
 
 from __future__ import annotations
@@ -22,11 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from disttrain.parallel import registry
-from disttrain.parallel.engines.ddp import DDPEngine
-from disttrain.parallel.engines.fsdp import FSDPEngine
-from disttrain.parallel.engines.megatron import MegatronEngine
-from disttrain.parallel.engines.recsys import RecsysEngine
-from disttrain.parallel.engines.zero import ZeroEngine
+from disttrain.parallel.engines.layout import Gather, Layout, Partition, Reduce, State, Units, Where
 from disttrain.parallel.families import family_named
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.planner.shards import fsdp_rank_elements, zero3_partition
@@ -34,7 +37,6 @@ from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "adagrad": 1, "sgd": 0, "rowwise_adagrad": 0}
-ZERO3_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 
 
 @dataclass
@@ -42,10 +44,13 @@ class Estimate:
     """Bytes per rank (the busiest rank where ranks differ) and bytes moved per optimizer step, for one strategy
     with ``options`` (those it was given beyond its defaults) at the degrees ``dims``.
 
-    ``comm`` holds per-rank bytes per step: ``dp`` (data-parallel collectives, overlapped with compute), ``tp``
-    (tensor-parallel all-reduces, on the critical path), ``pp`` (pipeline sends), ``a2a`` (embedding all-to-all),
-    ``cp`` (context-parallel all-to-all), ``ep`` (MoE tokens to their experts and back), ``pcie`` (offload copies)
-    and ``host_optimizer`` (state a CPU optimizer sweeps).
+    ``comm`` holds per-rank bytes per step: ``dp`` (data-parallel collectives, overlapped with compute: within a
+    shard group, or DDP's all-reduce over the replicas), ``dp_replicate`` (HSDP: sharded gradients all-reduced
+    across the replicas), ``tp`` (tensor-parallel all-reduces, on the critical path), ``pp`` (pipeline sends),
+    ``a2a`` (embedding all-to-all), ``cp`` (context-parallel all-to-all), ``ep`` (MoE tokens to their experts and
+    back), ``pcie`` (offload copies), ``host_optimizer`` (state a CPU optimizer sweeps), ``after_step`` (updated
+    partitions all-gathered after the optimizer step). ``layout``: how the strategy holds the states with these
+    options (its engine's declaration).
     """
 
     strategy: str
@@ -63,6 +68,7 @@ class Estimate:
     comm: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     model_recomputes: bool = False  # the model checkpoints its own blocks (a recipe's train.activation_checkpointing)
+    layout: Layout | None = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -83,17 +89,19 @@ class Estimate:
 
     @property
     def label(self) -> str:
+        """The strategy and its degrees: ``disttrain_megatron tp=2 pp=1 dp=16``, ``disttrain_fsdp hsdp shard=8 x 4``
+        (sharded within groups of 8 ranks, 4 replicas)."""
         d = self.dims
         if (d.cp, d.tp, d.pp, d.ep) == (1, 1, 1, 1):
-            return self.strategy
+            return f"{self.strategy} hsdp shard={d.shard} x {d.dp_replicate}" if d.hybrid else self.strategy
         return (f"{self.strategy} tp={d.tp} pp={d.pp} dp={d.dp}" + (f" cp={d.cp}" if d.cp > 1 else "")
                 + (f" ep={d.ep}" if d.ep > 1 else ""))
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Bytes per parameter element: parameter, gradient, optimizer state, compute (activations and gathers) and
-    reduction (gradient collectives)."""
+    """Bytes per parameter element, from a layout and a precision: parameter, gradient, optimizer state (its
+    moments and any fp32 master copy), compute (activations and gathers) and reduction (gradient collectives)."""
 
     param: int
     grad: int
@@ -101,10 +109,24 @@ class Sizes:
     compute: int
     reduce: int
 
+    @classmethod
+    def of(cls, layout: Layout, precision: str, optimizer: str) -> Sizes:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not planned for; choose one of {', '.join(PRECISIONS)}")
+        if optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}")
+        opt = layout.optimizer
+        moments = OPTIMIZER_STATES[optimizer] * opt.dtype.bytes(precision)
+        return cls(param=layout.params.dtype.bytes(precision), grad=layout.grads.dtype.bytes(precision),
+                   optimizer=moments + (4 if opt.master else 0),
+                   compute=4 if precision.startswith("32") else 2,
+                   reduce=layout.grads.reduce_dtype.bytes(precision))
+
 
 @dataclass(frozen=True)
 class Setup:
-    """What every formula starts from: the model, the strategy row, its options and degrees, the batch."""
+    """What every formula starts from: the model, the strategy row, its options and degrees, the batch, and how
+    the strategy holds the states (its layout) in bytes per element (``sizes``)."""
 
     spec: ModelSpec
     row: registry.Registered
@@ -115,6 +137,7 @@ class Setup:
     precision: str
     optimizer: str
     sizes: Sizes
+    layout: Layout
     model_recomputes: bool = False
 
     @property
@@ -124,7 +147,7 @@ class Setup:
     def estimate(self, **bytes_: Any) -> Estimate:
         return Estimate(strategy=self.row.name, dims=self.dims, micro_batch=self.micro_batch, seq_len=self.seq_len,
                         precision=self.precision, options=self.row.given(self.options),
-                        model_recomputes=self.model_recomputes, **bytes_)
+                        model_recomputes=self.model_recomputes, layout=self.layout, **bytes_)
 
     def activations(self) -> int:
         """What one micro-batch's forward saves for backward on one rank (16-bit compute saves 16-bit tensors)."""
@@ -135,23 +158,6 @@ class Setup:
         """The fp32 gradient of an LM's logits, held while the loss backpropagates."""
         lm = self.spec.extra.get("lm_logits", False)
         return self.micro_batch * self.seq_len * self.spec.vocab * 4 if lm else 0
-
-
-def _sizes(precision: str, zero: bool, optimizer: str) -> Sizes:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not planned for; choose one of {', '.join(PRECISIONS)}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}")
-    states = OPTIMIZER_STATES[optimizer]
-    if precision == "32-true":
-        # DeepSpeed ZeRO-3 keeps an fp32 master copy of its partition even when the parameters are fp32.
-        return Sizes(4, 4, 4 * states + (4 if zero else 0), 4, 4)
-    if precision.endswith("-true"):
-        return Sizes(2, 2, 2 * states, 2, 2)
-    if zero:  # 16-bit partitions + fp32 master + fp32 optimizer state (the ZeRO paper's 2 + 2 + 12)
-        return Sizes(2, 2, 4 + 4 * states, 2, 2)
-    # FSDP2 MixedPrecisionPolicy / autocast: fp32 parameters, gradients and state; 16-bit compute, fp32 reduction.
-    return Sizes(4, 4, 4 * states, 2, 4)
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, compute_bytes: int,
@@ -199,8 +205,7 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, *, micr
     """
     spec = model_spec(model_or_config)
     row = registry.lookup(strategy)
-    formula = FORMULAS.get(row.engine)  # type: ignore[arg-type]
-    if formula is None:
+    if row.engine is None:
         raise ValueError(f"strategy={strategy!r} is not planned for (it runs as the planner's choice); choose one of"
                          f" {', '.join(planned())}")
     for name, value in (("world_size", world_size), ("micro_batch", micro_batch)):
@@ -208,16 +213,28 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, *, micr
             raise ValueError(f"{name}={value!r} must be a positive integer")
     opts = row.options(**options)
     dims = row.dims(world_size, opts)
-    recsys_opt = spec.extra.get("recsys", {}).get("sparse_optimizer") or "adagrad"
-    opt = optimizer or (recsys_opt if spec.table_rows and row.engine is RecsysEngine else "adamw")
+    layout = row.engine.layout(opts)
+    # Tables default to the recipe's sparse optimizer (Adagrad) where torchrec places them.
+    sparse = spec.extra.get("recsys", {}).get("sparse_optimizer") or "adagrad"
+    opt = optimizer or (sparse if spec.table_rows and layout.tables else "adamw")
     setup = Setup(spec, row, opts, dims, micro_batch, int(seq_len or spec.tokens or 1), precision, opt,
-                  _sizes(precision, row.engine is ZeroEngine, opt), model_recomputes)
-    return formula(setup)
+                  Sizes.of(layout, precision, opt), layout, model_recomputes)
+    return formula(layout)(setup)
+
+
+def formula(layout: Layout) -> Callable[[Setup], Estimate]:
+    """The formula for a layout's structure: a model split by model-parallel dimensions, tables placed by torchrec,
+    or replicated/sharded data parallelism."""
+    if layout.split_by:
+        return _model_parallel
+    if layout.tables:
+        return _tables
+    return _data_parallel
 
 
 def planned() -> list[str]:
-    """The registered names the planner has formulas for."""
-    return [row.name for row in registry.STRATEGIES if row.engine in FORMULAS]
+    """The registered names the planner has formulas for (every strategy with an engine, hence a layout)."""
+    return [row.name for row in registry.STRATEGIES if row.engine is not None]
 
 
 def tensor_parallel(spec: ModelSpec) -> bool:
@@ -230,58 +247,78 @@ def pipelines(spec: ModelSpec) -> bool:
     return bool(spec.extra.get("pipeline"))
 
 
-# -- one formula per engine -----------------------------------------------------------------------------------------
-def _replicated(s: Setup) -> Estimate:
-    """DDP: every rank holds the whole model and all-reduces the gradients (a ring sends 2(n-1)/n of them)."""
-    n, P, z = s.dims.dp_replicate, s.spec.params, s.sizes
-    comm = {"dp": 2 * (n - 1) / n * P * z.grad}
-    return s.estimate(params=P * z.param, grads=P * z.grad, optimizer=P * z.optimizer, activations=s.activations(),
-                      buffers=P * z.grad + s.logits_grad(), comm=comm)  # buckets: a second copy of the gradients
+# -- the formulas, by the structure a layout declares -------------------------------------------------------------
+def shard_elements(s: Setup, state: State) -> int:
+    """Elements of ``state`` one rank holds: all of them when replicated, else its shard as the layout's partition
+    cuts the parameters (DeepSpeed pads each to a multiple of n, FSDP2 chunks dim 0), or P/n rounded up when the
+    shapes are unknown."""
+    n, P = state.shards(s.dims), s.spec.params
+    if not state.sharded_over:
+        return P
+    exact = zero3_partition(s.spec, n) if s.layout.partition is Partition.FLAT else fsdp_rank_elements(s.spec, n)
+    return exact if exact is not None else math.ceil(P / n)
 
 
-def _sharded(s: Setup) -> Estimate:
-    """FSDP2 and ZeRO-3: parameters, gradients and optimizer state sharded over ``dims.shard`` ranks, gathered one
-    unit at a time; with CPU offload the shards live in host memory."""
-    spec, z, n = s.spec, s.sizes, s.dims.shard
-    zero = s.row.engine is ZeroEngine
-    unit, P = spec.largest_unit, spec.params
-    if zero:
-        # The module being used and the one prefetched, and the reduce bucket DeepSpeed allocates whole
-        # (reduce_bucket_size elements) when contiguous_gradients is on, as our config sets it.
-        buffers = 2 * unit * z.compute + ZERO3_REDUCE_BUCKET * z.grad
-    else:
-        # FSDP2 keeps the root (embeddings, head) gathered through forward and backward, gathers one block
-        # and prefetches the next, and reduce-scatters one block's unsharded gradients.
-        root = spec.root_params if spec.layers else 0
-        block = spec.layer_params or unit
-        buffers = root * z.compute + 2 * block * z.compute + block * z.reduce
-    comm = {"dp": (n - 1) / n * P * (2 * z.compute + z.reduce)}  # all-gather forward and backward, reduce-scatter
-    # ZeRO-3 pads each parameter to a multiple of n (DeepSpeed's partition rule); FSDP2 chunks dim 0.
-    exact = zero3_partition(spec, n) if zero else fsdp_rank_elements(spec, n)
-    shard = exact if exact is not None else math.ceil(P / n)
-    if s.dims.dp_replicate > 1:  # HSDP: the shards' gradients are all-reduced across the replicas too
-        r = s.dims.dp_replicate
-        comm["dp_replicate"] = 2 * (r - 1) / r * shard * z.reduce
-    states = (shard * z.param, shard * z.grad, shard * z.optimizer)
-    offloaded = getattr(s.options, "cpu_offload", False) or getattr(s.options, "offload_optimizer", None)
-    if offloaded:
+def _data_parallel(s: Setup) -> Estimate:
+    """Replicated or sharded states (DDP, FSDP2, HSDP, ZeRO-3): each state's elements on a rank in its dtype, on the
+    device or (offloaded) in host memory; the buffers the layout declares; parameters all-gathered as the layout
+    says and gradients all-reduced (a ring sends 2(n-1)/n of them) or reduce-scattered ((n-1)/n), then all-reduced
+    across replicas of their shard."""
+    layout, spec, z = s.layout, s.spec, s.sizes
+    P = spec.params
+    elements = [shard_elements(s, state) for state in layout.states]
+    per_element = (z.param, z.grad, z.optimizer)
+    states = [e * b for e, b in zip(elements, per_element)]
+
+    grads, buffers = layout.grads, layout.buffers
+    unit = spec.largest_unit if layout.params.units is Units.SUBMODULES else (spec.layer_params or spec.largest_unit)
+    root = spec.root_params if spec.layers and buffers.root_gathered else 0
+    extra = ((P * z.grad if buffers.gradient_copy else 0) + root * z.compute
+             + buffers.gathered_units * unit * z.compute + buffers.unit_gradients * unit * z.reduce
+             + buffers.reduce_bucket * z.grad)
+
+    # Gathers per unit run over the parameters' shard group, which is the optimizer's (FSDP2, ZeRO-3).
+    gathers = layout.params.gather.per_step if layout.params.gather is Gather.PER_UNIT else 0
+    if grads.reduce is Reduce.ALL_REDUCE:  # over every data-parallel rank
+        n = s.dims.dp
+        comm = {"dp": 2 * (n - 1) / n * P * z.reduce}
+    else:  # over the ranks sharing the partitions the optimizer updates, then across the replicas of a partition
+        n = layout.optimizer.shards(s.dims)
+        comm = {"dp": (n - 1) / n * P * (gathers * z.compute + z.reduce)}
+        replicas = math.prod(getattr(s.dims, d) for d in ("dp_replicate", "dp_shard")
+                             if d not in layout.optimizer.sharded_over)
+        if replicas > 1:
+            comm["dp_replicate"] = 2 * (replicas - 1) / replicas * elements[1] * z.reduce
+    if layout.params.gather is Gather.AFTER_STEP:  # the updated partitions, once the optimizer step is done
+        n = layout.optimizer.shards(s.dims)
+        comm["after_step"] = (n - 1) / n * P * z.compute
+
+    device = [b if state.where is Where.DEVICE else 0 for b, state in zip(states, layout.states)]
+    host = sum(b for b, state in zip(states, layout.states) if state.where is Where.HOST)
+    if layout.optimizer.where is not Where.DEVICE:  # a CPU optimizer steps the shards
+        shard = elements[2]
         comm["pcie"] = shard * (z.compute + z.grad)  # shards up before use, gradients down
         comm["host_optimizer"] = shard * (z.param + z.optimizer)
-        return s.estimate(params=0, grads=0, optimizer=0, activations=s.activations(),
-                          buffers=buffers + s.logits_grad(), host=sum(states), comm=comm)
-    return s.estimate(params=states[0], grads=states[1], optimizer=states[2], activations=s.activations(),
-                      buffers=buffers + s.logits_grad(), comm=comm)
+    notes = []
+    on_disk = sum(b for b, state in zip(states, layout.states) if state.where is Where.NVME)
+    if on_disk:
+        notes.append(f"{on_disk / 2**30:.1f} GiB of states per rank on NVMe")
+    return s.estimate(params=device[0], grads=device[1], optimizer=device[2], activations=s.activations(),
+                      buffers=extra + s.logits_grad(), host=host, comm=comm, notes=notes)
 
 
-def _megatron(s: Setup) -> Estimate:
-    spec, z, dims = s.spec, s.sizes, s.dims
+def _model_parallel(s: Setup) -> Estimate:
+    """A model split by tensor, pipeline, context and expert parallelism, with the layout's data-parallel sharding
+    (FSDP2) over the ranks that remain: the busiest stage's share of the blocks split over the tensor-parallel ranks,
+    the pipeline's microbatches in flight, the split dimensions' traffic."""
+    spec, z, dims, name = s.spec, s.sizes, s.dims, s.row.name
     t, p, c = dims.tp, dims.pp, dims.cp
     b, m = s.micro_batch, getattr(s.options, "microbatches", None) or 2 * p
     if not tensor_parallel(spec):
-        raise ValueError(f"disttrain_megatron splits attention heads and MLPs of Llama, GPT-2, BERT-style and ViT "
+        raise ValueError(f"{name} splits attention heads and MLPs of Llama, GPT-2, BERT-style and ViT "
                          f"blocks; a {spec.family} model has none it knows")
     if p > 1 and not pipelines(spec):
-        raise ValueError(f"pipeline_parallel_size={p}: disttrain_megatron has no pipeline stages for this"
+        raise ValueError(f"pipeline_parallel_size={p}: {name} has no pipeline stages for this"
                          f" {spec.family} model (see disttrain.parallel.split.pipeline)")
     if spec.heads % t or spec.kv_heads % t:
         choices = [k for k in range(1, spec.kv_heads + 1) if spec.kv_heads % k == 0 and spec.heads % k == 0]
@@ -290,7 +327,7 @@ def _megatron(s: Setup) -> Estimate:
     if spec.layers % p:
         raise ValueError(f"pipeline_parallel_size={p} does not divide the {spec.layers} layers")
     if c > 1 and not spec.extra.get("context_parallel"):
-        raise ValueError(f"context_parallel_size={c}: disttrain_megatron splits the sequences of HF Llama-family"
+        raise ValueError(f"context_parallel_size={c}: {name} splits the sequences of HF Llama-family"
                          f" decoders (Llama, Qwen2/3, Mistral), not of a {spec.family} model")
     if c > 1 and s.seq_len % c:
         raise ValueError(f"context_parallel_size={c} does not divide seq_len={s.seq_len}")
@@ -323,11 +360,12 @@ def _megatron(s: Setup) -> Estimate:
     buffers = 2 * width * (t > 1) + 2 * width * (p > 1) + 2 * width * (c > 1)
     layer_expert = expert * p // spec.layers if expert else 0  # one layer's experts
     block = math.ceil((spec.layer_params - layer_expert) / t) + layer_expert // e  # one block gathered
-    if dims.shard > 1:
-        buffers += 2 * block * z.compute + block * z.reduce
-    n = dims.shard
-    comm = {"dp": ((n - 1) / n * local + (expert_fsdp - 1) / expert_fsdp * expert / e) * (2 * z.compute + z.reduce)
-            if n > 1 else 0.0,
+    held = s.layout.buffers
+    if dims.shard > 1:  # one block's share gathered and the next prefetched, one block's gradients to reduce
+        buffers += held.gathered_units * block * z.compute + held.unit_gradients * block * z.reduce
+    n, gathers = dims.shard, s.layout.params.gather.per_step
+    comm = {"dp": ((n - 1) / n * local + (expert_fsdp - 1) / expert_fsdp * expert / e)
+            * (gathers * z.compute + z.reduce) if n > 1 else 0.0,
             # two all-reduces forward and two backward per block (attention and MLP), ring: 2(t-1)/t of the tensor
             "tp": 4 * (spec.layers // p) * 2 * (t - 1) / t * width * micro_steps if t > 1 else 0.0,
             "pp": 2 * width * micro_steps if p > 1 else 0.0,
@@ -400,11 +438,12 @@ def _plan_tables(spec: ModelSpec, world_size: int, options: Any, sparse_optimize
     return rs.shards_per_rank(plan, world_size)
 
 
-def _recsys(s: Setup) -> Estimate:
-    """torchrec: tables placed by its planner (fp32, fused optimizer in backward), the dense part replicated."""
+def _tables(s: Setup) -> Estimate:
+    """Tables placed by torchrec's planner (fp32, fused optimizer in backward), the dense part as the layout holds
+    it (replicated)."""
     spec, z, n, b = s.spec, s.sizes, s.dims.world_size, s.micro_batch
     if not spec.table_rows:
-        raise ValueError(f"disttrain_recsys shards embedding tables; a {spec.family} model has none")
+        raise ValueError(f"{s.row.name} shards embedding tables; a {spec.family} model has none")
     placed = torchrec_placement(spec, n, s.options)
     if placed is not None:  # torchrec's own planner: row/column/table-wise as the run will shard
         table, rows = max(placed)
@@ -423,12 +462,6 @@ def _recsys(s: Setup) -> Estimate:
     pooled = int(b * n * busiest_tables * spec.embedding_dim * z.compute)  # this rank's tables looked up
     comm = {"dp": 2 * (n - 1) / n * dense * z.grad,
             "a2a": 2 * (n - 1) / n * b * len(spec.table_rows) * spec.embedding_dim * z.compute}
+    copy = dense * z.grad if s.layout.buffers.gradient_copy else 0  # the dense gradients' buckets
     return s.estimate(params=table * 4 + dense * z.param, grads=dense * z.grad, optimizer=opt_tables + dense_opt,
-                      activations=s.activations(), buffers=2 * pooled + dense * z.grad, comm=comm)
-
-
-# The planner's formula of each engine (its strategies' rows find theirs here by engine class).
-FORMULAS: dict[type, Callable[[Setup], Estimate]] = {
-    DDPEngine: _replicated, FSDPEngine: _sharded, ZeroEngine: _sharded, MegatronEngine: _megatron,
-    RecsysEngine: _recsys,
-}
+                      activations=s.activations(), buffers=2 * pooled + copy, comm=comm)

@@ -11,31 +11,33 @@ data-parallel rank). Its parts, as the engines schedule them:
   microbatches and ``p`` stages idles ``(p-1)/(m+p-1)`` of the time, at the pace of the busiest stage (an LM
   head over the vocabulary weighs on the last).
 - **optimizer**: the states this rank holds, swept once by the optimizer (measured with torch's AdamW), plus its
-  work per parameter tensor (plain under DDP, else DTensor; ``Hardware.overheads``): a small model's step is mostly
-  the latter.
-  DeepSpeed's ZeRO-3 steps a few flat partitions, so only their bytes count there.
-- **data-parallel traffic**, overlapped: FSDP and ZeRO-3 prefetch the next unit's all-gather while the current one
-  computes and reduce-scatter during backward (on a stream of their own: CPU processes have none, so there each
-  unit waits for its gather, which then sits between computations and costs ``Hardware.overheads.collective`` per
-  call as the critical-path collectives below do); DDP all-reduces gradient buckets during backward. What exceeds
-  ``overlap`` x the compute it can hide behind is exposed, and never less than one unit's (bucket's) share: the first
-  gather (the last bucket) has nothing to hide behind.
+  work per parameter tensor, plain or distributed (DTensor) as the layout says (``Hardware.overheads``): a small
+  model's step is mostly the latter. An optimizer over a few flat partitions (DeepSpeed's) counts only their bytes.
+- **data-parallel traffic**, overlapped: parameters gathered per unit (FSDP2, ZeRO-3) are prefetched, the next
+  unit's all-gather while the current one computes, and gradients reduce-scattered during backward (on a stream of
+  their own: CPU processes have none, so there each unit waits for its gather, which then sits between computations
+  and costs ``Hardware.overheads.collective`` per call as the critical-path collectives below do); gradients reduced
+  in buckets (DDP) go while backward runs. What exceeds ``overlap`` x the compute it can hide behind is exposed, and
+  never less than one unit's (bucket's) share: the first gather (the last bucket) has nothing to hide behind. The
+  collectives within one copy of the states run on the intra-node link when that copy's ranks fit a node (HSDP
+  shards within a node), the all-reduce across copies on the network when the world spans nodes.
 - **overhead**: the framework's own work (Python, operator dispatch, the engines' hooks; ``Hardware.overheads``,
-  measured by ``disttrain calibrate``) per block executed (x 4/3 with checkpointing): plain blocks under DDP, hooked
-  ones under FSDP (per FSDP unit: blocks, sub-networks such as embeddings and head, root) and ZeRO-3 (DeepSpeed's
-  hooks on every submodule and their fetches, whose latency is counted there and not with the traffic), DTensor ones
-  under tensor parallelism; ``disttrain_megatron`` adds FSDP2's hooks to every block over its data-parallel ranks,
-  however few. A pipeline stage runs its blocks once per microbatch, plus the schedule's own work per microbatch,
-  over ``m + p - 1`` slots. On GPUs the device computes while the host dispatches, so a step takes the longer of
-  compute and overhead; CPU processes do both in turn.
+  measured by ``disttrain calibrate``) per block executed (x 4/3 with checkpointing), as the layout declares it:
+  plain blocks, hooked ones (FSDP2: per unit, blocks, sub-networks such as embeddings and head, and root, where its
+  units are FSDP's own), ZeRO-3's (DeepSpeed's hooks on every submodule and their fetches, whose latency is counted
+  there and not with the traffic); DTensor ones under tensor parallelism, hooked on top where the data dimension is
+  sharded, however few its ranks. A pipeline stage runs its blocks once per microbatch, plus the schedule's own work
+  per microbatch, over ``m + p - 1`` slots. On GPUs the device computes while the host dispatches, so a step takes
+  the longer of compute and overhead; CPU processes do both in turn.
 - **the model's own work**: ``disttrain calibrate --model`` times the model itself (forward, loss and backward on
   every process at once, at one block and at up to four); its time over what the items above predict for one plain
   process is the model's factor (:func:`model_factor`), which scales its compute and plain block overhead under
   every plan. It counts what the matmuls and a tiny block cannot show: an MoE block's routing and loop over experts,
   a model's own norms, activations and loss.
 - **critical-path traffic**, not overlapped: tensor-parallel all-reduces (four per block per micro-batch), pipeline
-  sends, context-parallel and expert all-to-alls, embedding all-to-alls (recsys), offload copies and the CPU
-  optimizer. Each collective there sits between computations, which costs more than the same collective alone
+  sends, context-parallel and expert all-to-alls, embedding all-to-alls (recsys), updated partitions gathered after
+  the optimizer step (a layout that gathers then, as ZeRO-1/2 do), offload copies and the CPU optimizer. Each
+  collective there sits between computations, which costs more than the same collective alone
   (``Hardware.overheads.collective`` per call, measured by ``disttrain calibrate``).
 
 Each collective costs ``latency x calls + bytes / bandwidth`` with the link measured for its kind (all-gather,
@@ -48,16 +50,13 @@ import math
 from dataclasses import dataclass
 
 from disttrain.parallel import registry
-from disttrain.parallel.engines.ddp import DDPEngine
-from disttrain.parallel.engines.fsdp import FSDPEngine
-from disttrain.parallel.engines.megatron import MegatronEngine
-from disttrain.parallel.engines.zero import ZeroEngine
+from disttrain.parallel.engines.layout import Gather, Layout, Reduce, Steps, Units, Work
+from disttrain.parallel.mesh import ParallelDims
 from disttrain.planner.estimate import Estimate, activation_bytes, flops_per_sample
-from disttrain.planner.hardware import Hardware
+from disttrain.planner.hardware import Hardware, Overheads
 from disttrain.planner.spec import ModelSpec
 
-DDP_BUCKET = 25 * 2**20  # torch DDP's bucket_cap_mb
-ZERO3_CALLS_PER_UNIT = 4  # DeepSpeed gathers per submodule (attention, MLP, norms), prefetched in a few calls
+NETWORK = ("dp", "dp_replicate", "after_step", "tp", "pp", "cp", "ep", "a2a")  # the comm kinds that use a link
 
 
 @dataclass(frozen=True)
@@ -109,12 +108,24 @@ def microbatches(e: Estimate) -> int:
     return max(1, min(e.options.get("microbatches") or 2 * d.pp, e.micro_batch * d.tp * d.pp * d.cp))
 
 
-def plain_modules(engine: type) -> bool:
-    """Whether the rank's blocks and parameters stay plain tensors: under DDP only. FSDP2 makes DTensors of its
-    parameters even over one rank, and ``disttrain_megatron`` shards every block and stage with it over the
-    data-parallel ranks whatever their number (at dp=1 too: its hooks run around every microbatch of a pipeline);
-    tensor parallelism splits them into DTensors as well."""
-    return engine is DDPEngine
+def layout_of(e: Estimate) -> Layout:
+    """How the estimate's strategy holds the states: the layout it was estimated with, else its engine's for the
+    options it records."""
+    if e.layout is not None:
+        return e.layout
+    return registry.lookup(e.strategy).layout(e.options)
+
+
+def block_work(layout: Layout, dims: ParallelDims, o: Overheads) -> float:
+    """Seconds of framework work per block executed under ``layout`` at ``dims``: a plain block's (on DTensors
+    under tensor parallelism) plus what the layout's hooks add (FSDP2's, counted the same for every hooked module;
+    DeepSpeed ZeRO-3's measured ones, or FSDP2's when they were not measured)."""
+    base = o.tensor_parallel if dims.tp > 1 else o.eager
+    if layout.work is Work.PLAIN:
+        return base
+    if layout.work is Work.ZERO3 and o.zero3:
+        return base + o.zero3
+    return base + (o.sharded - o.eager)
 
 
 def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False, factor: float = 1.0) -> float:
@@ -122,20 +133,11 @@ def overhead(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = Fa
     DataLoader gives ``micro_batch`` samples whatever the strategy, so a tensor/pipeline/context-parallel group
     runs ``tp x pp x cp`` steps for the samples the step counts; otherwise one step of them all. ``factor``
     (:func:`model_factor`) scales the plain block's share of each block's work: the engine's own adds to it."""
-    o, d = hw.overheads, e.dims
-    engine = registry.lookup(e.strategy).engine
+    o, d, layout = hw.overheads, e.dims, layout_of(e)
     blocks = max(1, spec.layers // d.pp) + (1 if d.pp == 1 else 0)  # the ends (embeddings, head, loss) as one more
-    if engine is FSDPEngine:  # every unit's hooks run: the blocks', the sub-networks' (embeddings, head) and the root's
+    if layout.params.units is Units.FSDP:  # every unit's hooks run: the blocks', the sub-networks' and the root's
         blocks = max(blocks, fsdp_units(spec))
-    if plain_modules(engine):
-        per_block = o.eager
-    elif engine is MegatronEngine:  # FSDP2's hooks over the data-parallel ranks, on split (DTensor) blocks or not
-        per_block = (o.tensor_parallel if d.tp > 1 else o.eager) + (o.sharded - o.eager)
-    elif engine is ZeroEngine and o.zero3:  # DeepSpeed's hooks and fetches, per block beyond the plain block's work
-        per_block = o.eager + o.zero3
-    else:
-        per_block = o.sharded
-    per_block += (factor - 1) * o.eager
+    per_block = block_work(layout, d, o) + (factor - 1) * o.eager
     if d.pp == 1:
         step = blocks * per_block
     else:
@@ -177,13 +179,12 @@ def parameter_tensors(spec: ModelSpec) -> int:
 
 def optimizer_overhead(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
     """Seconds of the optimizer step's (and ``zero_grad``'s) work per parameter tensor this rank holds: a pipeline
-    stage holds its share of them, plain or DTensor as :func:`plain_modules` says; DeepSpeed's ZeRO-3 a few flat
-    partitions (none counted)."""
-    engine = registry.lookup(e.strategy).engine
-    if engine is ZeroEngine:
+    stage holds its share of them, plain tensors or distributed ones as the layout says; an optimizer over a few flat
+    partitions (DeepSpeed's) none counted."""
+    steps, d, o = layout_of(e).optimizer.steps, e.dims, hw.overheads
+    if steps is Steps.FLAT:
         return 0.0
-    d, o = e.dims, hw.overheads
-    per_tensor = o.optimizer_tensor if plain_modules(engine) else o.optimizer_dtensor
+    per_tensor = o.optimizer_tensor if steps is Steps.TENSORS else o.optimizer_dtensor
     return parameter_tensors(spec) / d.pp * per_tensor
 
 
@@ -233,11 +234,31 @@ def model_factor(spec: ModelSpec, hw: Hardware) -> float:
     return profile_seconds(profile, spec.layers) / modelled if modelled > 0 else 1.0
 
 
+def crosses_nodes(e: Estimate, hw: Hardware) -> dict[str, bool]:
+    """For each kind of traffic of ``e`` (the keys of ``Estimate.comm`` that use a link), whether it goes over the
+    links between nodes. Ranks of one tensor-, context- and expert-parallel group are neighbours in the mesh (one node
+    while they fit it); a gradient reduction over the ranks that share one copy of the states (and its gathers) stays
+    in a node when that copy's ranks fit one (HSDP: sharded within a node, replicated across); an all-reduce over
+    every data-parallel rank, the replicas' all-reduce, pipeline sends and embedding all-to-alls cross nodes when the
+    world spans them."""
+    d, per_node = e.dims, hw.gpus_per_node
+    spans = e.world_size > per_node
+    one_copy = spans if layout_of(e).grads.reduce is Reduce.ALL_REDUCE else e.world_size // d.dp_replicate > per_node
+    return {"dp": one_copy, "after_step": one_copy, "dp_replicate": spans, "pp": spans, "a2a": spans,
+            "tp": d.tp * d.cp > per_node, "cp": d.tp * d.cp > per_node, "ep": d.tp * d.ep > per_node}
+
+
+def across_nodes(e: Estimate, hw: Hardware) -> float:
+    """Bytes one rank sends over the links between nodes per step."""
+    crossing = crosses_nodes(e, hw)
+    return sum(e.comm.get(kind, 0.0) for kind in NETWORK if crossing[kind])
+
+
 def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False,
               factor: float | None = None) -> StepTime:
     """The parts of one step of ``e`` on ``hw`` (``loader_batch``: see :func:`overhead`; ``factor``: the
     :func:`model_factor` to use, by default the calibration's for this model)."""
-    engine = registry.lookup(e.strategy).engine
+    layout = layout_of(e)
     d, c = e.dims, e.comm
     factor = model_factor(spec, hw) if factor is None else factor
     flops = flops_per_sample(spec, e.seq_len) * e.micro_batch * (4 / 3 if e.activation_checkpointing else 1)
@@ -250,33 +271,33 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         compute *= stage_imbalance(spec, e) / (1 - (d.pp - 1) / (m + d.pp - 1))
     optimizer = (0.0 if c.get("host_optimizer") else e.states / hw.optimizer_sweep) + optimizer_overhead(spec, e, hw)
 
-    spans_nodes = e.world_size > hw.gpus_per_node
-    dp_bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
-    # Tensor-, context- and expert-parallel ranks are neighbours in the mesh (one node while they fit it).
-    tp_bw = hw.intra_node_bw if d.tp * d.cp <= hw.gpus_per_node else hw.inter_node_bw
-    ep_bw = hw.intra_node_bw if d.tp * d.ep <= hw.gpus_per_node else hw.inter_node_bw
+    crossing = crosses_nodes(e, hw)
+    bw = {kind: hw.inter_node_bw if over else hw.intra_node_bw for kind, over in crossing.items()}
     layers = max(1, spec.layers // d.pp)
+    params, grads = layout.params, layout.grads
 
-    if engine is DDPEngine:
-        calls = max(1, math.ceil(e.grads / DDP_BUCKET))
-        dp = _link(hw, "all_reduce", c.get("dp", 0), calls, dp_bw)
+    if params.gather is not Gather.PER_UNIT:  # gradients reduced bucket by bucket while backward runs
+        calls = max(1, math.ceil(e.grads / grads.bucket_bytes)) if grads.bucket_bytes else 1
+        op = "all_reduce" if grads.reduce is Reduce.ALL_REDUCE else "reduce_scatter"
+        dp = _link(hw, op, c.get("dp", 0), calls, bw["dp"])
         hidden_behind = compute * 2 / 3  # buckets reduce while backward (two thirds of the compute) runs
         inline = 0.0
     else:
-        units = fsdp_units(spec) if engine is FSDPEngine else (layers + 1 if spec.layers else 1)
-        zero = engine is ZeroEngine
-        calls = units * (ZERO3_CALLS_PER_UNIT if zero else 1)
+        units = fsdp_units(spec) if params.units is Units.FSDP else (layers + 1 if spec.layers else 1)
+        calls = units * params.calls
         # ZeRO-3's many small fetches: their latency is in its measured work per block (Overheads.zero3)
-        paid = 0 if zero and hw.overheads.zero3 else calls
+        paid = 0 if layout.work is Work.ZERO3 and hw.overheads.zero3 else calls
         sent = c.get("dp", 0)
-        # Forward and backward all-gathers (2 x compute bytes of every 2 x compute + reduce) and one reduce-scatter.
-        dp = (_link(hw, "all_gather", sent * 2 / 3, 2 * paid, dp_bw)
-              + _link(hw, "reduce_scatter", sent / 3, paid, dp_bw)
-              + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, dp_bw))
+        # Forward and backward all-gathers (2 x compute bytes of every 2 x compute + reduce) and one reduce-scatter;
+        # the replicas' all-reduce of each unit's gradient shard (HSDP).
+        gathers = params.gather.per_step
+        dp = (_link(hw, "all_gather", sent * gathers / (gathers + 1), gathers * paid, bw["dp"])
+              + _link(hw, "reduce_scatter", sent / (gathers + 1), paid, bw["dp"])
+              + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, bw["dp_replicate"]))
         # FSDP2 and DeepSpeed prefetch on a separate stream; a device without streams (CPU processes) waits for
         # each unit's (submodule's) gather as it enters it: there each of them sits between computations.
         hidden_behind = compute if hw.overheads.overlaps else 0.0
-        inline = 0.0 if hw.overheads.overlaps or not sent else 3 * paid * hw.overheads.collective
+        inline = 0.0 if hw.overheads.overlaps or not sent else (gathers + 1) * paid * hw.overheads.collective
     dp_exposed = max(dp - hw.overlap * hidden_behind, dp / calls) + inline if dp else 0.0
 
     per_block = 4 * layers * micro_steps  # collectives per block per micro-batch, forward and backward
@@ -285,11 +306,12 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         """A collective between computations: its link's time and what it costs there beyond it."""
         return _link(hw, op, sent, calls, bandwidth) + (calls * hw.overheads.collective if sent else 0.0)
 
-    critical = (between("all_reduce", c.get("tp", 0), per_block, tp_bw)
-                + between("all_to_all", c.get("pp", 0), 2 * m, dp_bw)  # point-to-point sends, per microbatch
-                + between("all_to_all", c.get("cp", 0), per_block, tp_bw)
-                + between("all_to_all", c.get("ep", 0), per_block, ep_bw)
-                + between("all_to_all", c.get("a2a", 0), 4, dp_bw)  # ids out, embeddings back, their gradients
+    critical = (between("all_reduce", c.get("tp", 0), per_block, bw["tp"])
+                + between("all_to_all", c.get("pp", 0), 2 * m, bw["pp"])  # point-to-point sends, per microbatch
+                + between("all_to_all", c.get("cp", 0), per_block, bw["cp"])
+                + between("all_to_all", c.get("ep", 0), per_block, bw["ep"])
+                + between("all_to_all", c.get("a2a", 0), 4, bw["a2a"])  # ids out, embeddings back, their gradients
+                + between("all_gather", c.get("after_step", 0), 1, bw["after_step"])  # after the optimizer step
                 + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
     return StepTime(compute, optimizer, dp, dp_exposed, critical, overhead(spec, e, hw, loader_batch, factor),
                     hw.overheads.overlaps)

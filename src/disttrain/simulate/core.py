@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from disttrain.parallel import registry
+from disttrain.parallel.engines.layout import Layout
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.simulate.fake import fake_world
 
@@ -57,7 +58,8 @@ class Role:
 @dataclass
 class Simulation:
     """What :func:`simulate` returns: one :class:`Role` per rank role, how the figures were obtained (``notes``)
-    and the wall time of the simulation in seconds."""
+    and the wall time of the simulation in seconds; ``layout``: how the strategy holds the states (its engine's
+    declaration, with these options)."""
 
     strategy: str
     dims: ParallelDims
@@ -66,6 +68,7 @@ class Simulation:
     roles: list[Role] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    layout: Layout | None = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -121,7 +124,8 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def checkpoint_bytes(state: dict[str, Any], replicas: int = 1) -> int:
     """Bytes of this rank's write items in torch's DCP save planner; items that are not sharded are held by
-    ``replicas`` ranks and written by one of them (counted as a 1/replicas share)."""
+    ``replicas`` ranks and written by one of them (counted as a 1/replicas share), as are shards their mesh replicates
+    (HSDP)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -132,8 +136,12 @@ def checkpoint_bytes(state: dict[str, Any], replicas: int = 1) -> int:
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
             continue
         size = math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-        sharded = isinstance(_lookup(state, item.index.fqn), DTensor)
-        total += size if sharded else size / replicas
+        value = _lookup(state, item.index.fqn)
+        if isinstance(value, DTensor):  # a shard, written once by the ranks that hold it (HSDP's replicas)
+            total += size / math.prod(value.device_mesh.size(i) for i, p in enumerate(value.placements)
+                                      if p.is_replicate())
+        else:
+            total += size / replicas
     return int(total)
 
 
@@ -212,15 +220,15 @@ def versus(sim: Simulation, estimate: Any) -> str:
     --simulate``); ``estimate`` is a :class:`disttrain.planner.Estimate` of the same set-up."""
     gib = 2**30
     busiest = sim.busiest
-    offload = estimate.strategy.endswith("_offload")
-    est = (estimate.host, 0, 0) if offload else (estimate.params, estimate.grads, estimate.optimizer)
-    total = sum(est)
+    # Offloaded states are the same bytes in host memory (the estimate counts them there, not per state).
+    offload = estimate.layout is not None and estimate.layout.offloaded
+    total = estimate.states + estimate.host
     rows = ["| model states per rank (busiest) | params GiB | grads GiB | optimizer GiB | total GiB |",
             "|---|---:|---:|---:|---:|",
             f"| simulated ({busiest.name}) | {busiest.params / gib:.3f} | {busiest.grads / gib:.3f} | "
             f"{busiest.optimizer / gib:.3f} | {busiest.states / gib:.3f} |",
-            ("| planner estimate (host, offloaded) | | | | " if offload else
-             f"| planner estimate | {est[0] / gib:.3f} | {est[1] / gib:.3f} | {est[2] / gib:.3f} | ")
-            + f"{total / gib:.3f} |",
+            ("| planner estimate (device + host, offloaded) | | | | " if offload else
+             f"| planner estimate | {estimate.params / gib:.3f} | {estimate.grads / gib:.3f} |"
+             f" {estimate.optimizer / gib:.3f} | ") + f"{total / gib:.3f} |",
             "", f"planner error: {total / busiest.states - 1:+.2%} (simulated in {sim.seconds:.1f} s)"]
     return "\n".join(rows)

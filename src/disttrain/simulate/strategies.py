@@ -1,21 +1,19 @@
-"""One runner per engine (fill a :class:`~disttrain.simulate.core.Simulation` with its roles), and :func:`simulate`,
-which finds a registered strategy's runner by its engine class."""
+"""The runners (each fills a :class:`~disttrain.simulate.core.Simulation` with its roles) and :func:`simulate`, which
+chooses one by the structure the strategy's layout declares (:func:`runner_for`): tables placed by torchrec's
+planner; flat partitions, computed by their rule; shards or model-parallel splits made by the engine's own code on
+the fake group; or a replica, counted as it is."""
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import time
 from typing import Any, Callable, Union
 
 import torch
 
 from disttrain.parallel import registry
-from disttrain.parallel.engines.ddp import DDPEngine
 from disttrain.parallel.engines.deepspeed import partition_elements
-from disttrain.parallel.engines.fsdp import FSDPEngine
-from disttrain.parallel.engines.megatron import MegatronEngine
-from disttrain.parallel.engines.recsys import RecsysEngine
-from disttrain.parallel.engines.zero import ZeroEngine
+from disttrain.parallel.engines.layout import Dtype, Gather, Layout, Partition, Reduce
 from disttrain.parallel.split.fsdp import shard_elements
 from disttrain.simulate.core import (
     Role,
@@ -32,28 +30,28 @@ CPU, META = torch.device("cpu"), torch.device("meta")
 Config = Union[str, dict]
 
 
-def ddp(sim: Simulation, config: Config, options: Any) -> None:
-    n = sim.dims.dp_replicate
+def replica(sim: Simulation, config: Config, options: Any) -> None:
+    """A replica per rank (DDP): the module as it is, which is what the engine's wrapper keeps on every rank."""
+    n = sim.dims.dp
     with fake_world(0, sim.world_size):
         # DistributedDataParallel's constructor checks shapes across ranks with .item(), which meta tensors lack;
         # it keeps the module's parameters as they are, so the model it would wrap is what every rank holds.
         module = prepared(config, sim.precision)
-        p, g, o, c = count(module, DDPEngine(options), replicas=n)
-    # DDP all-reduces the gradients in their own dtype, bucket by bucket: a ring sends 2(n-1)/n of them.
+        p, g, o, c = count(module, sim.row.engine(options), replicas=n)  # type: ignore[misc]
+    # The gradients all-reduced in their own dtype, bucket by bucket: a ring sends 2(n-1)/n of them.
     sim.roles.append(Role("every rank", 0, n, p, g, o, c, {"dp": 2 * (n - 1) / n * g}))
-    sim.notes.append("DDP: every rank holds the whole model (DistributedDataParallel cannot be built on meta tensors;"
-                     " it keeps the module's parameters as they are); the checkpoint's replicated tensors are written"
-                     " once (DCP de-duplication), shown as a 1/world share")
+    sim.notes.append("replica: every rank holds the whole model (DistributedDataParallel cannot be built on meta"
+                     " tensors; it keeps the module's parameters as they are); the checkpoint's replicated tensors are"
+                     " written once (DCP de-duplication), shown as a 1/world share")
 
 
 def sharded(sim: Simulation, config: Config, options: Any) -> None:
-    """FSDP2 and Megatron: the engine's own ``parallelize`` on the fake group, once per rank role: each pipeline
-    stage x tensor-parallel rank at the first shard of its FSDP group, and for plain data sharding the last shard
-    too (dim-0 chunks leave the last ranks fewer rows)."""
+    """Shards (FSDP2) and model-parallel splits: the engine's own ``parallelize`` on the fake group, once per rank
+    role: each pipeline stage x tensor-parallel rank at the first shard of its FSDP group, and for plain data
+    sharding the last shard too (dim-0 chunks leave the last ranks fewer rows). Offloaded states are the same bytes
+    in host memory: the engine, told not to allocate, shards them on the meta device as on the device."""
     dims, n = sim.dims, sim.world_size
     engine_cls = sim.row.engine
-    # Offloaded states are the same bytes, in host memory: shard them as on the device (meta tensors cannot move).
-    options = dataclasses.replace(options, cpu_offload=False)
     compute, reduce = precision_sizes(sim.precision)
     model_parallel = dims.tp * dims.pp > 1
     shapes = [p.shape for p in meta_model(config).parameters()]
@@ -65,7 +63,7 @@ def sharded(sim: Simulation, config: Config, options: Any) -> None:
                 rank = dims.rank_of(pp=stage, tp=tp_rank, dp_shard=dp_shard, cp=cp)
                 with fake_world(rank, n):
                     module = prepared(config, sim.precision)
-                    engine = engine_cls(options)
+                    engine = engine_cls(options)  # type: ignore[misc]
                     engine.allocates = False
                     engine.setup_mesh(n, CPU)
                     engine.parallelize(module, META, sim.precision)
@@ -107,21 +105,41 @@ def sharded(sim: Simulation, config: Config, options: Any) -> None:
                      " reduce-scatter of gradients); no step runs on meta shards")
 
 
-def zero3(sim: Simulation, config: Config, options: Any) -> None:
-    """DeepSpeed cannot start on a fake group (its engine allocates and communicates on a real device), so the
-    partition is computed with DeepSpeed's own rule (:func:`disttrain.parallel.engines.deepspeed.partition_elements`) over the
-    meta model's parameters."""
-    n = sim.dims.shard
+def partitioned(sim: Simulation, config: Config, options: Any, layout: Layout) -> None:
+    """Flat partitions (DeepSpeed ZeRO): the library's engine allocates and communicates on a real device and cannot
+    start on a fake group, so each state is computed from the layout and the partition rule
+    (:func:`disttrain.parallel.engines.deepspeed.partition_elements`, each parameter padded to a multiple of the
+    ranks) over the meta model's parameters: a sharded state holds its partition, a replicated one everything."""
     numels = [p.numel() for p in meta_model(config).parameters()]
-    part = partition_elements(numels, n)
-    pb = 2 if sim.precision != "32-true" else 4
-    # 16-bit partitions of parameters and gradients, fp32 master partition + AdamW's two fp32 states.
-    p, g, o = part * pb, part * pb, part * 12
-    comm = {"dp": (n - 1) / n * sum(numels) * pb * 3}  # all-gather forward and backward, reduce-scatter gradients
-    sim.roles.append(Role("every rank", 0, n, p, g, o, part * 12, comm))
-    sim.notes.append("ZeRO-3: DeepSpeed cannot run on a fake process group; its partition is computed from"
-                     " DeepSpeed's own rule (each parameter padded to a multiple of the world size, ceil(numel/n)"
-                     " elements per rank); the checkpoint holds the fp32 master and AdamW partitions")
+    total = sum(numels)
+
+    def elements(sharded_over: tuple[str, ...]) -> int:
+        n = math.prod(getattr(sim.dims, d) for d in sharded_over)
+        return partition_elements(numels, n) if sharded_over else total
+
+    def size(dtype: Dtype) -> int:
+        return dtype.bytes(sim.precision)
+
+    opt = layout.optimizer
+    per_optimizer = 2 * size(opt.dtype) + (4 if opt.master else 0)  # AdamW's two moments (and the master copy)
+    p = elements(layout.params.sharded_over) * size(layout.params.dtype)
+    g = elements(layout.grads.sharded_over) * size(layout.grads.dtype)
+    o = elements(opt.sharded_over) * per_optimizer
+    n = opt.shards(sim.dims)
+    compute, reduce = size(Dtype.COMPUTE), size(layout.grads.reduce_dtype)
+    gathers = layout.params.gather.per_step if layout.params.gather is Gather.PER_UNIT else 0
+    if layout.grads.reduce is Reduce.ALL_REDUCE:
+        comm = {"dp": 2 * (n - 1) / n * total * reduce}
+    else:  # each rank's partition of the gradients reduce-scattered, with the gathers per unit
+        comm = {"dp": (n - 1) / n * total * (gathers * compute + reduce)}
+    if layout.params.gather is Gather.AFTER_STEP:  # the updated partitions, once the optimizer step is done
+        comm["after_step"] = (n - 1) / n * total * compute
+    # The checkpoint holds what the optimizer steps: the fp32 master copy and moments (else the parameters too).
+    checkpoint = o if opt.master else o + p
+    sim.roles.append(Role("every rank", 0, sim.world_size, p, g, o, checkpoint, comm))
+    sim.notes.append("flat partitions: DeepSpeed cannot run on a fake process group; each state is computed from the"
+                     " layout and DeepSpeed's own partition rule (each parameter padded to a multiple of the ranks,"
+                     f" ceil(numel/n) elements per rank); the checkpoint holds the optimizer's partitions")
 
 
 def recsys(sim: Simulation, config: Config, options: Any) -> None:
@@ -169,15 +187,25 @@ def _recipe(path: str) -> dict:
         return yaml.safe_load(f) or {}
 
 
-# The runner of each engine (a registered strategy finds its runner by its engine class).
-RUNNERS: dict[type, Callable[[Simulation, Config, Any], None]] = {
-    DDPEngine: ddp, FSDPEngine: sharded, MegatronEngine: sharded, ZeroEngine: zero3, RecsysEngine: recsys,
-}
+Runner = Callable[[Simulation, Config, Any], None]
+
+
+def runner_for(layout: Layout) -> Runner:
+    """The runner for the structure ``layout`` declares: tables placed by torchrec's planner; flat partitions (a
+    library's own engine, which cannot start on a fake group), computed by their rule; shards or model-parallel
+    splits, made by the engine's own code on the fake group; a replica, counted as it is."""
+    if layout.tables:
+        return recsys
+    if layout.sharded and layout.partition is Partition.FLAT:
+        return lambda sim, config, options: partitioned(sim, config, options, layout)
+    if layout.sharded or layout.split_by:
+        return sharded
+    return replica
 
 
 def simulated() -> list[str]:
-    """The registered names the simulator runs."""
-    return [row.name for row in registry.STRATEGIES if row.engine in RUNNERS]
+    """The registered names the simulator runs (every strategy with an engine, hence a layout)."""
+    return [row.name for row in registry.STRATEGIES if row.engine is not None]
 
 
 def simulate(config: Config, strategy: str, world_size: int, *, precision: str = "bf16-mixed",
@@ -191,13 +219,13 @@ def simulate(config: Config, strategy: str, world_size: int, *, precision: str =
     real run refuses raise the real run's error. The ``_offload`` strategies hold the same states, on the host.
     """
     row = registry.lookup(strategy)
-    runner = RUNNERS.get(row.engine)  # type: ignore[arg-type]
-    if runner is None:
+    if row.engine is None:
         raise ValueError(f"strategy={strategy!r} is not simulated; choose one of {', '.join(simulated())}")
     opts = row.options(**options)
     dims = row.dims(world_size, opts)
+    layout = row.engine.layout(opts)
     start = time.perf_counter()
-    sim = Simulation(row.name, dims, precision, row.given(opts))
-    runner(sim, config, opts)
+    sim = Simulation(row.name, dims, precision, row.given(opts), layout=layout)
+    runner_for(layout)(sim, config, opts)
     sim.seconds = time.perf_counter() - start
     return sim

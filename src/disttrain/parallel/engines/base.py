@@ -21,6 +21,8 @@ buffers as DDP keeps them                      ``broadcast_buffers``, ``sync_buf
 checkpoints in the one DCP layout              ``model_state``, ``optimizer_state``, ``reads_checkpoint``,
                                                ``save_checkpoint``, ``load_checkpoint``
 the full model                                 ``full_model``, ``export``
+how it holds a model's states (read by the     ``layout`` (:mod:`disttrain.parallel.engines.layout`),
+planner, the simulator and the callbacks)      ``degree_options`` (degrees the planner chose, as options)
 =============================================  ==================================================================
 
 Engines, one module each in this package: ``parallel.engines.fsdp.FSDPEngine``, ``parallel.engines.ddp.DDPEngine``, ``parallel.engines.zero.ZeroEngine``,
@@ -49,6 +51,7 @@ from disttrain.parallel.engines.buffers import (
     sync_buffers_after_forward,
 )
 from disttrain.parallel.engines.clip import clip_grad_norm_
+from disttrain.parallel.engines.layout import Layout, Precision
 from disttrain.parallel.mesh import Meshes, ParallelDims
 
 Optimizers = list[torch.optim.Optimizer]
@@ -60,13 +63,9 @@ class Engine:
 
     #: The options dataclass of the strategy: the single source of its options (docs tables are generated from it).
     options_cls: ClassVar[type]
-    #: The engine casts to half precision itself (FSDP2's MixedPrecisionPolicy): adapters must not autocast.
-    casts_itself: ClassVar[bool] = False
     #: Checkpoints hold the optimizers' state by parameter name (``optimizer_state``), restored in place by
     #: ``load_checkpoint``; False: the optimizers' own ``state_dict()`` goes to ``meta.pt`` with the metadata.
     optimizers_by_name: ClassVar[bool] = True
-    #: ``module_transforms`` run on the plain model before it is parallelised (the FP8 callback's Linear swap).
-    takes_module_transforms: ClassVar[bool] = True
     #: The engine shards over device meshes (built in ``setup_mesh`` from its ``ParallelDims``).
     builds_meshes: ClassVar[bool] = False
     #: Every rank keeps a whole copy of the (dense) model (DDP, torchrec's dense part), rather than a shard of one.
@@ -82,6 +81,31 @@ class Engine:
         # Functions that change the plain model right before it is parallelised (the FP8 callback's Linear swap).
         self.module_transforms: list[Callable[[nn.Module], None]] = []
         self._saver: AsyncSaver | None = None  # writes checkpoints in the background (option async_checkpoint)
+
+    # -- how it holds a model's states ------------------------------------------------------------------------
+    @classmethod
+    def layout(cls, options: Any) -> Layout:
+        """How the engine holds a model's states with ``options``: the declaration the planner, the step-time model,
+        the simulator and the callbacks read (:mod:`disttrain.parallel.engines.layout`)."""
+        raise NotImplementedError(f"{cls.__name__} declares no layout")
+
+    @classmethod
+    def degree_options(cls, degrees: dict[str, int]) -> dict[str, Any]:
+        """The options that give the degrees ``{dimension: size}`` of the dimensions the layout lets the planner
+        choose (``Layout.searched``), as a strategy of this engine takes them."""
+        if degrees:
+            raise ValueError(f"{cls.__name__} takes no degrees as options (got {degrees})")
+        return {}
+
+    @property
+    def casts_itself(self) -> bool:
+        """The engine casts to half precision itself (FSDP2's MixedPrecisionPolicy): adapters must not autocast."""
+        return self.layout(self.options).can.precision is Precision.CASTS_ITSELF
+
+    @property
+    def takes_module_transforms(self) -> bool:
+        """``module_transforms`` run on the plain model before it is parallelised (the FP8 callback's Linear swap)."""
+        return self.layout(self.options).can.module_transforms
 
     # -- processes --------------------------------------------------------------------------------------------
     @classmethod

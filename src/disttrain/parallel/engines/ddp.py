@@ -15,6 +15,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.parallel.checkpoint.io import is_sharded_checkpoint
 from disttrain.parallel.engines.base import Engine, Optimizers, refuse_user_sharding
+from disttrain.parallel.engines.layout import (
+    Buffers,
+    Capabilities,
+    Grads,
+    Layout,
+    Optimizer,
+    Params,
+    Reduce,
+    Steps,
+    Work,
+)
 from disttrain.parallel.engines.tables import refuse_torchrec_tables
 from disttrain.parallel.split.ac import apply_ac, has_ac
 from disttrain.parallel.split.blocks import find_blocks
@@ -22,6 +33,7 @@ from disttrain.parallel.split.compile import compile_blocks, is_compiled
 from disttrain.parallel.split.compress import DDP_HOOKS, HookState, Traffic
 
 COMPRESSIONS = ("fp16", "bf16", "int8", "powersgd")
+BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
 
 
 @dataclass
@@ -95,6 +107,20 @@ class DDPEngine(Engine):
     def __init__(self, options: DDPOptions, name: str = "disttrain_ddp") -> None:
         super().__init__(options, name)
         self.traffic = Traffic()
+
+    @classmethod
+    def layout(cls, options: DDPOptions) -> Layout:
+        """A replica on every rank: parameters, gradients and optimizer state whole, in the precision's parameter
+        dtype; gradients all-reduced bucket by bucket while backward runs, from a second copy of them (the
+        buckets); a plain optimizer over plain tensors; plain modules."""
+        return Layout(
+            params=Params(),
+            grads=Grads(reduce=Reduce.ALL_REDUCE, bucket_bytes=BUCKET_BYTES),
+            optimizer=Optimizer(steps=Steps.TENSORS),
+            buffers=Buffers(gradient_copy=True),
+            work=Work.PLAIN,
+            can=Capabilities(),
+        )
 
     def comm_bytes(self) -> Optional[int]:
         return None if self.options.gradient_compression == "powersgd" else self.traffic.bytes_sent

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
+REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements), which our config keeps
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -16,6 +17,23 @@ from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import Engine, Optimizers, refuse_user_sharding
 from disttrain.parallel.engines.buffers import has_plain_batchnorm
 from disttrain.parallel.engines.init import materialize
+from disttrain.parallel.engines.layout import (
+    Buffers,
+    Capabilities,
+    Dtype,
+    Gather,
+    Grads,
+    Layout,
+    Optimizer,
+    Params,
+    Partition,
+    Precision,
+    Reduce,
+    Steps,
+    Units,
+    Where,
+    Work,
+)
 from disttrain.parallel.engines.tables import refuse_torchrec_tables
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.split.compress import Traffic
@@ -26,7 +44,6 @@ class FSDPEngine(Engine):
     """FSDP2: holds the options and the data-parallel mesh; shards, checkpoints and exports a model."""
 
     options_cls = FSDPOptions
-    casts_itself = True
     builds_meshes = True
     options: FSDPOptions
     #: Allocate and initialise the sharded parameters after sharding; ``disttrain.simulate`` turns it off to keep the
@@ -39,6 +56,42 @@ class FSDPEngine(Engine):
 
     def comm_bytes(self) -> Optional[int]:
         return self.traffic.bytes_sent if self.traffic is not None else None
+
+    # -- how it holds a model's states ----------------------------------------------------------------------
+    @classmethod
+    def layout(cls, options: FSDPOptions) -> Layout:
+        """Parameters, gradients and optimizer state in the precision's parameter dtype, each parameter chunked on
+        dim 0 over the data-sharding ranks (``dp_shard`` x ``cp``) and replicated over ``dp_replicate`` (HSDP); in
+        host memory under ``cpu_offload``. Parameters are gathered unit by unit (each block, sub-network and the
+        root) in the compute dtype for forward and again for backward, while the next unit is prefetched; the root
+        stays gathered throughout; each unit's gradients are reduce-scattered as its backward ends (and all-reduced
+        across replicas). The optimizer steps the DTensor shards. The planner may replicate across nodes and shard
+        within one (``dp_replicate``: ``hybrid_shard``)."""
+        shard, where = ("dp_shard", "cp"), Where.HOST if options.cpu_offload else Where.DEVICE
+        return Layout(
+            params=Params(shard, Dtype.PARAM, where, gather=Gather.PER_UNIT, units=Units.FSDP),
+            grads=Grads(shard, Dtype.PARAM, where, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.PARAM),
+            optimizer=Optimizer(shard, Dtype.PARAM, where, steps=Steps.DTENSORS),
+            partition=Partition.DIM0,
+            buffers=Buffers(gathered_units=2, root_gathered=True, unit_gradients=1),
+            work=Work.SHARDED,
+            searched=("dp_replicate",),
+            can=Capabilities(precision=Precision.CASTS_ITSELF, float8_all_gather=True,
+                             offload=("params", "grads", "optimizer")),
+        )
+
+    @classmethod
+    def degree_options(cls, degrees: dict[str, int]) -> dict[str, Any]:
+        """``{"dp_replicate": r, "dp_shard": s}`` with r > 1: hybrid sharding over groups of s ranks."""
+        unknown = set(degrees) - {"dp_replicate", "dp_shard"}
+        if unknown:
+            raise ValueError(f"{cls.__name__} takes the degrees dp_replicate and dp_shard as options, not"
+                             f" {sorted(unknown)}")
+        if degrees.get("dp_replicate", 1) == 1:
+            return {}
+        if "dp_shard" not in degrees:
+            raise ValueError("hybrid sharding needs the shard group's size: pass dp_shard= with dp_replicate=")
+        return {"hybrid_shard": True, "shard_size": degrees["dp_shard"]}
 
     # -- processes ------------------------------------------------------------------------------------------
     @classmethod
@@ -104,12 +157,18 @@ class FSDPEngine(Engine):
             for transform in self.module_transforms:
                 transform(module)
             self.traffic = self.traffic or Traffic()
-            apply_fsdp(module, self.meshes.fsdp, self.options, precision, device, traffic=self.traffic)
+            apply_fsdp(module, self.meshes.fsdp, self.sharding_options, precision, device, traffic=self.traffic)
             register_forward_methods(module, forward_methods)
         if self.allocates:
             materialize(module, device)
             claim_root(module)
         return module
+
+    @property
+    def sharding_options(self) -> FSDPOptions:
+        """The options ``fully_shard`` is applied with: without allocation (``disttrain.simulate``) the shards stay on
+        the meta device, offloaded or not (meta tensors cannot move to the host; their bytes are the same)."""
+        return self.options if self.allocates else replace(self.options, cpu_offload=False)
 
     def is_parallelized(self, module: nn.Module) -> bool:
         """Whether ``module`` was set up before (a Trainer's validate, then fit): it is not sharded again."""

@@ -21,6 +21,7 @@ from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import refuse_user_sharding
 from disttrain.parallel.engines.fsdp import FSDPEngine, register_forward_methods
 from disttrain.parallel.engines.init import materialize
+from disttrain.parallel.engines.layout import Accumulation, Layout, Units
 from disttrain.parallel.families import family_of, find_model
 from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.split.fsdp import FSDPOptions, apply_fsdp, claim_root, shard_blocks, shard_root
@@ -123,6 +124,30 @@ class MegatronEngine(FSDPEngine):
         self._target_prefix = ""
 
     @classmethod
+    def layout(cls, options: MegatronOptions) -> Layout:
+        """FSDP's layout on the data dimension (``dp_shard`` x ``cp``) of a model split by tensor parallelism (each
+        block's heads and MLP), pipeline stages (each rank keeps its stages' layers) and expert parallelism (each
+        rank keeps some experts whole): the degrees come from the options (``MegatronOptions.degrees``), which the
+        planner searches. FSDP2 gathers a unit per block and one for the ends (the embeddings, head and root count
+        as one), on every microbatch under a pipeline, whose schedule replaces gradient accumulation."""
+        fsdp = super().layout(options)
+        pipeline = options.pipeline_parallel_size > 1
+        return replace(fsdp, split_by=("tp", "pp", "ep"), searched=tuple(options.degrees),
+                       params=replace(fsdp.params, units=Units.BLOCKS),
+                       can=replace(fsdp.can, accumulation=Accumulation.MICROBATCHES if pipeline
+                                   else fsdp.can.accumulation))
+
+    @classmethod
+    def degree_options(cls, degrees: dict[str, int]) -> dict[str, Any]:
+        """``{"tp": 2, "pp": 4}`` as ``{"tensor_parallel_size": 2, "pipeline_parallel_size": 4}``."""
+        names = MegatronOptions.degrees
+        unknown = set(degrees) - set(names)
+        if unknown:
+            raise ValueError(f"{cls.__name__} takes the degrees {', '.join(names)} as options, not {sorted(unknown)}"
+                             " (data parallelism takes the ranks they leave)")
+        return {names[dim]: size for dim, size in degrees.items()}
+
+    @classmethod
     def parallel_dims(cls, options: MegatronOptions, world_size: int,
                       local_size: int | None = None) -> ParallelDims:
         """Tensor x pipeline parallel as the options ask; the data dimension (FSDP) takes the remaining ranks."""
@@ -185,7 +210,7 @@ class MegatronEngine(FSDPEngine):
             transform(module)
         prefix, target = self._target(module)
         self._target_prefix = prefix
-        opts, dims, meshes = self.options, self.dims, self.meshes
+        opts, dims, meshes = self.sharding_options, self.dims, self.meshes
         if dims.pp > 1:
             self.pipeline = pipeline_model(
                 target, meshes.pp, device, schedule=opts.pipeline_schedule, microbatches=opts.microbatches,
@@ -245,7 +270,7 @@ class MegatronEngine(FSDPEngine):
                              f" models whose config declares an expert plan (Mixtral, Qwen2-MoE, Qwen3-MoE, ...), not"
                              f" {name}; use expert_parallel_size=1")
         experts = HF_PLANS.apply_ep(found[1], self.meshes.ep, self.meshes.ep_tokens, self.dims.tp)
-        unit_options = replace(self.options, activation_checkpointing=False, compile=False)
+        unit_options = replace(self.sharding_options, activation_checkpointing=False, compile=False)
         for module in experts:
             shard_blocks(module, [module], self.meshes.expert_fsdp, unit_options, precision, device)
             assert isinstance(module, FSDPModule)
@@ -260,7 +285,7 @@ class MegatronEngine(FSDPEngine):
         :func:`apply_fsdp` shards a whole model: the schedule calls the stage modules, so FSDP's root hooks run
         around every microbatch."""
         assert self.pipeline is not None and self.meshes is not None
-        options = self.options
+        options = self.sharding_options
         if self.pipeline.schedule_name in SPLIT_BACKWARD:
             # torch's split backward (weight gradients in a pass of their own) reads the gathered parameters, which
             # FSDP frees after each forward otherwise: gradients then go missing or wrong. Keep them for the step.

@@ -22,6 +22,18 @@ from torch import nn
 
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import Engine
+from disttrain.parallel.engines.ddp import BUCKET_BYTES
+from disttrain.parallel.engines.layout import (
+    Buffers,
+    Capabilities,
+    Grads,
+    Layout,
+    Optimizer,
+    Params,
+    Reduce,
+    Steps,
+    Work,
+)
 # dense_parameters: what the dense optimizer is made from (users reach it here, next to the strategy's engine).
 from disttrain.parallel.engines.tables import dense_parameters, has_torchrec_tables
 
@@ -62,14 +74,17 @@ class RecsysOptions:
     }
 
     def __post_init__(self) -> None:
-        from torchrec.distributed.types import ShardingType
+        named = [("sharding_types", self.sharding_types or [])] + \
+            [(f"constraints[{name!r}]", c.get("sharding_types") or []) for name, c in self.constraints.items()]
+        if any(types for _, types in named):  # torchrec (seconds to import) only when there are types to check
+            from torchrec.distributed.types import ShardingType
 
-        known = [t.value for t in ShardingType]
-        for where, types in [("sharding_types", self.sharding_types or [])] + \
-                [(f"constraints[{name!r}]", c.get("sharding_types") or []) for name, c in self.constraints.items()]:
-            for kind in types:
-                if kind not in known:
-                    raise ValueError(f"{where} has unknown sharding type {kind!r}; choose from {', '.join(known)}")
+            known = [t.value for t in ShardingType]
+            for where, types in named:
+                for kind in types:
+                    if kind not in known:
+                        raise ValueError(f"{where} has unknown sharding type {kind!r}; choose from"
+                                         f" {', '.join(known)}")
         if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse_optimizer={self.sparse_optimizer!r} is not supported by the fused kernel;"
                              f" choose one of {', '.join(SPARSE_OPTIMIZERS)}")
@@ -259,6 +274,22 @@ class RecsysEngine(Engine):
 
     def __init__(self, options: RecsysOptions, name: str = "disttrain_recsys") -> None:
         super().__init__(options, name)
+
+    @classmethod
+    def layout(cls, options: RecsysOptions) -> Layout:
+        """Embedding tables placed by torchrec's planner over all ranks (fp32; their optimizer fused into backward,
+        so no table gradients), the dense part a replica on every rank as DDP keeps it (gradients all-reduced in
+        buckets during backward, a plain optimizer). The sharded tables distribute their inputs and outputs around
+        every lookup: hooked modules, not plain ones."""
+        return Layout(
+            params=Params(),
+            grads=Grads(reduce=Reduce.ALL_REDUCE, bucket_bytes=BUCKET_BYTES),
+            optimizer=Optimizer(steps=Steps.TENSORS),
+            tables=True,
+            buffers=Buffers(gradient_copy=True),
+            work=Work.SHARDED,
+            can=Capabilities(compile=False, async_checkpoint=False),
+        )
 
     def setup(self, module: nn.Module, device: torch.device, precision: str, optimizers: Any = (), *,
               container: bool = False, training: bool = True, forward_methods: tuple[str, ...] = (),

@@ -19,9 +19,28 @@ from torch import nn
 from disttrain.parallel.checkpoint.io import is_zero_checkpoint
 from disttrain.parallel.engines.base import Engine, Optimizers, refuse_user_sharding
 from disttrain.parallel.engines.buffers import convert_sync_batchnorm, refuse_sync_batchnorm_on_cpu
+from disttrain.parallel.engines.layout import (
+    Accumulation,
+    Buffers,
+    Capabilities,
+    Dtype,
+    Gather,
+    Grads,
+    Layout,
+    Optimizer,
+    Params,
+    Partition,
+    Precision,
+    Reduce,
+    Steps,
+    Units,
+    Where,
+    Work,
+)
 from disttrain.parallel.engines.tables import refuse_torchrec_tables
 from disttrain.patches import allow_fp16_on_deepspeed_cpu
 from disttrain.parallel.engines.deepspeed import (
+    REDUCE_BUCKET,
     ZeroOptions,
     attach_zero3_optimizer,
     set_extensions_dir,
@@ -39,11 +58,12 @@ from disttrain.parallel.checkpoint.zero import (
 )
 
 
+FETCHES_PER_BLOCK = 4  # a block's submodules (attention, MLP, norms) are fetched, with prefetching, in a few calls
+
+
 class ZeroEngine(Engine):
     """Holds the options and the DeepSpeed config; sets up, clips, checkpoints and exports ZeRO-3 models."""
 
-    # DeepSpeed keeps its own fp16/bf16 partitions: a module swap before it (FP8's Linear layers) is not supported.
-    takes_module_transforms = False
     # (Where modules are built, deepspeed.zero.Init, is the context of Lightning's DeepSpeed strategies, which the
     # adapters keep: it is built from the same config and is what their own set-up expects.)
     options_cls = ZeroOptions
@@ -53,6 +73,35 @@ class ZeroEngine(Engine):
         super().__init__(options, name)
         set_extensions_dir(options)
         self.config: dict[str, Any] = {}
+
+    @classmethod
+    def layout(cls, options: ZeroOptions) -> Layout:
+        """ZeRO stage 3: each parameter padded to a multiple of the data-sharding ranks and partitioned flat over
+        them, in the compute dtype (16-bit under mixed precision), with gradients of the same partitions and an fp32
+        master copy plus fp32 optimizer moments, which DeepSpeed's own optimizer steps as a few flat buffers.
+        Parameters are fetched submodule by submodule as they are entered, forward and backward (the next ones
+        prefetched); gradients are reduce-scattered through a reduce bucket DeepSpeed allocates whole. Offloaded,
+        parameters live where ``offload_parameters`` says, the master copy and moments where ``offload_optimizer``
+        says, and the gradient partitions with the optimizer that steps them (in host memory for NVMe too: the CPU
+        optimizer reads them there). DeepSpeed applies the precision,
+        accumulates inside its engine and owns the gradients; FP8's module swap, compile and async checkpoints are
+        not offered (see ZeroOptions)."""
+        shard = ("dp_shard", "cp")
+        places = {None: Where.DEVICE, "cpu": Where.HOST, "nvme": Where.NVME}
+        params_at, optimizer_at = places[options.offload_parameters], places[options.offload_optimizer]
+        grads_at = Where.DEVICE if optimizer_at is Where.DEVICE else Where.HOST
+        return Layout(
+            params=Params(shard, Dtype.COMPUTE, params_at, gather=Gather.PER_UNIT, units=Units.SUBMODULES,
+                          calls=FETCHES_PER_BLOCK),
+            grads=Grads(shard, Dtype.COMPUTE, grads_at, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.COMPUTE),
+            optimizer=Optimizer(shard, Dtype.FP32, optimizer_at, master=True, steps=Steps.FLAT),
+            partition=Partition.FLAT,
+            buffers=Buffers(gathered_units=2, reduce_bucket=REDUCE_BUCKET),
+            work=Work.ZERO3,
+            can=Capabilities(precision=Precision.DEEPSPEED, accumulation=Accumulation.ENGINE, owns_gradients=True,
+                             module_transforms=False, compile=False, async_checkpoint=False,
+                             offload=("params", "grads", "optimizer")),
+        )
 
     def device_for(self, device: torch.device, local_rank: int) -> torch.device:
         """DeepSpeed reads the device index as its device rank (None on CPU would crash ``device_rank >= 0``); a CPU
