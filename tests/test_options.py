@@ -65,8 +65,8 @@ def test_a_misplaced_option_names_the_strategies_that_take_it():
     ("disttrain_megatron", {"gradient_compression": "bf16"},
      "gradient_compression='bf16' is not offered by disttrain_megatron"),
     ("disttrain_zero3", {"gradient_compression": "int8"},
-     "gradient_compression='int8' is not offered by disttrain_zero3; DeepSpeed compresses its own"),
-    ("disttrain_zero3_offload", {"gradient_compression": "bf16"}, "is not offered by disttrain_zero3_offload"),
+     "gradient_compression='int8' is not supported by disttrain_zero3: DeepSpeed compresses its own"),
+    ("disttrain_zero3_offload", {"gradient_compression": "bf16"}, "is not supported by disttrain_zero3_offload"),
     ("disttrain_zero3", {"nvme_path": "/tmp"}, "nvme_path='/tmp' applies to NVMe offload"),
     ("disttrain_zero3", {"cpu_adam": True}, "cpu_adam=True applies to an offloaded optimizer"),
 ])

@@ -209,7 +209,7 @@ def _lightning_strategy(name: str, options: dict[str, Any], lightning_registry: 
     """Lightning's own strategy ``name``: the name itself without options, else its registry row with them."""
     if name not in lightning_registry and name != "auto":
         known = [*registry.names(), *sorted(n for n in lightning_registry.available_strategies()
-                                            if not n.startswith("disttrain_"))]
+                                            if n not in registry.names())]
         close = registry.closest_names(name, known)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise LaunchError(f"strategy {name!r} is not registered; {hint}choose a disttrain strategy"

@@ -45,5 +45,5 @@ def unknown_strategy_error(name: str, registered: list[str], lightning_message: 
     close = closest_names(name, registered, n=2)
     if not close:
         return None
-    ours = f" (disttrain's strategies: {', '.join(names())})" if any(c.startswith("disttrain_") for c in close) else ""
+    ours = f" (disttrain's strategies: {', '.join(names())})" if set(close) & set(names()) else ""
     return OptionError(f"{lightning_message}; did you mean {' or '.join(map(repr, close))}?{ours}")

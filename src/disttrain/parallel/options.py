@@ -78,19 +78,11 @@ LIGHTNING_OPTIONS = {
 }
 
 
-# Options of other disttrain strategies that a strategy leaves to its library, with what to use there instead (one
-# line, rather than "it is an option of disttrain_ddp, disttrain_fsdp").
-NOT_OFFERED = {
-    ("disttrain_zero3", "gradient_compression"): "DeepSpeed compresses its own gradient traffic: pass it in the"
-    " DeepSpeed config, e.g. config={'communication_data_type': 'bf16'}, or use disttrain_fsdp's"
-    " gradient_compression",
-}
-
-
-def build_options(cls: type[T], strategy: str, options: dict[str, Any]) -> T:
-    """``cls(**options)``, but an unknown key names the strategy, the closest valid option and the full list (for an
-    option of Lightning's own strategies, what to pass here instead). An option other strategies take that this one
-    cannot serve is listed in the class's ``refused`` (``{option: why, and what to use}``): set, it is that one line.
+def build_options(cls: type[T], strategy: str, options: dict[str, Any], lightning_hints: bool = False) -> T:
+    """``cls(**options)``, but an unknown key names the strategy, the closest valid option and the full list (with
+    ``lightning_hints``, a strategy's options: for an option of Lightning's own strategies, what to pass here instead).
+    An option other strategies take that this one cannot serve is listed in the class's ``refused`` (``{option: why,
+    and what to use}``): set, it is that one line.
     """
     valid = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     refused: dict[str, str] = getattr(cls, "refused", {})
@@ -100,13 +92,9 @@ def build_options(cls: type[T], strategy: str, options: dict[str, Any]) -> T:
                 continue  # the option's default: nothing asked
             raise OptionError(f"{key}={value!r} is not supported by {strategy}: {refused[key]}")
         if key not in valid:
-            refused = next((why for (prefix, name), why in NOT_OFFERED.items()
-                            if name == key and strategy.startswith(prefix)), None)
-            if refused is not None:
-                raise OptionError(f"{key}={options[key]!r} is not offered by {strategy}; {refused}")
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            if strategy.startswith("disttrain_") and key in LIGHTNING_OPTIONS:
+            if lightning_hints and key in LIGHTNING_OPTIONS:
                 hint = f"as Lightning's option, here: {LIGHTNING_OPTIONS[key]} (docs/migrating.md); "
             raise UnknownOptionError(
                 f"unknown option {key!r} for strategy {strategy!r}; {hint}valid options are: {', '.join(valid)}"

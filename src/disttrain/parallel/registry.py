@@ -76,7 +76,7 @@ class Registered:
         """The options dataclass built from the row's defaults and ``given`` (an unknown or misspelt key is one
         clear error naming the strategy, the valid options and the strategies that take it)."""
         try:
-            return build_options(self.options_cls, self.name, {**self.defaults, **given})
+            return build_options(self.options_cls, self.name, {**self.defaults, **given}, lightning_hints=True)
         except TypeError as e:
             owners = {key: [row.name for row in STRATEGIES if row.engine is not None and row.engine is not self.engine
                             and key in row.options_cls.__dataclass_fields__] for key in given

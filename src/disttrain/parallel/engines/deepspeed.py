@@ -60,6 +60,9 @@ class ZeroOptions:
     refused: ClassVar[dict[str, str]] = {
         "compile": "ZeRO-3 gathers and frees each layer's parameters in hooks on every submodule, inside the blocks"
                    " torch.compile would trace; use disttrain_fsdp (the same sharding) with compile=True",
+        "gradient_compression": "DeepSpeed compresses its own gradient traffic: pass it in the DeepSpeed config, e.g."
+                                " config={'communication_data_type': 'bf16'}, or use disttrain_fsdp's"
+                                " gradient_compression",
     }
 
     def __post_init__(self) -> None:
