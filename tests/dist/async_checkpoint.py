@@ -22,7 +22,7 @@ import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import disttrain  # noqa: F401  (registers the strategy names)
-from disttrain.parallel.checkpoint.io import async_save as async_checkpoint
+from disttrain.parallel.checkpoint import async_save as async_checkpoint
 from disttrain.parallel.checkpoint.io import latest_checkpoint
 from disttrain.parallel.guards.diskspace import FAIL_ENV
 
