@@ -65,6 +65,9 @@ def raw_deepspeed(args, device, data):
     from disttrain.parallel.engines.deepspeed import ZeroOptions, import_dynamo_before_zero_init, zero3_config
 
     import_dynamo_before_zero_init()  # the model's lazy transformers import reaches torch._dynamo: not inside zero.Init
+    # Llama's classes defined before zero.Init, as a raw DeepSpeed user must: a class first defined inside loses its
+    # decorators when zero.Init closes (transformers' kernel decorator: AttributeError _kernel_funcs in forward).
+    import transformers.models.llama.modeling_llama  # noqa: F401
     config = zero3_config(ZeroOptions(), precision=args.precision, micro_batch_size=args.batch, accumulation=1,
                           world_size=dist.get_world_size(), gradient_clipping=None, device_type=device.type)
     with deepspeed.zero.Init(config_dict_or_path=config):

@@ -209,3 +209,54 @@ def test_importing_the_patches_module_patches_nothing():
     names = {alias.name.split(".")[0] for n in top_level for alias in n.names} | \
         {(n.module or "").split(".")[0] for n in top_level if isinstance(n, ast.ImportFrom)}
     assert not names & {"lightning", "deepspeed", "torch", "transformers"}, names
+
+
+ZERO_INIT_SCRIPT = """
+import os, json, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import deepspeed, torch
+deepspeed.init_distributed("gloo", verbose=False)
+from contextlib import nullcontext
+from disttrain.parallel.engines.deepspeed import keep_decorated_inits
+
+def decorated(cls):
+    original = cls.__init__
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.marked = True
+    cls.__init__ = init
+    return cls
+
+kept = sys.argv[2] == "kept"
+with (keep_decorated_inits() if kept else nullcontext()), deepspeed.zero.Init(
+        config_dict_or_path={"train_batch_size": 1, "zero_optimization": {"stage": 3}}):
+    @decorated
+    class Layer(torch.nn.Module):  # first defined while zero.Init is open, as a lazily imported model module is
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+    inside = Layer()
+after = Layer()
+print(json.dumps({"inside": hasattr(inside, "marked"), "partitioned": inside.proj.weight.numel() == 0,
+                  "after": hasattr(after, "marked"), "whole": after.proj.weight.numel() == 16}))
+"""
+
+
+@pytest.mark.parametrize("kept", ["upstream", "kept"])
+def test_zero_init_drops_class_decorators_of_classes_defined_inside_unless_kept(kept, tmp_path):
+    """keep_decorated_inits (parallel/engines/deepspeed.py): DeepSpeed's zero.Init puts back, on exit, the __init__ a
+    class had when it was created inside the context, before its decorators ran (upstream: the decorator is lost
+    for every later instance; transformers' kernel decorator on Llama's attention is one). With the helper the
+    decorated __init__ stays, without zero.Init's wrapper."""
+    pytest.importorskip("deepspeed")
+    import json
+
+    from conftest import free_port, run_python
+
+    script = tmp_path / "zero_init.py"
+    script.write_text(ZERO_INIT_SCRIPT)
+    proc = run_python(str(script), str(free_port()), kept, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["inside"] and seen["partitioned"] and seen["whole"]
+    assert seen["after"] is (kept == "kept")

@@ -31,6 +31,7 @@ from disttrain.parallel.engines.base import Engine
 from disttrain.parallel.engines.deepspeed import (
     hf_init_after_partitioning,
     import_dynamo_before_zero_init,
+    keep_decorated_inits,
     trim_while_partitioning,
 )
 from disttrain.parallel.guards import watchdog
@@ -236,11 +237,13 @@ class DeepSpeedPlumbing(EngineAdapter):
         return self.engine.device_for(super().root_device, self.local_rank)  # type: ignore[misc]
 
     # Lightning's zero.Init contexts (Fabric's module_sharded_context, the Trainer's model_sharded_context), with Hugging
-    # Face models initialised as transformers does under ZeRO-3, memory freed by partitioning given back as it goes, and
-    # torch._dynamo imported before (a first import inside fails; parallel/engines/deepspeed.py explains all three)
+    # Face models initialised as transformers does under ZeRO-3, memory freed by partitioning given back as it goes,
+    # torch._dynamo imported before (a first import inside fails), and classes first defined inside keep their
+    # decorators (parallel/engines/deepspeed.py explains all four)
     def module_sharded_context(self) -> AbstractContextManager:
         import_dynamo_before_zero_init()
         stack = ExitStack()
+        stack.enter_context(keep_decorated_inits())  # restored after zero.Init has closed
         stack.enter_context(hf_init_after_partitioning())  # initialises after zero.Init has closed
         stack.enter_context(trim_while_partitioning())
         stack.enter_context(super().module_sharded_context())  # type: ignore[misc]
@@ -249,7 +252,8 @@ class DeepSpeedPlumbing(EngineAdapter):
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         import_dynamo_before_zero_init()
-        with hf_init_after_partitioning(), trim_while_partitioning(), super().model_sharded_context():  # type: ignore[misc]
+        with keep_decorated_inits(), hf_init_after_partitioning(), trim_while_partitioning(), \
+                super().model_sharded_context():  # type: ignore[misc]
             yield
 
     def _start_deepspeed(self, set_world_ranks: Any) -> None:

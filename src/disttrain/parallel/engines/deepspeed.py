@@ -229,6 +229,64 @@ def import_dynamo_before_zero_init() -> None:
 
 
 @contextmanager
+def keep_decorated_inits() -> Iterator[None]:
+    """Around ``deepspeed.zero.Init``: a module class first defined while it is open (a model's module imported lazily
+    in ``configure_model``) keeps the ``__init__`` its class decorators gave it once the context closes.
+
+    Why: zero.Init wraps the ``__init__`` of each class created while it is open (``Module.__init_subclass__``) and on
+    exit puts back the one it saw then, before any class decorator ran. transformers' kernel decorator
+    (``use_kernelized_func``, on the attention of Llama-family models since transformers 5.25) replaces ``__init__``
+    after that, so DeepSpeed's restore drops it and every instance built later lacks ``_kernel_funcs``
+    (AttributeError in forward). Here each such decorated ``__init__`` is kept, with the zero.Init wrapper it captured
+    replaced by the function that wrapper wraps."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    before = set(_module_classes())
+    original = Init.unpatch_init_and_builtins
+    decorated: dict[type, Any] = {}
+
+    def unpatch(self: Any) -> None:
+        for cls in set(_module_classes()) - before:
+            init, raw = cls.__dict__.get("__init__"), getattr(cls, "_old_init", None)
+            if raw is not None and init is not None and getattr(init, "__wrapped__", None) is not raw:
+                decorated[cls] = init  # something replaced zero.Init's wrapper after the class was created
+        original(self)
+
+    Init.unpatch_init_and_builtins = unpatch  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Init.unpatch_init_and_builtins = original  # type: ignore[method-assign]
+        for cls, init in decorated.items():
+            unwrapped = _without_zero_init(init, cls._old_init)
+            if unwrapped is not None:
+                cls.__init__ = unwrapped
+
+
+def _module_classes() -> Iterator[type]:
+    todo = [torch.nn.Module]
+    while todo:
+        cls = todo.pop()
+        yield cls
+        todo += cls.__subclasses__()
+
+
+def _without_zero_init(init: Any, raw: Any) -> Any:
+    """A copy of the decorated ``init`` whose closure holds ``raw`` where it held zero.Init's wrapper of ``raw``
+    (None when it holds no such wrapper: the decorator is of another shape, and DeepSpeed's restore stands)."""
+    import types
+
+    cells = init.__closure__ or ()
+    found = [i for i, cell in enumerate(cells) if getattr(cell.cell_contents, "__wrapped__", None) is raw]
+    if not found:
+        return None
+    closure = tuple(types.CellType(raw) if i in found else cell for i, cell in enumerate(cells))
+    copy_ = types.FunctionType(init.__code__, init.__globals__, init.__name__, init.__defaults__, closure)
+    copy_.__kwdefaults__, copy_.__qualname__, copy_.__doc__ = init.__kwdefaults__, init.__qualname__, init.__doc__
+    return copy_
+
+
+@contextmanager
 def trim_while_partitioning(min_bytes: int = 8 * 2**20) -> Iterator[None]:
     """Around ``deepspeed.zero.Init``: after each module with at least ``min_bytes`` of its own parameters is
     partitioned, the whole tensors it was built with (just freed) go back to the system.
