@@ -1,6 +1,7 @@
-"""ZeRO-3 checkpoints in the one layout (Fabric, CPU/gloo), on a model with every kind of state a checkpoint must
-carry: tied weights, a frozen layer, a single-element parameter and one with fewer elements than ranks, buffers and
-two parameter groups with different hyper-parameters (DeepSpeed itself refuses 0-d parameters).
+"""ZeRO checkpoints in the one layout (Fabric, CPU/gloo; any ZeRO stage, --strategy), on a model with every kind of
+state a checkpoint must carry: tied weights, a frozen layer, a single-element parameter and one with fewer elements
+than ranks, buffers and two parameter groups with different hyper-parameters (DeepSpeed itself refuses 0-d
+parameters).
 
 Usage: zero3_shards.py OUT --save DIR [--load DIR ...] [--width W --depth D --vocab V] [--strategy NAME] [--baseline]
 
@@ -206,6 +207,9 @@ def _trained(optimizer) -> set[int]:
 def main() -> None:
     from common import write_result
 
+    from disttrain.parallel.engines.zero import ZeroEngine
+    from disttrain.parallel.registry import STRATEGIES
+
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--save", required=True)
@@ -213,7 +217,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=37)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--vocab", type=int, default=101)
-    p.add_argument("--strategy", default="disttrain_zero3", choices=("disttrain_zero3", "disttrain_zero3_offload"))
+    p.add_argument("--strategy", default="disttrain_zero3", choices=[row.name for row in STRATEGIES
+                                                                      if row.engine is ZeroEngine])
     p.add_argument("--baseline", action="store_true")
     args = p.parse_args()
     sizes = {"width": args.width, "depth": args.depth, "vocab": args.vocab}

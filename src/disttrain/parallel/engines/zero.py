@@ -126,9 +126,11 @@ class ZeroEngine(Engine):
               sync_batchnorm: bool = False, convert: Callable[[nn.Module], nn.Module] | None = None,
               scheduler: Any = None) -> tuple[nn.Module, Optimizers]:
         """The DeepSpeed engine over ``module`` (and its ZeRO optimizer over one optimizer made before; DeepSpeed
-        trains one optimizer per model), every rank starting from rank 0's buffers."""
+        trains one optimizer per model), every rank starting from rank 0's buffers. Fabric's set-up (the Trainer
+        hands the model over through :meth:`prepare` and :meth:`initialize`)."""
         if len(optimizers) > 1:
             raise ValueError(f"{self.name} takes one optimizer per model (DeepSpeed), got {len(optimizers)}")
+        self._refuse_fabric_accumulation()
         module = self.prepare(module, device, training, sync_batchnorm, convert)
         engine, zero_optimizer, _ = self.initialize(module, optimizers[0] if optimizers else None, scheduler, device)
         self.broadcast_buffers(engine.module)
@@ -137,11 +139,23 @@ class ZeroEngine(Engine):
     def setup_optimizer(self, engine: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> Any:
         """The ZeRO optimizer over the parameters of an engine set up without one (litgpt's ``setup_module`` then
         ``setup_optimizers``)."""
+        self._refuse_fabric_accumulation()
         own = {id(p) for p in engine.module.parameters()}
         if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(f"{self.name}: the optimizer holds parameters that are not the last model set up with"
                              " fabric.setup_module; make it from that model's parameters, right after setting it up")
         return attach_zero_optimizer(engine, self.optimizer_for(optimizer, device))
+
+    def _refuse_fabric_accumulation(self) -> None:
+        """Fabric's ``optimizer.step()`` steps DeepSpeed's ZeRO optimizer, not its engine, whose micro-step count
+        tells backward which micro-step ends the window: stage 3 reduces every micro-step's gradients anyway, stage
+        1/2 reduce only in that last backward (without it the step finds no gradients)."""
+        steps = self.config.get("gradient_accumulation_steps", 1)
+        if steps > 1 and self.options.stage < 3:
+            raise ValueError(f"gradient_accumulation_steps={steps}: {self.name} does not accumulate under Fabric"
+                             " (DeepSpeed's stage 1/2 optimizer reduces gradients only when its engine steps, which"
+                             " Fabric's optimizer.step() bypasses); accumulate under the Trainer"
+                             " (accumulate_grad_batches), or use disttrain_zero3 or disttrain_fsdp with Fabric")
 
     # -- training ---------------------------------------------------------------------------------------------
     def clip_grad_norm_(self, module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
@@ -207,11 +221,11 @@ class ZeroEngine(Engine):
         return tied
 
     def full_model(self, module: nn.Module) -> AbstractContextManager[nn.Module]:
-        """Below stage 3 every rank holds the whole parameters (in the training dtype): the user's model under
+        """Below stage 3 every rank holds the whole parameters (in the training dtype): ``module`` under
         ``torch.no_grad()``. Stage 3 refuses, naming ``export_full``: it gathers parameters a submodule at a time."""
         if self.builds_partitioned:
             return super().full_model(module)
-        return _no_grad(_user_module(module))
+        return _no_grad(module)
 
     def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         """The full model in its training dtype (for the fp32 master weights of a checkpoint: ``disttrain export``)."""
