@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import math
 import os
 import sys
 
@@ -201,6 +202,20 @@ def _settable(param) -> bool:
 
 def _trained(optimizer) -> set[int]:
     return {id(p) for group in optimizer.fp16_groups for p in group}
+
+
+def tensor_bytes_per_rank(path) -> list[int]:
+    """Bytes of the stored tensors (not the one-value entries, step counts and hyper-parameters, which DCP writes
+    once from any rank) in each rank's file."""
+    from disttrain.parallel.checkpoint.io import storage_reader
+
+    metadata = storage_reader(path).read_metadata()
+    written: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        entry = metadata.state_dict_metadata[index.fqn]
+        if hasattr(entry, "chunks") and math.prod(entry.size) > 1:
+            written[info.relative_path] = written.get(info.relative_path, 0) + info.length
+    return [written[name] for name in sorted(written)]
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
