@@ -225,3 +225,15 @@ def test_the_adapters_take_the_stage_and_refuse_in_one_line(entry):
 def test_degrees_say_the_parameters_are_whole_on_every_rank():
     assert registry.ZERO2.dims(4).degrees() == {"dp_replicate": 4}
     assert registry.ZERO3.dims(4).degrees() == {"dp_shard": 4}
+
+
+def test_full_model_below_stage_3_and_the_refusal_at_stage_3():
+    from disttrain.parallel.engines.zero import ZeroEngine
+
+    module = torch.nn.Linear(2, 2)
+    with ZeroEngine(ZeroOptions(stage=2)).full_model(module) as full:
+        assert full is module and not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
+    with pytest.raises(NotImplementedError, match=r"disttrain_zero3 has no full_model\(\): write the full model with"
+                                                  r" strategy.export_full\(path\)"):
+        ZeroEngine(ZeroOptions()).full_model(module)
