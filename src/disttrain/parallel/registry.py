@@ -128,8 +128,8 @@ AUTO = Registered("disttrain_auto", None,
                   "the planner's choice among the registered strategies, from model size, device memory and world"
                   " size")
 
-# ZeRO-1/2 after ZeRO-3: the planner estimates every ZeroEngine row with ZeRO-3's formula for now, and keeps the
-# first of equal estimates.
+# ZeRO-1/2 after ZeRO-3: the planner keeps the first of equal estimates, and its formula for ZeroEngine rows is
+# ZeRO-3's (with ZeRO-1/2's replicated degrees, it counts every state whole).
 STRATEGIES: tuple[Registered, ...] = (DDP, FSDP, FSDP_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO1, ZERO2, ZERO2_OFFLOAD,
                                       MEGATRON, RECSYS, AUTO)
 
