@@ -217,6 +217,16 @@ def fabric_zero3(tmp_path_factory):
     return launch(tmp_path_factory, "fabric_fsdp.py", "disttrain_zero3")
 
 
+@pytest.fixture(scope="session")
+def trainer_zero2(tmp_path_factory):
+    return launch(tmp_path_factory, "trainer_fsdp.py", "disttrain_zero2")
+
+
+@pytest.fixture(scope="session")
+def fabric_zero2(tmp_path_factory):
+    return launch(tmp_path_factory, "fabric_fsdp.py", "disttrain_zero2")
+
+
 def relative_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

@@ -1,4 +1,5 @@
-"""Multi-process (2 CPU ranks, gloo) tests of disttrain_fsdp / disttrain_ddp through the Trainer and Fabric.
+"""Multi-process (2 CPU ranks, gloo) tests of disttrain_fsdp / disttrain_ddp / disttrain_zero3 / disttrain_zero2
+through the Trainer and Fabric.
 
 Every test compares against a single-process reference computed here, in the same test session."""
 
@@ -22,7 +23,8 @@ def reference() -> list[float]:
     return reference_losses(5, WORLD)
 
 
-RUNS = ["trainer_fsdp", "fabric_fsdp", "trainer_ddp", "fabric_ddp", "trainer_zero3", "fabric_zero3"]
+RUNS = ["trainer_fsdp", "fabric_fsdp", "trainer_ddp", "fabric_ddp", "trainer_zero3", "fabric_zero3", "trainer_zero2",
+        "fabric_zero2"]
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -47,12 +49,21 @@ def test_fsdp_rank_memory_is_half_of_unsharded(run, request):
         assert memory["total"] <= 1.05 * ideal, (memory, ideal)
 
 
+@pytest.mark.parametrize("run", ["trainer_zero2", "fabric_zero2"])
+def test_zero2_rank_holds_whole_parameters_and_half_of_the_optimizer_state(run, request):
+    for rank_result in request.getfixturevalue(run):
+        memory, unsharded = rank_result["memory"], rank_result["unsharded"]
+        assert memory["params"] == unsharded  # fp32, whole on every rank
+        assert memory["optimizer"] == 2 * unsharded / WORLD  # AdamW's two moments of this rank's half
+        assert memory["grads"] == 0  # after the step: DeepSpeed keeps no gradients in param.grad
+
+
 def test_ddp_rank_memory_is_whole_model(trainer_ddp):
     memory = trainer_ddp[0]["memory"]
     assert memory["total"] == 4 * trainer_ddp[0]["unsharded"]
 
 
-@pytest.mark.parametrize("run", ["trainer_fsdp", "trainer_ddp", "trainer_zero3"])
+@pytest.mark.parametrize("run", ["trainer_fsdp", "trainer_ddp", "trainer_zero3", "trainer_zero2"])
 def test_trainer_validate_equals_plain_model_on_export(run, request):
     result = request.getfixturevalue(run)[0]
     plain = tiny_llama(seed=99)

@@ -15,16 +15,13 @@ from disttrain.parallel import registry
 from disttrain.parallel.engines.deepspeed import REDUCE_BUCKET
 from disttrain.parallel.engines.layout import (
     Accumulation,
-    Buffers,
     Dtype,
     Gather,
     Layout,
     Params,
     Precision,
     Reduce,
-    Units,
     Where,
-    Work,
 )
 from disttrain.parallel.engines.zero import ZeroEngine
 from disttrain.planner import choose, estimate, hardware, model_spec
@@ -99,40 +96,10 @@ def test_zero3_under_true_half_precision_keeps_an_fp32_master_copy():
     assert e.states == pytest.approx(sim.busiest.states, rel=0.02)
 
 
-# -- DeepSpeed ZeRO-1/2, declared here only: a stage option, its layout and a registry row ----------------------------
-def zero_stage_layout(stage: int, options) -> Layout:
-    """ZeRO-1: 16-bit parameters and gradients on every rank, the fp32 master copy and moments partitioned, each rank
-    updating its partition and the updated partitions all-gathered after the step; ZeRO-2: the gradients reduced
-    into the partitions as well."""
-    zero3 = ZeroEngine.layout(options)
-    shard = ("dp_shard", "cp")
-    return replace(zero3,
-                   params=Params((), Dtype.COMPUTE, Where.DEVICE, gather=Gather.AFTER_STEP, units=Units.NONE),
-                   grads=replace(zero3.grads, sharded_over=shard if stage == 2 else (),
-                                 bucket_bytes=REDUCE_BUCKET * 2),
-                   buffers=Buffers(reduce_bucket=REDUCE_BUCKET), work=Work.PLAIN)
-
-
-class Zero1Engine(ZeroEngine):
-    @classmethod
-    def layout(cls, options):
-        return zero_stage_layout(1, options)
-
-
-class Zero2Engine(ZeroEngine):
-    @classmethod
-    def layout(cls, options):
-        return zero_stage_layout(2, options)
-
-
+# -- DeepSpeed ZeRO-1/2: a stage option with its layout (engines/zero.py) and registry rows, nothing else -----------
 @pytest.fixture
-def zero12(monkeypatch):
-    rows = (registry.Registered("disttrain_zero1", Zero1Engine, "ZeRO-1"),
-            registry.Registered("disttrain_zero2", Zero2Engine, "ZeRO-2"),
-            registry.Registered("disttrain_zero2_offload", Zero2Engine, "ZeRO-2, optimizer on the CPU",
-                                {"offload_optimizer": "cpu"}))
-    monkeypatch.setattr(registry, "STRATEGIES", registry.STRATEGIES + rows)
-    return rows
+def zero12():
+    return registry.ZERO1, registry.ZERO2, registry.ZERO2_OFFLOAD
 
 
 def test_zero1_and_zero2_are_planned_from_their_layout_alone(zero12):
@@ -171,7 +138,7 @@ def test_the_callbacks_read_zero12s_capabilities(zero12):
     from disttrain.callbacks import MixedPrecision
     from disttrain.callbacks.accumulation import accumulates_itself
 
-    strategy = SimpleNamespace(engine=Zero2Engine(registry.lookup("disttrain_zero2").options()))
+    strategy = SimpleNamespace(engine=ZeroEngine(registry.lookup("disttrain_zero2").options()))
     assert accumulates_itself(strategy)  # GradientAccumulation leaves the loss and the boundary to the engine
     assert isinstance(MixedPrecision("fp16").trainer_plugin(strategy), DeepSpeedPrecision)
     assert not strategy.engine.takes_module_transforms and not strategy.engine.casts_itself

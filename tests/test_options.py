@@ -27,6 +27,8 @@ def test_every_row_builds_its_options_and_degrees():
     ("disttrain_fsdp", {}, {"dp_shard": 8}),
     ("disttrain_fsdp", {"hybrid_shard": True, "shard_size": 4}, {"dp_replicate": 2, "dp_shard": 4}),
     ("disttrain_zero3_offload", {}, {"dp_shard": 8}),
+    ("disttrain_zero1", {}, {"dp_shard": 8}),  # the ranks the optimizer state is partitioned over (the layout
+    ("disttrain_zero2_offload", {}, {"dp_shard": 8}),  # keeps the parameters whole on each)
     ("disttrain_megatron", {"tensor_parallel_size": 2}, {"dp_shard": 4, "tp": 2}),
     ("disttrain_megatron", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4},
      {"dp_shard": 2, "tp": 2, "pp": 2}),

@@ -143,7 +143,9 @@ def test_the_recipe_fixes_batch_precision_and_checkpointing():
     tiny = choose(ROOT / "configs/nlp/dialogue_tiny.yaml", 2, "cpu")
     assert {(c.estimate.micro_batch, c.estimate.precision, c.estimate.seq_len) for c in tiny.candidates} == \
         {(8, "32-true", 256)}
-    assert {c.estimate.activation_checkpointing for c in tiny.candidates} == {False, True}  # not set: searched
+    assert {c.estimate.activation_checkpointing for c in tiny.candidates} == {False}  # the recipe's: off
+    searched = choose(ROOT / "configs/nlp/dialogue_moe_tiny.yaml", 2, "cpu")  # a recipe that does not set it
+    assert {c.estimate.activation_checkpointing for c in searched.candidates} == {False, True}
     given = choose(ROOT / "configs/vision/vit2b.yaml", 16, "A100-40GB", micro_batch=64, activation_checkpointing=False)
     assert {(c.estimate.micro_batch, c.estimate.activation_checkpointing) for c in given.candidates} == {(64, False)}
 

@@ -11,7 +11,7 @@ from conftest import run_dist
 from disttrain.parallel.checkpoint.io import CheckpointError, load_pretrained
 from disttrain.parallel.checkpoint.pretrained import check_pretrained, stored_names
 
-SPECS = ["disttrain_fsdp", "disttrain_zero3", "disttrain_megatron:tensor_parallel_size=2"]
+SPECS = ["disttrain_fsdp", "disttrain_zero3", "disttrain_zero2", "disttrain_megatron:tensor_parallel_size=2"]
 MODELS = ["llama", "qwen2", "gemma2", "phi3"]
 LORA_SPECS = ["disttrain_ddp", *SPECS]
 

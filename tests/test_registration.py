@@ -30,7 +30,8 @@ def test_importing_twice_is_harmless():
 
 
 DESIGNED = ("disttrain_ddp", "disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_zero3", "disttrain_zero3_offload",
-            "disttrain_megatron", "disttrain_recsys", "disttrain_auto")
+            "disttrain_zero1", "disttrain_zero2", "disttrain_zero2_offload", "disttrain_megatron", "disttrain_recsys",
+            "disttrain_auto")
 
 
 def test_names_not_implemented_are_not_registered():

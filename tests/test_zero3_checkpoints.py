@@ -20,11 +20,10 @@ from disttrain.parallel.checkpoint.io import (
     model_state,
     optimizer_state,
     save_sharded,
-    storage_reader,
     stored_entries,
 )
 from disttrain.parallel.checkpoint.zero import flat_range_boxes
-from zero3_shards import edge_loss, edge_net, edge_optimizer, global_batch, reference_losses
+from zero3_shards import edge_loss, edge_net, edge_optimizer, global_batch, reference_losses, tensor_bytes_per_rank
 
 pytestmark = pytest.mark.timeout(1200)
 SIZES = {"width": 383, "depth": 2, "vocab": 2003}  # odd sizes: partitions start and end inside rows
@@ -136,18 +135,6 @@ def test_each_rank_writes_only_its_partition(edge):
     assert [r["file_bytes"] for r in edge[4]] == [(path / f"__{r}_0.distcp").stat().st_size for r in range(4)]
     written = tensor_bytes_per_rank(path)
     assert max(written) < 0.26 * sum(written)  # each rank wrote its quarter
-
-
-def tensor_bytes_per_rank(path) -> list[int]:
-    """Bytes of the stored tensors (not the one-value entries, step counts and hyper-parameters, which DCP writes
-    once from any rank) in each rank's file."""
-    metadata = storage_reader(path).read_metadata()
-    written: dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
-        entry = metadata.state_dict_metadata[index.fqn]
-        if hasattr(entry, "chunks") and math.prod(entry.size) > 1:
-            written[info.relative_path] = written.get(info.relative_path, 0) + info.length
-    return [written[name] for name in sorted(written)]
 
 
 def checkpoint_tensor_bytes(path) -> int:

@@ -215,8 +215,9 @@ class EngineAdapter:
 
 
 class DeepSpeedPlumbing(EngineAdapter):
-    """Mixin (before Lightning's Trainer or Fabric ``DeepSpeedStrategy``): what both ZeRO-3 adapters do alike over
-    the ZeRO engine: its options, its device (CPU too), and starting DeepSpeed's process group."""
+    """Mixin (before Lightning's Trainer or Fabric ``DeepSpeedStrategy``): what both ZeRO adapters do alike over
+    the ZeRO engine: its options, its device (CPU too), where modules are built, and starting DeepSpeed's process
+    group."""
 
     local_rank: int
     parallel_devices: Optional[list[torch.device]]
@@ -230,17 +231,22 @@ class DeepSpeedPlumbing(EngineAdapter):
         """Build the engine from ``options``; returns the keywords for Lightning's ``DeepSpeedStrategy.__init__``
         (its own config is built later by the engine, from the Trainer/Fabric settings)."""
         self._init_engine(options)
-        return {"stage": 3, "config": {}, "remote_device": self.engine.options.offload_parameters}
+        options = self.engine.options
+        return {"stage": options.stage, "config": {}, "remote_device": options.offload_parameters}
 
     @property
     def root_device(self) -> torch.device:
         return self.engine.device_for(super().root_device, self.local_rank)  # type: ignore[misc]
 
-    # Lightning's zero.Init contexts (Fabric's module_sharded_context, the Trainer's model_sharded_context), with Hugging
-    # Face models initialised as transformers does under ZeRO-3, memory freed by partitioning given back as it goes,
-    # torch._dynamo imported before (a first import inside fails), and classes first defined inside keep their
-    # decorators (parallel/engines/deepspeed.py explains all four)
+    # Where modules are built. ZeRO-3: Lightning's zero.Init contexts (Fabric's module_sharded_context, the Trainer's
+    # model_sharded_context), with Hugging Face models initialised as transformers does under ZeRO-3, memory freed by
+    # partitioning given back as it goes, torch._dynamo imported before (a first import inside fails), and classes
+    # first defined inside keep their decorators (parallel/engines/deepspeed.py explains all four). Below stage 3
+    # modules are built as usual, initialised: ``empty_init=True`` (which disttrain recipes pass for every disttrain
+    # strategy) would leave Lightning's uninitialised memory there.
     def module_sharded_context(self) -> AbstractContextManager:
+        if not self.engine.builds_partitioned:
+            return super().module_sharded_context()  # type: ignore[misc]
         import_dynamo_before_zero_init()
         stack = ExitStack()
         stack.enter_context(keep_decorated_inits())  # restored after zero.Init has closed
@@ -251,10 +257,23 @@ class DeepSpeedPlumbing(EngineAdapter):
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
+        if not self.engine.builds_partitioned:
+            with super().model_sharded_context():  # type: ignore[misc]
+                yield
+            return
         import_dynamo_before_zero_init()
         with keep_decorated_inits(), hf_init_after_partitioning(), trim_while_partitioning(), \
                 super().model_sharded_context():  # type: ignore[misc]
             yield
+
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:  # Fabric's
+        return super().module_init_context(self._empty_init(empty_init))  # type: ignore[misc]
+
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        return super().tensor_init_context(self._empty_init(empty_init))  # type: ignore[misc]
+
+    def _empty_init(self, empty_init: Optional[bool]) -> Optional[bool]:
+        return empty_init if self.engine.builds_partitioned else None
 
     def _start_deepspeed(self, set_world_ranks: Any) -> None:
         """Lightning's DeepSpeed start-up (seed, ranks, DeepSpeed's process group) on CPU as on CUDA."""

@@ -82,7 +82,7 @@ resumed = fabric_train(fabric2, fresh, fresh_opt, 5, start=state["step"])
 # Gradient accumulation: 2 micro-steps per optimizer step, gradient sync skipped on the first one
 # (FSDP2 set_requires_gradient_sync / DDP no_sync). DeepSpeed accumulates inside its engine instead.
 accumulated = []
-if "zero3" not in spec:
+if "zero" not in spec:
     acc_model = tiny_llama()
     acc_opt = torch.optim.AdamW(acc_model.parameters(), lr=1e-2)
     acc_model, acc_opt = fabric2.setup(acc_model, acc_opt)

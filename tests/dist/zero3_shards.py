@@ -1,6 +1,7 @@
-"""ZeRO-3 checkpoints in the one layout (Fabric, CPU/gloo), on a model with every kind of state a checkpoint must
-carry: tied weights, a frozen layer, a single-element parameter and one with fewer elements than ranks, buffers and
-two parameter groups with different hyper-parameters (DeepSpeed itself refuses 0-d parameters).
+"""ZeRO checkpoints in the one layout (Fabric, CPU/gloo; any ZeRO stage, --strategy), on a model with every kind of
+state a checkpoint must carry: tied weights, a frozen layer, a single-element parameter and one with fewer elements
+than ranks, buffers and two parameter groups with different hyper-parameters (DeepSpeed itself refuses 0-d
+parameters).
 
 Usage: zero3_shards.py OUT --save DIR [--load DIR ...] [--width W --depth D --vocab V] [--strategy NAME] [--baseline]
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import math
 import os
 import sys
 
@@ -202,9 +204,26 @@ def _trained(optimizer) -> set[int]:
     return {id(p) for group in optimizer.fp16_groups for p in group}
 
 
+def tensor_bytes_per_rank(path) -> list[int]:
+    """Bytes of the stored tensors (not the one-value entries, step counts and hyper-parameters, which DCP writes
+    once from any rank) in each rank's file."""
+    from disttrain.parallel.checkpoint.io import storage_reader
+
+    metadata = storage_reader(path).read_metadata()
+    written: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        entry = metadata.state_dict_metadata[index.fqn]
+        if hasattr(entry, "chunks") and math.prod(entry.size) > 1:
+            written[info.relative_path] = written.get(info.relative_path, 0) + info.length
+    return [written[name] for name in sorted(written)]
+
+
 # -- the run ----------------------------------------------------------------------------------------------------
 def main() -> None:
     from common import write_result
+
+    from disttrain.parallel.engines.zero import ZeroEngine
+    from disttrain.parallel.registry import STRATEGIES
 
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -213,7 +232,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=37)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--vocab", type=int, default=101)
-    p.add_argument("--strategy", default="disttrain_zero3", choices=("disttrain_zero3", "disttrain_zero3_offload"))
+    p.add_argument("--strategy", default="disttrain_zero3", choices=[row.name for row in STRATEGIES
+                                                                      if row.engine is ZeroEngine])
     p.add_argument("--baseline", action="store_true")
     args = p.parse_args()
     sizes = {"width": args.width, "depth": args.depth, "vocab": args.vocab}

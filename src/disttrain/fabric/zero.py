@@ -48,6 +48,7 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = None,
         *,
+        stage: int = 3,
         offload_optimizer: Optional[str] = None,
         offload_parameters: Optional[str] = None,
         nvme_path: str = '/local_nvme',
@@ -71,8 +72,11 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
             process_group_backend: "gloo" or "nccl"; default: the devices' own.
             timeout: seconds (or a ``timedelta``) a process may stay silent before every process ends the run; a
                 collective waits a few seconds longer. Default: ``$DISTTRAIN_TIMEOUT``, else 600.
-            offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live.
-            offload_parameters: None, "cpu" or "nvme": where parameters live between uses.
+            stage: the ZeRO stage (each name sets its own): 1 partitions the optimizer state and fp32 master weights
+                over the ranks, 2 the gradients too, 3 the parameters too (built under ``deepspeed.zero.Init``).
+            offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live ("nvme": stage
+                3).
+            offload_parameters: None, "cpu" or "nvme": where parameters live between uses (stage 3).
             nvme_path: a folder on a fast local disk, for "nvme" offload.
             config: a DeepSpeed config (dict or JSON file) merged with ours; e.g. bucket sizes. A value that contradicts
                 the Trainer/Fabric settings (batch sizes, accumulation, clipping, precision, stage) is an error.
@@ -82,9 +86,9 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
             extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build
                 once.
             micro_batch_size: Fabric only (the Trainer reads its DataLoader and ``accumulate_grad_batches``, and refuses
-                these).
+                these). Fabric accumulates under stage 3 only.
             gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and ``accumulate_grad_batches``,
-                and refuses these).
+                and refuses these). Fabric accumulates under stage 3 only.
             broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the ranks: rank 0's after every
                 training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
             sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's
@@ -92,7 +96,7 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
             async_checkpoint: not offered here (refused): DCP's host-memory staging cannot copy the ShardedTensors that
                 hold DeepSpeed's partitions; disttrain_fsdp (the same ZeRO-3 sharding) offers it.
         """
-        options = {"offload_optimizer": offload_optimizer, "offload_parameters": offload_parameters,
+        options = {"stage": stage, "offload_optimizer": offload_optimizer, "offload_parameters": offload_parameters,
                    "nvme_path": nvme_path, "config": config, "cpu_adam": cpu_adam, "extensions_dir": extensions_dir,
                    "micro_batch_size": micro_batch_size, "gradient_accumulation_steps": gradient_accumulation_steps,
                    "broadcast_buffers": broadcast_buffers, "sync_batchnorm": sync_batchnorm,

@@ -118,6 +118,15 @@ ZERO3 = Registered("disttrain_zero3", ZeroEngine,
 ZERO3_OFFLOAD = Registered("disttrain_zero3_offload", ZeroEngine,
                            "DeepSpeed ZeRO-3 with optimizer state and parameters offloaded to CPU (or NVMe:"
                            " offload_*='nvme', nvme_path=)", {"offload_optimizer": "cpu", "offload_parameters": "cpu"})
+ZERO1 = Registered("disttrain_zero1", ZeroEngine,
+                   "DeepSpeed ZeRO stage 1: optimizer state and fp32 master weights partitioned, parameters and"
+                   " gradients whole; CPU (gloo) and GPU (nccl)", {"stage": 1})
+ZERO2 = Registered("disttrain_zero2", ZeroEngine,
+                   "DeepSpeed ZeRO stage 2: gradients, optimizer state and fp32 master weights partitioned, parameters"
+                   " whole; CPU (gloo) and GPU (nccl)", {"stage": 2})
+ZERO2_OFFLOAD = Registered("disttrain_zero2_offload", ZeroEngine,
+                           "DeepSpeed ZeRO-2 with optimizer state and fp32 master weights offloaded to CPU"
+                           " (ZeRO-Offload)", {"stage": 2, "offload_optimizer": "cpu"})
 MEGATRON = Registered("disttrain_megatron", MegatronEngine,
                       "Megatron-style 3D: tensor parallel (heads/MLP) x pipeline parallel (torch pipelining) x context"
                       " parallel (long sequences) x FSDP2 data parallel")
@@ -128,7 +137,10 @@ AUTO = Registered("disttrain_auto", None,
                   "the planner's choice among the registered strategies, from model size, device memory and world"
                   " size")
 
-STRATEGIES: tuple[Registered, ...] = (DDP, FSDP, FSDP_OFFLOAD, ZERO3, ZERO3_OFFLOAD, MEGATRON, RECSYS, AUTO)
+# ZeRO-1/2 after ZeRO-3: the planner keeps the first of equal estimates, and its formula for ZeroEngine rows is
+# ZeRO-3's (with ZeRO-1/2's replicated degrees, it counts every state whole).
+STRATEGIES: tuple[Registered, ...] = (DDP, FSDP, FSDP_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO1, ZERO2, ZERO2_OFFLOAD,
+                                      MEGATRON, RECSYS, AUTO)
 
 
 def non_default(options: Any, defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
@@ -171,4 +183,5 @@ def lookup(name: str) -> Registered:
 
 
 __all__ = ["AUTO", "AutoOptions", "DDP", "FSDP", "FSDP_OFFLOAD", "MEGATRON", "RECSYS", "Registered", "STRATEGIES",
-           "ZERO3", "ZERO3_OFFLOAD", "closest_names", "lookup", "names", "non_default"]
+           "ZERO1", "ZERO2", "ZERO2_OFFLOAD", "ZERO3", "ZERO3_OFFLOAD", "closest_names", "lookup", "names",
+           "non_default"]

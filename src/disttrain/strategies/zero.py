@@ -56,6 +56,7 @@ class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = None,
         *,
+        stage: int = 3,
         offload_optimizer: Optional[str] = None,
         offload_parameters: Optional[str] = None,
         nvme_path: str = '/local_nvme',
@@ -77,8 +78,11 @@ class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
             process_group_backend: "gloo" or "nccl"; default: the devices' own.
             timeout: seconds (or a ``timedelta``) a process may stay silent before every process ends the run; a
                 collective waits a few seconds longer. Default: ``$DISTTRAIN_TIMEOUT``, else 600.
-            offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live.
-            offload_parameters: None, "cpu" or "nvme": where parameters live between uses.
+            stage: the ZeRO stage (each name sets its own): 1 partitions the optimizer state and fp32 master weights
+                over the ranks, 2 the gradients too, 3 the parameters too (built under ``deepspeed.zero.Init``).
+            offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live ("nvme": stage
+                3).
+            offload_parameters: None, "cpu" or "nvme": where parameters live between uses (stage 3).
             nvme_path: a folder on a fast local disk, for "nvme" offload.
             config: a DeepSpeed config (dict or JSON file) merged with ours; e.g. bucket sizes. A value that contradicts
                 the Trainer/Fabric settings (batch sizes, accumulation, clipping, precision, stage) is an error.
@@ -94,7 +98,7 @@ class ZeroStrategy(TrainerAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
             async_checkpoint: not offered here (refused): DCP's host-memory staging cannot copy the ShardedTensors that
                 hold DeepSpeed's partitions; disttrain_fsdp (the same ZeRO-3 sharding) offers it.
         """
-        options = {"offload_optimizer": offload_optimizer, "offload_parameters": offload_parameters,
+        options = {"stage": stage, "offload_optimizer": offload_optimizer, "offload_parameters": offload_parameters,
                    "nvme_path": nvme_path, "config": config, "cpu_adam": cpu_adam, "extensions_dir": extensions_dir,
                    "broadcast_buffers": broadcast_buffers, "sync_batchnorm": sync_batchnorm,
                    "async_checkpoint": async_checkpoint}

@@ -1,6 +1,6 @@
-"""ZeRO-3 partitions in the one checkpoint layout: each rank writes and reads only the partitions DeepSpeed gave it,
-in the terms every other strategy uses (see the comment above :func:`flat_range_boxes`); and the full model
-gathered into one file (torch and deepspeed only)."""
+"""ZeRO partitions (stages 1, 2 and 3) in the one checkpoint layout: each rank writes and reads only the partitions
+DeepSpeed gave it, in the terms every other strategy uses (see the comment above :func:`flat_range_boxes`); and the
+full model in one file (torch and deepspeed only)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -17,14 +17,19 @@ from typing import Any, Optional, Union
 import torch
 
 from disttrain.parallel.checkpoint.io import restore_rest, write_from_rank0
+from disttrain.parallel.engines.deepspeed import zero_stage_of
 
-def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix: str = "") -> Path:
-    """Gather a ZeRO-3 partitioned module on every rank and write its full state dict from rank 0 as safetensors.
-    Collective: call on every rank."""
+
+def export_zero(module: torch.nn.Module, path: Union[str, os.PathLike], prefix: str = "") -> Path:
+    """The full state dict of a DeepSpeed model, written from rank 0 as safetensors, in the training dtype: ZeRO-3's
+    partitions gathered on every rank; ZeRO-1/2's parameters are whole on every rank already. Collective: call on
+    every rank."""
     import deepspeed
 
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
     state: dict[str, torch.Tensor] = {}
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+    gathered = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None) if partitioned else nullcontext()
+    with gathered:
         if torch.distributed.get_rank() == 0:
             state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
     return write_from_rank0(state, path, prefix)
@@ -42,6 +47,11 @@ def export_zero3(module: torch.nn.Module, path: Union[str, os.PathLike], prefix:
 # next to no extra host memory and a load about a stored chunk at a time, where gathering held the whole model and
 # optimizer state on rank 0 (and on every rank to load); and the folder moves to and from every other strategy and
 # world size through DCP's resharding.
+# ZeRO-1/2 keep every parameter whole on every rank and partition the fp32 master weights and the optimizer state
+# instead: each parameter group is one flat tensor (the parameters in order, padded to a multiple of the world size),
+# rank r holding elements [r x P, (r + 1) x P). A parameter's elements that fall in a rank's range are again a flat
+# range of the parameter, stored as the same boxes; the rank's partition of the group is the union of such ranges
+# of consecutive parameters.
 
 def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The n-d boxes ``(offsets, sizes)`` whose union is elements ``[start, end)`` of a row-major tensor of ``shape``,
@@ -123,14 +133,118 @@ class _Slot:
     commit: Optional[Callable[[], None]] = None
 
 
-class _ZeroLayout:
-    """The partitions of one ZeRO-3 model (and its optimizer, which holds the fp32 master weights and the moments)
-    as ShardedTensors in the one layout, for saving and as load targets."""
+class _Layout:
+    """The partitions of one DeepSpeed model (and its ZeRO optimizer, which holds the fp32 master weights and the
+    moments) as ShardedTensors in the one layout, for saving and as load targets. A subclass says, per stage, which
+    parameters are partitioned and where each rank's part of a parameter, its master weights and moments live."""
+
+    zero: Any  # DeepSpeed's ZeRO optimizer of this stage, or None (a model set up without one)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.rank = torch.distributed.get_rank()
+        self.pending: list[Callable[[], None]] = []
+
+    # -- what each stage says ---------------------------------------------------------------------------------
+    def groups(self) -> list[list[torch.nn.Parameter]]:
+        """The optimizer's parameters, per flat group (``optimizer.param_groups[i]`` holds group i's flat tensor)."""
+        raise NotImplementedError
+
+    def flat(self, group: int) -> torch.Tensor:
+        """Group ``group``'s flat fp32 partition: the key of its optimizer state."""
+        raise NotImplementedError
+
+    def shape(self, param: torch.nn.Parameter) -> torch.Size:
+        raise NotImplementedError
+
+    def partitioned(self, param: torch.nn.Parameter) -> bool:
+        """Whether the parameter is stored from its partitions (else as the tensor it is, the same on every rank)."""
+        raise NotImplementedError
+
+    def ranges(self, param: torch.nn.Parameter) -> list[tuple[int, int]]:
+        """Per rank: the elements ``[start, end)`` of the flattened parameter its partition holds (padding
+        excluded; empty where it holds none)."""
+        raise NotImplementedError
+
+    def weights(self, param: torch.nn.Parameter, name: str) -> _Slot:
+        raise NotImplementedError
+
+    def moment(self, param: torch.nn.Parameter, key: str) -> _Slot:
+        raise NotImplementedError
+
+    def around_load(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def after_load(self) -> None:
+        """The low-precision parameters the model computes with follow the loaded fp32 master weights."""
+
+    # -- shared -------------------------------------------------------------------------------------------------
+    def names(self) -> dict[int, str]:
+        """id(parameter) -> its FQN (the first one, for tied parameters), as the optimizer state is keyed."""
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+    def sharded(self, slot: _Slot, param: torch.nn.Parameter) -> Any:
+        if slot.commit is not None:
+            self.pending.append(slot.commit)
+        return _sharded(slot.partition, self.shape(param), self.ranges(param), self.rank)
+
+    def model_state(self, keys: Optional[set[str]] = None) -> dict[str, Any]:
+        """Each entry of the module's state dict (or only ``keys``): partitioned parameters as ShardedTensors, tied
+        names included; buffers (the same on every rank; DCP writes one copy) and parameters that are not
+        partitioned as they are."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        state: dict[str, Any] = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if keys is not None and name not in keys:
+                continue
+            param = params.get(name)
+            if param is None or not self.partitioned(param):
+                state[name] = tensor.detach()
+            else:
+                state[name] = self.sharded(self.weights(param, name), param)
+        return state
+
+    def hyper(self, group: int) -> dict[str, Any]:
+        return {k: v for k, v in self.zero.optimizer.param_groups[group].items() if k != "params"}
+
+    def flat_state(self, group: int) -> dict[str, Any]:
+        return self.zero.optimizer.state.get(self.flat(group), {})
+
+    def flat_moment(self, group: int, key: str) -> torch.Tensor:
+        """Optimizer state ``key`` of a group's flat partition; created (zeros) when the optimizer has not stepped
+        yet (torch optimizers create their state at the first step)."""
+        flat = self.flat(group)
+        state = self.zero.optimizer.state[flat]
+        if key not in state:
+            state[key] = torch.zeros_like(flat)
+        return state[key]
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """``{"state.<fqn>.<key>": ..., "param_groups.<fqn>.<hyper>": ...}`` (``checkpoint.flatten_optimizer``'s
+        form): moments as ShardedTensors, scalars shared by a group ("step") and hyper-parameters as values
+        (the same on every rank; DCP writes one copy)."""
+        names = self.names()
+        flat: dict[str, Any] = {}
+        for i, params in enumerate(self.groups()):
+            numel = self.flat(i).numel()
+            for param in params:
+                fqn = names[id(param)]
+                for key, value in self.flat_state(i).items():
+                    if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel:
+                        flat[f"state.{fqn}.{key}"] = self.sharded(self.moment(param, key), param)
+                    else:  # a scalar shared by the flat group
+                        flat[f"state.{fqn}.{key}"] = value.detach() if torch.is_tensor(value) else value
+                flat.update({f"param_groups.{fqn}.{k}": v for k, v in self.hyper(i).items()})
+        return flat
+
+
+class _Zero3Layout(_Layout):
+    """ZeRO-3: every parameter partitioned (``ds_tensor``); the optimizer's fp32 master weights and moments are
+    flat sub-groups holding each parameter's partition at an offset."""
 
     def __init__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
-        self.module = module
-        self.zero = optimizer if hasattr(optimizer, "fp32_partitioned_groups_flat") else None
-        self.rank = torch.distributed.get_rank()
+        super().__init__(module)
+        self.zero = optimizer if zero_stage_of(optimizer) == 3 else None
         # fp32 master and moments of a parameter: (sub-group, offset of its partition in the flat sub-group tensor)
         self.slots: dict[int, tuple[int, int]] = {}
         if self.zero is not None:
@@ -139,7 +253,6 @@ class _ZeroLayout:
                     sub_group, offset, _ = self.zero.grad_position[self.zero.get_param_id(p)]
                     self.slots[id(p)] = (int(sub_group), int(offset))
         self.swapped = bool(getattr(self.zero, "swap_optimizer", False))
-        self.pending: list[Callable[[], None]] = []
         world = torch.distributed.get_world_size()
         for name, p in module.named_parameters():
             if hasattr(p, "ds_tensor") and torch.distributed.get_world_size(group=p.ds_process_group) != world:
@@ -148,11 +261,21 @@ class _ZeroLayout:
                     f" {world} ranks (MiCS / hierarchical partitioning); disttrain checkpoints need ZeRO-3"
                     " partitioning over all ranks: remove mics_shard_size from the ds_config")
 
-    def names(self) -> dict[int, str]:
-        """id(parameter) -> its FQN (the first one, for tied parameters), as the optimizer state is keyed."""
-        return {id(p): n for n, p in self.module.named_parameters()}
+    def groups(self) -> list[list[torch.nn.Parameter]]:
+        return self.zero.fp16_groups
 
-    # -- one tensor of one parameter ----------------------------------------------------------------------------
+    def flat(self, group: int) -> torch.Tensor:
+        return self.zero.fp32_partitioned_groups_flat[group]
+
+    def shape(self, param: torch.nn.Parameter) -> torch.Size:
+        return param.ds_shape
+
+    def partitioned(self, param: torch.nn.Parameter) -> bool:
+        return hasattr(param, "ds_tensor")
+
+    def ranges(self, param: torch.nn.Parameter) -> list[tuple[int, int]]:
+        return _partition_ranges(param)
+
     def weights(self, param: torch.nn.Parameter, name: str) -> _Slot:
         """The fp32 master partition when the optimizer holds one, else the parameter's own (frozen parameters,
         or a model without optimizer)."""
@@ -168,11 +291,10 @@ class _ZeroLayout:
             copy = safe_get_local_fp32_param(param).to("cpu", copy=True)
             return _Slot(copy, lambda: safe_set_local_fp32_param(param, copy))
         sub_group, offset = slot
-        return _Slot(self.zero.fp32_partitioned_groups_flat[sub_group].narrow(0, offset, param.partition_numel()))
+        return _Slot(self.flat(sub_group).narrow(0, offset, param.partition_numel()))
 
     def moment(self, param: torch.nn.Parameter, key: str) -> _Slot:
-        """The partition of optimizer state ``key`` (one value per element, e.g. exp_avg); created (zeros) when the
-        optimizer has not stepped yet."""
+        """The partition of optimizer state ``key`` (one value per element, e.g. exp_avg)."""
         sub_group, offset = self.slots[id(param)]
         if self.swapped:
             from deepspeed.utils import safe_get_local_optimizer_state, safe_set_local_optimizer_state
@@ -185,57 +307,82 @@ class _ZeroLayout:
 
             copy = safe_get_local_optimizer_state(param, key).to("cpu", copy=True)
             return _Slot(copy, lambda: safe_set_local_optimizer_state(param, copy, key))
-        flat = self.zero.fp32_partitioned_groups_flat[sub_group]
-        state = self.zero.optimizer.state[flat]
-        if key not in state:  # torch optimizers create their state at the first step
-            state[key] = torch.zeros_like(flat)
-        return _Slot(state[key].narrow(0, offset, param.partition_numel()))
+        return _Slot(self.flat_moment(sub_group, key).narrow(0, offset, param.partition_numel()))
 
-    def sharded(self, slot: _Slot, param: torch.nn.Parameter) -> Any:
-        if slot.commit is not None:
-            self.pending.append(slot.commit)
-        return _sharded(slot.partition, param.ds_shape, _partition_ranges(param), self.rank)
+    def around_load(self) -> AbstractContextManager:
+        return _partitions_only(self.module, self.zero)
 
-    # -- state dicts ----------------------------------------------------------------------------------------------
-    def model_state(self, keys: Optional[set[str]] = None) -> dict[str, Any]:
-        """Each entry of the module's state dict (or only ``keys``): partitioned parameters as ShardedTensors, tied
-        names included; buffers (the same on every rank; DCP writes one copy) and unpartitioned parameters as they
-        are."""
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        state: dict[str, Any] = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if keys is not None and name not in keys:
-                continue
-            param = params.get(name)
-            if param is None or not hasattr(param, "ds_tensor"):
-                state[name] = tensor.detach()
-            else:
-                state[name] = self.sharded(self.weights(param, name), param)
-        return state
+    def after_load(self) -> None:
+        if self.zero is not None:
+            for i in range(len(self.zero.fp16_groups)):
+                self.zero._reassign_or_swap_out_partitioned_parameters(i)
 
-    def hyper(self, sub_group: int) -> dict[str, Any]:
-        return {k: v for k, v in self.zero.optimizer.param_groups[sub_group].items() if k != "params"}
 
-    def flat_state(self, sub_group: int) -> dict[str, Any]:
-        return self.zero.optimizer.state.get(self.zero.fp32_partitioned_groups_flat[sub_group], {})
+class _Zero12Layout(_Layout):
+    """ZeRO-1/2: parameters whole on every rank (16-bit under mixed precision); each of the optimizer's parameter
+    groups is one flat tensor of its trainable parameters (DeepSpeed's ``bit16_groups_flat``, each parameter at
+    ``round_robin_bit16_offsets``, padded to a multiple of the world size) whose range [r x P, (r + 1) x P),
+    ``P = partition_size``, rank r's fp32 master weights (``single_partition_of_fp32_groups``) and moments hold. A
+    model without optimizer (or frozen parameters) is stored as it is."""
 
-    def optimizer_state(self) -> dict[str, Any]:
-        """``{"state.<fqn>.<key>": ..., "param_groups.<fqn>.<hyper>": ...}`` (``checkpoint.flatten_optimizer``'s
-        form): moments as ShardedTensors, scalars shared by a sub-group ("step") and hyper-parameters as values
-        (the same on every rank; DCP writes one copy)."""
-        names = self.names()
-        flat: dict[str, Any] = {}
-        for i, params in enumerate(self.zero.fp16_groups):
-            numel = self.zero.fp32_partitioned_groups_flat[i].numel()
-            for param in params:
-                fqn = names[id(param)]
-                for key, value in self.flat_state(i).items():
-                    if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel:
-                        flat[f"state.{fqn}.{key}"] = self.sharded(self.moment(param, key), param)
-                    else:  # a scalar shared by the flat sub-group
-                        flat[f"state.{fqn}.{key}"] = value.detach() if torch.is_tensor(value) else value
-                flat.update({f"param_groups.{fqn}.{k}": v for k, v in self.hyper(i).items()})
-        return flat
+    def __init__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
+        super().__init__(module)
+        self.zero = optimizer if zero_stage_of(optimizer) in (1, 2) else None
+        self.slots: dict[int, tuple[int, int]] = {}  # id(parameter) -> (group, its first element in the group's flat)
+        if self.zero is None:
+            return
+        world = torch.distributed.get_world_size()
+        for i, params in enumerate(self.zero.round_robin_bit16_groups):
+            ranks = torch.distributed.get_world_size(group=self.zero.real_dp_process_group[i])
+            if ranks != world:
+                raise NotImplementedError(
+                    f"parameter group {i} is partitioned over {ranks} of {world} ranks (expert or sequence data"
+                    " parallel groups); disttrain checkpoints need ZeRO partitioning over all ranks")
+            for param, offset in zip(params, self.zero.round_robin_bit16_offsets[i]):
+                self.slots[id(param)] = (i, int(offset))
+
+    def groups(self) -> list[list[torch.nn.Parameter]]:
+        return self.zero.bit16_groups
+
+    def flat(self, group: int) -> torch.Tensor:
+        return self.zero.single_partition_of_fp32_groups[group]
+
+    def shape(self, param: torch.nn.Parameter) -> torch.Size:
+        return param.shape
+
+    def partitioned(self, param: torch.nn.Parameter) -> bool:
+        return id(param) in self.slots
+
+    def ranges(self, param: torch.nn.Parameter) -> list[tuple[int, int]]:
+        group, offset = self.slots[id(param)]
+        size, numel = self.zero.partition_size[group], param.numel()
+        clamp = lambda element: min(max(element - offset, 0), numel)  # noqa: E731
+        return [(clamp(r * size), clamp((r + 1) * size)) for r in range(torch.distributed.get_world_size())]
+
+    def local(self, flat: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's elements of the parameter in a flat partition of its group (a view; empty if none)."""
+        group, offset = self.slots[id(param)]
+        start, end = self.ranges(param)[self.rank]
+        if start == end:
+            return flat.narrow(0, 0, 0)
+        return flat.narrow(0, offset + start - self.rank * self.zero.partition_size[group], end - start)
+
+    def weights(self, param: torch.nn.Parameter, name: str) -> _Slot:
+        return _Slot(self.local(self.flat(self.slots[id(param)][0]), param))
+
+    def moment(self, param: torch.nn.Parameter, key: str) -> _Slot:
+        return _Slot(self.local(self.flat_moment(self.slots[id(param)][0], key), param))
+
+    def after_load(self) -> None:
+        if self.zero is not None:
+            self.zero.update_lp_params()  # each rank's partition to 16-bit, then all-gathered: whole again
+
+
+def _layout(module: torch.nn.Module, optimizer: Any = None) -> _Layout:
+    """The layout of a DeepSpeed model by its stage: ZeRO-3's when its parameters are partitioned."""
+    if zero_stage_of(optimizer) == 3 or any(hasattr(p, "ds_tensor") for p in module.parameters()):
+        return _Zero3Layout(module, optimizer)
+    return _Zero12Layout(module, optimizer)
 
 
 @contextmanager
@@ -248,31 +395,32 @@ def _sharded_tensors_allowed() -> Iterator[None]:
 
 
 def _zero_optimizer(optimizer: Any) -> Any:
-    if not hasattr(optimizer, "fp32_partitioned_groups_flat"):
-        raise TypeError(f"{type(optimizer).__name__} is not DeepSpeed's ZeRO-3 optimizer; pass the optimizer that"
-                        " fabric.setup returned for the disttrain_zero3 model")
+    if zero_stage_of(optimizer) is None:
+        raise TypeError(f"{type(optimizer).__name__} is not DeepSpeed's ZeRO optimizer; pass the optimizer that"
+                        " fabric.setup returned for the disttrain_zero* model")
     return optimizer
 
 
-def zero3_model_state(module: torch.nn.Module, optimizer: Any = None) -> dict[str, Any]:
+def zero_model_state(module: torch.nn.Module, optimizer: Any = None) -> dict[str, Any]:
     """This rank's part of the model state dict, by FQN, for ``dcp.save``: each parameter a ShardedTensor of its
-    full shape holding only this rank's partition (the fp32 master weights when ``optimizer``, DeepSpeed's ZeRO-3
-    optimizer, holds them), buffers as they are. No collective and no copy."""
-    return _ZeroLayout(module, optimizer).model_state()
+    full shape holding only this rank's partition of the fp32 master weights when ``optimizer``, DeepSpeed's ZeRO
+    optimizer, holds them (ZeRO-3 without one: the parameter's partition; ZeRO-1/2 without one: the whole
+    parameter), buffers as they are. No collective and no copy."""
+    return _layout(module, optimizer).model_state()
 
 
-def zero3_optimizer_state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+def zero_optimizer_state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """This rank's part of the optimizer state by FQN in the flattened form every disttrain checkpoint stores
     (``checkpoint.flatten_optimizer``: ``"state.<fqn>.exp_avg"``, ``"param_groups.<fqn>.lr"``), for ``dcp.save``:
     moments as ShardedTensors over this rank's partitions. No collective and no copy."""
-    return _ZeroLayout(module, _zero_optimizer(optimizer)).optimizer_state()
+    return _layout(module, _zero_optimizer(optimizer)).optimizer_state()
 
 
-def _is_moment(stored: Any, param: torch.nn.Parameter, key: str) -> bool:
-    """A stored optimizer entry with one value per element of the parameter (exp_avg); otherwise a scalar shared
-    by the sub-group (step), or a plain value."""
+def _is_moment(stored: Any, shape: Sequence[int], key: str) -> bool:
+    """A stored optimizer entry with one value per element of a parameter of ``shape`` (exp_avg); otherwise a
+    scalar shared by the group (step), or a plain value."""
     size = getattr(stored, "size", None)
-    return size is not None and tuple(size) == tuple(param.ds_shape) and not (len(size) == 0 and key == "step")
+    return size is not None and tuple(size) == tuple(shape) and not (len(size) == 0 and key == "step")
 
 
 def _scalar_target(stored: Any) -> Any:
@@ -281,19 +429,19 @@ def _scalar_target(stored: Any) -> Any:
 
 
 @torch.no_grad()
-def load_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, optimizer: Any, model_key: str,
-                     optim_key: Optional[str], strict: bool = True, reader: Any = None,
-                     stored: Optional[set[str]] = None) -> None:
-    """Load a disttrain checkpoint folder of any strategy and world size into a ZeRO-3 model (and, with
+def load_zero_state(path: Union[str, os.PathLike], module: torch.nn.Module, optimizer: Any, model_key: str,
+                    optim_key: Optional[str], strict: bool = True, reader: Any = None,
+                    stored: Optional[set[str]] = None) -> None:
+    """Load a disttrain checkpoint folder of any strategy and world size into a DeepSpeed ZeRO model (and, with
     ``optim_key``, the optimizer state): every rank reads only the stored chunks that overlap its partitions,
-    directly into DeepSpeed's memory. ``optimizer``: the ZeRO-3 optimizer holding the fp32 master weights (None for
-    a model without one). ``reader``/``stored``: another storage and its tensor names (a pretrained folder).
+    directly into DeepSpeed's memory. ``optimizer``: the ZeRO optimizer holding the fp32 master weights (None for a
+    model without one). ``reader``/``stored``: another storage and its tensor names (a pretrained folder).
     Collective."""
     from disttrain.parallel.checkpoint.io import CheckpointError, load_into, stored_entries
 
     path = Path(path)
     stored = stored if stored is not None else stored_entries(path)
-    layout = _ZeroLayout(module, optimizer)
+    layout = _layout(module, optimizer)
     for key in filter(None, (model_key, optim_key)):
         if not any(k.startswith(f"{key}.") for k in stored):
             raise CheckpointError(f"checkpoint {str(path)!r} has no {key!r} (it holds"
@@ -311,17 +459,15 @@ def load_zero3_state(path: Union[str, os.PathLike], module: torch.nn.Module, opt
     apply_optimizer: Callable[[], None] = lambda: None
     if optim_key is not None:
         if layout.zero is None:
-            raise TypeError("loading optimizer state needs DeepSpeed's ZeRO-3 optimizer; pass the optimizer that"
+            raise TypeError("loading optimizer state needs DeepSpeed's ZeRO optimizer; pass the optimizer that"
                             " fabric.setup returned")
         targets[optim_key], apply_optimizer = _optimizer_targets(layout, optim_key, stored, path)
-    with _partitions_only(module, layout.zero), _sharded_tensors_allowed():
+    with layout.around_load(), _sharded_tensors_allowed():
         load_into(path, targets, strict=strict, reader=reader)
         for commit in layout.pending:
             commit()
         apply_optimizer()
-        if layout.zero is not None:  # the low-precision partitions the model computes with follow the fp32 master
-            for i in range(len(layout.zero.fp16_groups)):
-                layout.zero._reassign_or_swap_out_partitioned_parameters(i)
+        layout.after_load()
 
 
 @contextmanager
@@ -345,7 +491,7 @@ def _partitions_only(module: torch.nn.Module, zero: Any) -> Iterator[None]:
         persistent[0].all_gather(persistent)
 
 
-def _optimizer_targets(layout: _ZeroLayout, optim_key: str, stored: dict[str, Any],
+def _optimizer_targets(layout: _Layout, optim_key: str, stored: dict[str, Any],
                        path: Path) -> tuple[dict[str, Any], Callable[[], None]]:
     """The load targets of the optimizer entries the checkpoint holds for this model's parameters, and what puts
     the loaded scalars and hyper-parameters in place afterwards."""
@@ -361,21 +507,21 @@ def _optimizer_targets(layout: _ZeroLayout, optim_key: str, stored: dict[str, An
     targets: dict[str, Any] = {}
     scalars: list[tuple[int, str, str]] = []  # (sub-group, key, target name)
     hypers: list[tuple[int, str, str]] = []
-    for i, params in enumerate(layout.zero.fp16_groups):
+    for i, params in enumerate(layout.groups()):
         for param in params:
             fqn = names[id(param)]
             for key, md in entries.get(f"state.{fqn}", {}).items():
                 name = f"state.{fqn}.{key}"
-                if _is_moment(md, param, key):
+                if _is_moment(md, layout.shape(param), key):
                     targets[name] = layout.sharded(layout.moment(param, key), param)
                 elif getattr(md, "size", None) is not None and len(md.size) > 0:
                     raise CheckpointError(f"checkpoint {str(path)!r}: {prefix}{name} has shape {list(md.size)} but"
-                                          f" the parameter has shape {list(param.ds_shape)}; it was saved for"
+                                          f" the parameter has shape {list(layout.shape(param))}; it was saved for"
                                           " another model")
                 else:
                     targets[name] = _scalar_target(md)
                     scalars.append((i, key, name))
-        if params:  # DeepSpeed's sub-groups share hyper-parameters: take its first parameter's
+        if params:  # a flat group's parameters share hyper-parameters: take its first parameter's
             fqn = names[id(params[0])]
             for key in entries.get(f"param_groups.{fqn}", {}):
                 targets[f"param_groups.{fqn}.{key}"] = None
@@ -383,8 +529,7 @@ def _optimizer_targets(layout: _ZeroLayout, optim_key: str, stored: dict[str, An
 
     def apply() -> None:
         for i, key, name in scalars:
-            flat = layout.zero.fp32_partitioned_groups_flat[i]
-            layout.zero.optimizer.state[flat][key] = targets[name]
+            layout.zero.optimizer.state[layout.flat(i)][key] = targets[name]
         for i, key, name in hypers:
             layout.zero.optimizer.param_groups[i][key] = targets[name]
 
@@ -400,7 +545,7 @@ def _split_zero_state(state: dict[str, Any]) -> tuple[Optional[tuple[str, torch.
             if model is not None:
                 raise ValueError(f"checkpoint state must hold exactly one model, found {model[0]!r} and {key!r}")
             model = (key, value)
-        elif hasattr(value, "fp32_partitioned_groups_flat") or isinstance(value, torch.optim.Optimizer):
+        elif zero_stage_of(value) is not None or isinstance(value, torch.optim.Optimizer):
             optimizer = (key, value)
         else:
             rest[key] = value
@@ -408,15 +553,15 @@ def _split_zero_state(state: dict[str, Any]) -> tuple[Optional[tuple[str, torch.
 
 
 def _master(model: torch.nn.Module, optimizer: Optional[tuple[str, Any]]) -> Any:
-    """The ZeRO-3 optimizer that holds the model's fp32 master weights: the one in the state, else the engine's."""
+    """The ZeRO optimizer that holds the model's fp32 master weights: the one in the state, else the engine's."""
     if optimizer is not None:
         return _zero_optimizer(optimizer[1])
     engine_optimizer = getattr(model, "optimizer", None)
-    return engine_optimizer if hasattr(engine_optimizer, "fp32_partitioned_groups_flat") else None
+    return engine_optimizer if zero_stage_of(engine_optimizer) is not None else None
 
 
-def save_zero3_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
-    """Write ``tensors`` (``{key: zero3_model_state(...) | zero3_optimizer_state(...)}``) and ``metadata`` as one
+def save_zero_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
+    """Write ``tensors`` (``{key: zero_model_state(...) | zero_optimizer_state(...)}``) and ``metadata`` as one
     DCP checkpoint folder, atomically, each rank writing only its partitions. Collective."""
     from disttrain.parallel.checkpoint.io import save_sharded
 
@@ -424,11 +569,11 @@ def save_zero3_tensors(path: Union[str, os.PathLike], tensors: dict[str, Any], m
         return save_sharded(path, tensors, metadata)
 
 
-def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], strict: bool = True,
-                          weights_only: bool = True, master: Any = None, source: Any = None) -> dict[str, Any]:
-    """Restore a ZeRO-3 model/optimizer (and stateful objects of ``state``) from a disttrain DCP checkpoint of any
+def load_zero_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], strict: bool = True,
+                         weights_only: bool = True, master: Any = None, source: Any = None) -> dict[str, Any]:
+    """Restore a ZeRO model/optimizer (and stateful objects of ``state``) from a disttrain DCP checkpoint of any
     strategy and world size, each rank reading only what its partitions need; returns the metadata ``state`` did
-    not ask for. ``master``: the engine's ZeRO-3 optimizer when ``state`` holds the model but not the optimizer
+    not ask for. ``master``: the engine's ZeRO optimizer when ``state`` holds the model but not the optimizer
     (its fp32 master weights are what training continues from). ``source``: a checkpoint another library wrote,
     seen in the one layout (``reader``, ``metadata``, ``stored``), read in place of ``path``. Collective."""
     from disttrain.parallel.checkpoint.io import FORMAT_KEY, check_checkpoint, read_meta
@@ -443,7 +588,7 @@ def load_zero3_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], 
         metadata, reader, stored = dict(source.metadata), source.reader, source.stored
         metadata.pop(FORMAT_KEY, None)
     module = getattr(model[1], "module", model[1])
-    load_zero3_state(path, module, _master(model[1], optimizer) or master, model[0],
+    load_zero_state(path, module, _master(model[1], optimizer) or master, model[0],
                      optimizer[0] if optimizer else None, strict=strict, reader=reader, stored=stored)
     loaded = {model[0]} | ({optimizer[0]} if optimizer else set())
     return restore_rest(state, loaded, metadata)

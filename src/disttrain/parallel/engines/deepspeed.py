@@ -1,6 +1,20 @@
 """DeepSpeed's side of the ZeRO engine (:mod:`disttrain.parallel.engines.zero`): the options, the config built from
-them and the Trainer/Fabric settings, the contexts around ``deepspeed.zero.Init``, the CPU-Adam swap, and the
-optimizer attached after the model (torch and deepspeed only). Checkpoints: :mod:`disttrain.parallel.checkpoint.zero`."""
+them and the Trainer/Fabric settings, the contexts around ``deepspeed.zero.Init`` (stage 3), the CPU-Adam swap, and
+the optimizer attached after the model (torch and deepspeed only). Checkpoints:
+:mod:`disttrain.parallel.checkpoint.zero`.
+
+What each ZeRO stage keeps on a rank (N data-parallel ranks; DeepSpeed's own engine, ``zero_optimization.stage``):
+
+=====  ====================================  ======================================================================
+stage  strategy names                        per rank
+=====  ====================================  ======================================================================
+1      disttrain_zero1                       whole parameters and gradients; 1/N of the fp32 master weights and
+                                             optimizer state (flat ranges of each parameter group)
+2      disttrain_zero2, ..._zero2_offload    whole parameters; 1/N of the gradients, master weights and
+                                             optimizer state (offload: those in host memory, ZeRO-Offload)
+3      disttrain_zero3, ..._zero3_offload    1/N of everything (parameters gathered per submodule)
+=====  ====================================  ======================================================================
+"""
 
 from __future__ import annotations
 
@@ -19,14 +33,19 @@ import torch
 
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements), which our config keeps
+# The registered name of each ZeRO stage (disttrain.parallel.registry), for errors that name the strategy to use.
+STAGE_NAMES = {1: "disttrain_zero1", 2: "disttrain_zero2", 3: "disttrain_zero3"}
 
 
 @dataclass
 class ZeroOptions:
-    """What a user can set on ``disttrain_zero3`` / ``disttrain_zero3_offload`` (Trainer and Fabric alike).
+    """What a user can set on ``disttrain_zero1``, ``disttrain_zero2`` (``_offload``) and ``disttrain_zero3``
+    (``_offload``) (Trainer and Fabric alike).
 
-    offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live.
-    offload_parameters: None, "cpu" or "nvme": where parameters live between uses.
+    stage: the ZeRO stage (each name sets its own): 1 partitions the optimizer state and fp32 master weights over the
+        ranks, 2 the gradients too, 3 the parameters too (built under ``deepspeed.zero.Init``).
+    offload_optimizer: None, "cpu" or "nvme": where optimizer state and fp32 master weights live ("nvme": stage 3).
+    offload_parameters: None, "cpu" or "nvme": where parameters live between uses (stage 3).
     nvme_path: a folder on a fast local disk, for "nvme" offload.
     config: a DeepSpeed config (dict or JSON file) merged with ours; e.g. bucket sizes. A value that contradicts
         the Trainer/Fabric settings (batch sizes, accumulation, clipping, precision, stage) is an error.
@@ -35,7 +54,7 @@ class ZeroOptions:
         costs a ~2.5-minute JIT build the first time).
     extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build once.
     micro_batch_size, gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and
-        ``accumulate_grad_batches``, and refuses these).
+        ``accumulate_grad_batches``, and refuses these). Fabric accumulates under stage 3 only.
     broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the ranks: rank 0's after every
         training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
     sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's
@@ -44,6 +63,7 @@ class ZeroOptions:
         hold DeepSpeed's partitions; disttrain_fsdp (the same ZeRO-3 sharding) offers it.
     """
 
+    stage: int = 3
     offload_optimizer: Optional[str] = None
     offload_parameters: Optional[str] = None
     nvme_path: str = "/local_nvme"
@@ -58,19 +78,32 @@ class ZeroOptions:
 
     # Options of other disttrain strategies that this one cannot serve (parallel.options.build_options).
     refused: ClassVar[dict[str, str]] = {
-        "compile": "ZeRO-3 gathers and frees each layer's parameters in hooks on every submodule, inside the blocks"
-                   " torch.compile would trace; use disttrain_fsdp (the same sharding) with compile=True",
+        "compile": "DeepSpeed's engine runs its own hooks inside the blocks torch.compile would trace (ZeRO-3 gathers"
+                   " and frees each layer's parameters there); use disttrain_fsdp (ZeRO-3's sharding) or"
+                   " disttrain_ddp with compile=True",
         "gradient_compression": "DeepSpeed compresses its own gradient traffic: pass it in the DeepSpeed config, e.g."
                                 " config={'communication_data_type': 'bf16'}, or use disttrain_fsdp's"
                                 " gradient_compression",
     }
 
     def __post_init__(self) -> None:
+        if self.stage not in STAGE_NAMES or isinstance(self.stage, bool):
+            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage disttrain runs; choose 1, 2 or 3"
+                             f" ({', '.join(STAGE_NAMES.values())}; stage 0 is disttrain_ddp)")
         if self.async_checkpoint:
-            raise ValueError("async_checkpoint=True is not offered on disttrain_zero3: its checkpoints hold DeepSpeed's"
+            raise ValueError(f"async_checkpoint=True is not offered on {self.name}: its checkpoints hold DeepSpeed's"
                              " partitions as ShardedTensors, which DCP's host-memory staging (DefaultStager) cannot"
-                             " copy; use disttrain_fsdp (the same ZeRO-3 sharding) for async checkpoints, or remove"
-                             " async_checkpoint")
+                             " copy; use disttrain_fsdp (ZeRO-3's sharding) or disttrain_ddp for async checkpoints,"
+                             " or remove async_checkpoint")
+        if self.stage < 3:  # what only ZeRO-3 does
+            if self.offload_parameters is not None:
+                raise ValueError(f"offload_parameters={self.offload_parameters!r} is ZeRO stage 3 only ({self.name}"
+                                 " keeps the parameters whole on every rank); use disttrain_zero3_offload, or remove"
+                                 " offload_parameters")
+            if self.offload_optimizer == "nvme":
+                raise ValueError(f"offload_optimizer='nvme' is ZeRO stage 3 only; {STAGE_NAMES[self.stage]} offloads"
+                                 " the optimizer to 'cpu' (offload_optimizer='cpu'), or use disttrain_zero3_offload"
+                                 " with offload_optimizer='nvme' for NVMe")
         for name in ("offload_optimizer", "offload_parameters"):
             if getattr(self, name) not in OFFLOAD_DEVICES or isinstance(getattr(self, name), bool):
                 said = " (Lightning's True is 'cpu' here)" if getattr(self, name) is True else ""
@@ -87,7 +120,13 @@ class ZeroOptions:
                              " and/or offload_parameters='nvme' with it, or remove nvme_path")
         if self.cpu_adam is not None and self.offload_optimizer is None:
             raise ValueError(f"cpu_adam={self.cpu_adam} applies to an offloaded optimizer; set"
-                             " offload_optimizer='cpu' (disttrain_zero3_offload), or remove cpu_adam")
+                             " offload_optimizer='cpu' (the _offload names do), or remove cpu_adam")
+
+    @property
+    def name(self) -> str:
+        """The registered strategy name of these options' stage (and offload), for messages."""
+        offload = "_offload" if self.offload_optimizer and self.stage in (2, 3) else ""
+        return STAGE_NAMES.get(self.stage, "disttrain_zero3") + offload
 
     def use_cpu_adam(self, device_type: str) -> bool:
         if self.offload_optimizer is None:
@@ -116,7 +155,7 @@ def _offload(device: Optional[str], nvme_path: str, pin: bool) -> dict:
     return entry
 
 
-def zero3_config(
+def zero_config(
     options: ZeroOptions,
     *,
     precision: str,
@@ -126,8 +165,8 @@ def zero3_config(
     gradient_clipping: Optional[float],
     device_type: str,
 ) -> dict:
-    """The full DeepSpeed config. Batch settings always agree: train_batch_size = micro x accumulation x world
-    (the assertion Lightning users hit when a config sets only some of them)."""
+    """The full DeepSpeed config for ``options.stage``. Batch settings always agree: train_batch_size = micro x
+    accumulation x world (the assertion Lightning users hit when a config sets only some of them)."""
     owned: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation,
@@ -135,7 +174,10 @@ def zero3_config(
     }
     if gradient_clipping:
         owned["gradient_clipping"] = float(gradient_clipping)
-    zero: dict[str, Any] = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    if options.stage == 3:
+        zero: dict[str, Any] = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    else:
+        zero = {"stage": options.stage, **stage12_defaults()}
     pin = device_type == "cuda"  # pinned host memory needs the CUDA driver
     if options.offload_optimizer:
         zero["offload_optimizer"] = _offload(options.offload_optimizer, options.nvme_path, pin)
@@ -153,11 +195,28 @@ def zero3_config(
         ours["bf16"] = {"enabled": True}
 
     user = load_user_config(options.config)
-    _check_conflicts(user, owned, precision)
+    _check_conflicts(user, owned, precision, options)
     return _merge(ours, user)
 
 
-def _check_conflicts(user: dict, owned: dict, precision: str) -> None:
+zero3_config = zero_config  # the name of the stage-3-only builder (bench/, the planner's calibration)
+
+# ZeRO-1/2's bucket options, as DeepSpeed defaults them (written out so that the config shows what runs).
+STAGE12_KEYS = ("contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
+                "allgather_bucket_size")
+
+
+def stage12_defaults() -> dict[str, Any]:
+    """DeepSpeed's own defaults of :data:`STAGE12_KEYS` for stage 1/2 (``overlap_comm``: off below stage 3)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    defaults = {key: fields[key].default for key in STAGE12_KEYS}
+    defaults["overlap_comm"] = False  # its None means "stage 3 only"
+    return {key: value if isinstance(value, bool) else int(value) for key, value in defaults.items()}
+
+
+def _check_conflicts(user: dict, owned: dict, precision: str, options: ZeroOptions) -> None:
     for key, value in owned.items():
         if key in user and user[key] != value:
             source = {"train_micro_batch_size_per_gpu": "the DataLoader's batch_size (Fabric: micro_batch_size=)",
@@ -166,10 +225,12 @@ def _check_conflicts(user: dict, owned: dict, precision: str) -> None:
                       "gradient_clipping": "gradient_clip_val"}[key]
             raise ValueError(f"ds_config sets {key}={user[key]!r} but {source} gives {value!r}; remove {key} from"
                              " the ds_config (disttrain sets it) or change the Trainer/Fabric setting")
-    stage = user.get("zero_optimization", {}).get("stage", 3)
-    if stage != 3:
-        raise ValueError(f"ds_config sets zero_optimization.stage={stage} but disttrain_zero3 is ZeRO stage 3;"
-                         " remove the stage from the ds_config")
+    stage = user.get("zero_optimization", {}).get("stage", options.stage)
+    if stage != options.stage:
+        use = STAGE_NAMES.get(stage, "disttrain_ddp" if stage == 0 else None)
+        instead = f"use {use} (strategy={use!r}) for stage {stage}, or " if use else ""
+        raise ValueError(f"ds_config sets zero_optimization.stage={stage!r} but {options.name} is ZeRO stage"
+                         f" {options.stage}; {instead}remove the stage from the ds_config")
     half = "fp16" if precision.startswith("16") else "bf16" if precision.startswith("bf16") else None
     for key in ("fp16", "bf16"):
         if user.get(key, {}).get("enabled") and key != half:
@@ -392,25 +453,48 @@ def zero_partition_numel(module: torch.nn.Module) -> tuple[int, int]:
     return local, total
 
 
-def attach_zero3_optimizer(engine: Any, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> Any:
-    """Give an engine made without an optimizer (``deepspeed.initialize(model=...)``: ZeRO-3 partitioned the
-    parameters and hooked the module for forward only) its ZeRO-3 optimizer over those partitioned parameters, as
-    ``deepspeed.initialize(model=, optimizer=)`` would have made it; the engine stays the same object. Returns the
-    ZeRO-3 optimizer.
+@contextmanager
+def optimizer_later() -> Iterator[None]:
+    """Around ``deepspeed.initialize(model=...)`` without an optimizer: a stage 1/2 engine is made without its ZeRO
+    optimizer (``engine.optimizer`` None), for :func:`attach_zero_optimizer` to add. DeepSpeed itself refuses it
+    ("zero stage 2 requires an optimizer"): its stage 1/2 optimizer flattens the parameters of the optimizer's groups,
+    which do not exist yet (Fabric's ``setup_module`` then ``setup_optimizers``)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._configure_zero_optimizer
+
+    def later(engine: Any, optimizer: Any) -> Any:
+        if optimizer is None and engine.zero_optimization_stage() < 3:
+            return None
+        return original(engine, optimizer)
+
+    DeepSpeedEngine._configure_zero_optimizer = later  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_zero_optimizer = original  # type: ignore[method-assign]
+
+
+def attach_zero_optimizer(engine: Any, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> Any:
+    """Give an engine made without an optimizer (``deepspeed.initialize(model=...)``; stage 1/2 under
+    :func:`optimizer_later`, stage 3 with its parameters partitioned and the module hooked for forward only) its ZeRO
+    optimizer over the model's parameters, as ``deepspeed.initialize(model=, optimizer=)`` would have made it; the
+    engine stays the same object. Returns the ZeRO optimizer.
 
     DeepSpeed has no public call for this; these are the steps its engine constructor takes when it is given an
-    optimizer (``_configure_optimizer`` builds the ZeRO-3 optimizer, which hooks the module itself), after the
+    optimizer (``_configure_optimizer`` builds the ZeRO optimizer, which hooks the module itself), after ZeRO-3's
     forward-only hooks are removed and every parameter is back in its partition."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.utils import check_internal_apis_for_count_used_parameters
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     forward_only = engine.optimizer
-    if not isinstance(forward_only, DeepSpeedZeRoOffload):
+    if isinstance(forward_only, DeepSpeedZeRoOffload):
+        forward_only.partition_all_parameters()
+        forward_only.destroy()
+    elif forward_only is not None:
         raise RuntimeError(f"the DeepSpeed engine already has an optimizer ({type(forward_only).__name__}); DeepSpeed"
                            " trains one optimizer per model: set up one optimizer for it")
-    forward_only.partition_all_parameters()
-    forward_only.destroy()
     engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler
     engine._configure_optimizer(optimizer, [p for p in engine.module.parameters() if p.requires_grad])
     engine._configure_lr_scheduler()
@@ -421,9 +505,23 @@ def attach_zero3_optimizer(engine: Any, optimizer: torch.optim.Optimizer, lr_sch
     return engine.optimizer
 
 
-def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
+def zero_stage_of(optimizer: Any) -> Optional[int]:
+    """The ZeRO stage of DeepSpeed's ZeRO optimizer ``optimizer`` (3, or 1/2 for the stage 1/2 optimizer, which
+    partitions gradients at 2), else None."""
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return 3
+    if hasattr(optimizer, "single_partition_of_fp32_groups"):
+        return 2 if optimizer.partition_gradients else 1
+    return None
+
+
+def zero_grad_norm(zero_optimizer: Any) -> torch.Tensor:
     """The 2-norm of the whole model's gradients (every rank's partitions, unscaled by the fp16 loss scale), computed
     as DeepSpeed computes it when it clips in ``step()``; inf when a gradient is not finite. Collective."""
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
-    return combine_grad_norm_groups(zero_optimizer._get_norm_groups()) / zero_optimizer.loss_scale
+    if zero_stage_of(zero_optimizer) == 3:
+        scaled = combine_grad_norm_groups(zero_optimizer._get_norm_groups())
+    else:
+        scaled = zero_optimizer.scaled_global_norm()
+    return scaled / zero_optimizer.loss_scale

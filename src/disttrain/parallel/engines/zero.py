@@ -1,17 +1,21 @@
-"""The engine of ``disttrain_zero3`` / ``disttrain_zero3_offload``: DeepSpeed ZeRO stage 3 in torch/deepspeed terms.
+"""The engine of ``disttrain_zero1``, ``disttrain_zero2`` (``_offload``) and ``disttrain_zero3`` (``_offload``):
+DeepSpeed ZeRO stages 1-3 in torch/deepspeed terms.
 
-DeepSpeed's own engine (``deepspeed.initialize``) partitions the model, runs backward and steps the optimizer;
-this engine builds its config from our options and the Trainer/Fabric settings, runs it on CPU too, swaps in CPU
-Adam for an offloaded optimizer, keeps BatchNorm statistics as DDP does, and writes and reads the one checkpoint
-layout (:mod:`disttrain.parallel.engines.deepspeed`).
+DeepSpeed's own engine (``deepspeed.initialize``) partitions the optimizer state (stage 1), the gradients (2) and the
+parameters (3), runs backward and steps the optimizer; this engine builds its config from our options (``stage``)
+and the Trainer/Fabric settings, runs it on CPU too, swaps in CPU Adam for an offloaded optimizer, keeps BatchNorm
+statistics as DDP does, and writes and reads the one checkpoint layout (:mod:`disttrain.parallel.engines.deepspeed`,
+:mod:`disttrain.parallel.checkpoint.zero`). What differs between the stages is decided here and in those two
+modules.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -42,27 +46,35 @@ from disttrain.patches import allow_fp16_on_deepspeed_cpu
 from disttrain.parallel.engines.deepspeed import (
     REDUCE_BUCKET,
     ZeroOptions,
-    attach_zero3_optimizer,
+    attach_zero_optimizer,
+    optimizer_later,
     set_extensions_dir,
     to_cpu_adam,
-    zero3_config,
-    zero3_grad_norm,
+    zero_config,
+    zero_grad_norm,
+    zero_stage_of,
 )
 from disttrain.parallel.checkpoint.zero import (
-    export_zero3,
-    load_zero3_checkpoint,
-    load_zero3_state,
-    save_zero3_tensors,
-    zero3_model_state,
-    zero3_optimizer_state,
+    export_zero,
+    load_zero_checkpoint,
+    load_zero_state,
+    save_zero_tensors,
+    zero_model_state,
+    zero_optimizer_state,
 )
 
 
 FETCHES_PER_BLOCK = 4  # a block's submodules (attention, MLP, norms) are fetched, with prefetching, in a few calls
 
 
+def _capabilities(offload: tuple[str, ...]) -> Capabilities:
+    return Capabilities(precision=Precision.DEEPSPEED, accumulation=Accumulation.ENGINE, owns_gradients=True,
+                        module_transforms=False, compile=False, async_checkpoint=False, offload=offload)
+
+
 class ZeroEngine(Engine):
-    """Holds the options and the DeepSpeed config; sets up, clips, checkpoints and exports ZeRO-3 models."""
+    """Holds the options and the DeepSpeed config; sets up, clips, checkpoints and exports ZeRO models (stage 1, 2
+    or 3: ``options.stage``)."""
 
     # (Where modules are built, deepspeed.zero.Init, is the context of Lightning's DeepSpeed strategies, which the
     # adapters keep: it is built from the same config and is what their own set-up expects.)
@@ -70,38 +82,54 @@ class ZeroEngine(Engine):
     options: ZeroOptions
 
     def __init__(self, options: ZeroOptions, name: str = "disttrain_zero3") -> None:
-        super().__init__(options, name)
+        # One adapter class serves every stage: the name errors quote is the stage's own.
+        super().__init__(options, options.name if name.startswith("disttrain_zero") else name)
         set_extensions_dir(options)
         self.config: dict[str, Any] = {}
 
     @classmethod
     def layout(cls, options: ZeroOptions) -> Layout:
-        """ZeRO stage 3: each parameter padded to a multiple of the data-sharding ranks and partitioned flat over
-        them, in the compute dtype (16-bit under mixed precision), with gradients of the same partitions and an fp32
-        master copy plus fp32 optimizer moments, which DeepSpeed's own optimizer steps as a few flat buffers.
-        Parameters are fetched submodule by submodule as they are entered, forward and backward (the next ones
-        prefetched); gradients are reduce-scattered through a reduce bucket DeepSpeed allocates whole. Offloaded,
-        parameters live where ``offload_parameters`` says, the master copy and moments where ``offload_optimizer``
-        says, and the gradient partitions with the optimizer that steps them (in host memory for NVMe too: the CPU
-        optimizer reads them there). DeepSpeed applies the precision,
-        accumulates inside its engine and owns the gradients; FP8's module swap, compile and async checkpoints are
-        not offered (see ZeroOptions)."""
+        """What every stage shares: DeepSpeed applies the precision, accumulates inside its engine and owns the
+        gradients; its optimizer steps a few flat fp32 partitions (the master copy and the moments, each parameter
+        padded to a multiple of the data-parallel ranks), in device memory or where ``offload_optimizer`` says; FP8's
+        module swap, compile and async checkpoints are not offered (see ZeroOptions).
+
+        Stage 3: the parameters are partitioned too, in the compute dtype (16-bit under mixed precision), fetched
+        submodule by submodule as they are entered, forward and backward (the next ones prefetched), and live where
+        ``offload_parameters`` says; gradients are reduce-scattered into their partitions through a reduce bucket
+        DeepSpeed allocates whole, and sit with the optimizer that steps them (in host memory for NVMe too: the CPU
+        optimizer reads them there).
+
+        Stages 1 and 2: every rank keeps the whole model in the compute dtype; the gradients are reduced bucket by
+        bucket during backward into the partition each rank updates (stage 2 keeps only that partition, stage 1 the
+        whole gradient), and after each optimizer step the updated partitions are all-gathered back into the whole
+        model. Plain modules: no hooks but the gradients' own."""
         shard = ("dp_shard", "cp")
         places = {None: Where.DEVICE, "cpu": Where.HOST, "nvme": Where.NVME}
-        params_at, optimizer_at = places[options.offload_parameters], places[options.offload_optimizer]
+        optimizer_at = places[options.offload_optimizer]
         grads_at = Where.DEVICE if optimizer_at is Where.DEVICE else Where.HOST
+        optimizer = Optimizer(shard, Dtype.FP32, optimizer_at, master=True, steps=Steps.FLAT)
+        if options.stage == 3:
+            return Layout(
+                params=Params(shard, Dtype.COMPUTE, places[options.offload_parameters], gather=Gather.PER_UNIT,
+                              units=Units.SUBMODULES, calls=FETCHES_PER_BLOCK),
+                grads=Grads(shard, Dtype.COMPUTE, grads_at, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.COMPUTE),
+                optimizer=optimizer, partition=Partition.FLAT,
+                buffers=Buffers(gathered_units=2, reduce_bucket=REDUCE_BUCKET), work=Work.ZERO3,
+                can=_capabilities(offload=("params", "grads", "optimizer")))
         return Layout(
-            params=Params(shard, Dtype.COMPUTE, params_at, gather=Gather.PER_UNIT, units=Units.SUBMODULES,
-                          calls=FETCHES_PER_BLOCK),
-            grads=Grads(shard, Dtype.COMPUTE, grads_at, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.COMPUTE),
-            optimizer=Optimizer(shard, Dtype.FP32, optimizer_at, master=True, steps=Steps.FLAT),
-            partition=Partition.FLAT,
-            buffers=Buffers(gathered_units=2, reduce_bucket=REDUCE_BUCKET),
-            work=Work.ZERO3,
-            can=Capabilities(precision=Precision.DEEPSPEED, accumulation=Accumulation.ENGINE, owns_gradients=True,
-                             module_transforms=False, compile=False, async_checkpoint=False,
-                             offload=("params", "grads", "optimizer")),
-        )
+            params=Params((), Dtype.COMPUTE, Where.DEVICE, gather=Gather.AFTER_STEP, units=Units.NONE),
+            grads=Grads(shard if options.stage == 2 else (), Dtype.COMPUTE, grads_at if options.stage == 2
+                        else Where.DEVICE, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.COMPUTE,
+                        bucket_bytes=2 * REDUCE_BUCKET),
+            optimizer=optimizer, partition=Partition.FLAT, buffers=Buffers(reduce_bucket=REDUCE_BUCKET),
+            work=Work.PLAIN, can=_capabilities(offload=("grads", "optimizer")))
+
+    @property
+    def builds_partitioned(self) -> bool:
+        """Modules are built under ``deepspeed.zero.Init``, each rank keeping its partition (stage 3); below stage 3
+        they are built as usual (whole, initialised), and ``empty_init`` does not apply."""
+        return self.options.stage == 3
 
     def device_for(self, device: torch.device, local_rank: int) -> torch.device:
         """DeepSpeed reads the device index as its device rank (None on CPU would crash ``device_rank >= 0``); a CPU
@@ -113,7 +141,7 @@ class ZeroEngine(Engine):
         """The DeepSpeed config (kept as ``self.config``): batch settings always agree, precision and clipping
         come from the Trainer/Fabric."""
         allow_fp16_on_deepspeed_cpu(device.type, precision)
-        self.config = zero3_config(self.options, precision=precision, micro_batch_size=micro_batch_size,
+        self.config = zero_config(self.options, precision=precision, micro_batch_size=micro_batch_size,
                                    accumulation=accumulation, world_size=world_size,
                                    gradient_clipping=gradient_clipping, device_type=device.type)
         return self.config
@@ -138,42 +166,58 @@ class ZeroEngine(Engine):
         return optimizer
 
     def initialize(self, module: nn.Module, optimizer: Any, scheduler: Any, device: torch.device) -> tuple[Any, ...]:
-        """``deepspeed.initialize`` with our config: (DeepSpeed engine, its ZeRO-3 optimizer, its scheduler)."""
+        """``deepspeed.initialize`` with our config: (DeepSpeed engine, its ZeRO optimizer, its scheduler). Without
+        an optimizer, the engine gets one later (:meth:`setup_optimizer`)."""
         import deepspeed
 
-        engine, zero_optimizer, _, zero_scheduler = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device.index), config=self.config, model=module,
-            model_parameters=[p for p in module.parameters() if p.requires_grad],
-            optimizer=self.optimizer_for(optimizer, device), lr_scheduler=scheduler, dist_init_required=False)
+        with optimizer_later():
+            engine, zero_optimizer, _, zero_scheduler = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=device.index), config=self.config, model=module,
+                model_parameters=[p for p in module.parameters() if p.requires_grad],
+                optimizer=self.optimizer_for(optimizer, device), lr_scheduler=scheduler, dist_init_required=False)
         return engine, zero_optimizer, zero_scheduler
 
     def setup(self, module: nn.Module, device: torch.device, precision: str, optimizers: Optimizers = (), *,
               container: bool = False, training: bool = True, forward_methods: tuple[str, ...] = (),
               sync_batchnorm: bool = False, convert: Callable[[nn.Module], nn.Module] | None = None,
               scheduler: Any = None) -> tuple[nn.Module, Optimizers]:
-        """The DeepSpeed engine over ``module`` (and its ZeRO-3 optimizer over one optimizer made before; DeepSpeed
-        trains one optimizer per model), every rank starting from rank 0's buffers."""
+        """The DeepSpeed engine over ``module`` (and its ZeRO optimizer over one optimizer made before; DeepSpeed
+        trains one optimizer per model), every rank starting from rank 0's buffers. Fabric's set-up (the Trainer
+        hands the model over through :meth:`prepare` and :meth:`initialize`)."""
         if len(optimizers) > 1:
             raise ValueError(f"{self.name} takes one optimizer per model (DeepSpeed), got {len(optimizers)}")
+        self._refuse_fabric_accumulation()
         module = self.prepare(module, device, training, sync_batchnorm, convert)
         engine, zero_optimizer, _ = self.initialize(module, optimizers[0] if optimizers else None, scheduler, device)
         self.broadcast_buffers(engine.module)
         return engine, [zero_optimizer] if optimizers else []
 
     def setup_optimizer(self, engine: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> Any:
-        """The ZeRO-3 optimizer over the partitioned parameters of an engine set up without one (litgpt's
-        ``setup_module`` then ``setup_optimizers``)."""
+        """The ZeRO optimizer over the parameters of an engine set up without one (litgpt's ``setup_module`` then
+        ``setup_optimizers``)."""
+        self._refuse_fabric_accumulation()
         own = {id(p) for p in engine.module.parameters()}
         if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(f"{self.name}: the optimizer holds parameters that are not the last model set up with"
                              " fabric.setup_module; make it from that model's parameters, right after setting it up")
-        return attach_zero3_optimizer(engine, self.optimizer_for(optimizer, device))
+        return attach_zero_optimizer(engine, self.optimizer_for(optimizer, device))
+
+    def _refuse_fabric_accumulation(self) -> None:
+        """Fabric's ``optimizer.step()`` steps DeepSpeed's ZeRO optimizer, not its engine, whose micro-step count
+        tells backward which micro-step ends the window: stage 3 reduces every micro-step's gradients anyway, stage
+        1/2 reduce only in that last backward (without it the step finds no gradients)."""
+        steps = self.config.get("gradient_accumulation_steps", 1)
+        if steps > 1 and self.options.stage < 3:
+            raise ValueError(f"gradient_accumulation_steps={steps}: {self.name} does not accumulate under Fabric"
+                             " (DeepSpeed's stage 1/2 optimizer reduces gradients only when its engine steps, which"
+                             " Fabric's optimizer.step() bypasses); accumulate under the Trainer"
+                             " (accumulate_grad_batches), or use disttrain_zero3 or disttrain_fsdp with Fabric")
 
     # -- training ---------------------------------------------------------------------------------------------
     def clip_grad_norm_(self, module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         """Returns the whole model's gradient 2-norm and has DeepSpeed clip to ``max_norm`` in the next optimizer
-        step (its ZeRO-3 optimizer computes the same norm there and scales the fp32 gradient partitions).
+        step (its ZeRO optimizer computes the same norm there and scales the fp32 gradient partitions).
         ``module``: the DeepSpeed engine."""
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type}: {self.name} clips with DeepSpeed, by the 2-norm only; pass"
@@ -182,7 +226,7 @@ class ZeroEngine(Engine):
         if zero_optimizer is None or not hasattr(zero_optimizer, "clip_grad"):
             raise RuntimeError(f"{self.name}: clipping needs the optimizer set up with the model"
                                " (fabric.setup(model, optimizer) or fabric.setup_optimizers(optimizer))")
-        norm = zero3_grad_norm(zero_optimizer)
+        norm = zero_grad_norm(zero_optimizer)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({norm.item()}), so it"
                                " cannot be clipped; pass error_if_nonfinite=False to let DeepSpeed skip the step")
@@ -196,25 +240,25 @@ class ZeroEngine(Engine):
 
     # -- checkpoints: the one layout, each rank writing and reading only its partitions ------------------------
     def is_optimizer(self, value: Any) -> bool:
-        return super().is_optimizer(value) or hasattr(value, "fp32_partitioned_groups_flat")
+        return super().is_optimizer(value) or zero_stage_of(value) is not None
 
     def model_state(self, module: nn.Module) -> dict[str, Any]:
         """ShardedTensors of the partitions (the fp32 master weights when the optimizer holds them); no copy."""
-        return zero3_model_state(_user_module(module), _master(module))
+        return zero_model_state(_user_module(module), _master(module))
 
     def optimizer_state(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
-        return zero3_optimizer_state(_user_module(module), optimizer)
+        return zero_optimizer_state(_user_module(module), optimizer)
 
     def reads_checkpoint(self, path: str | os.PathLike) -> bool:
         return not is_zero_checkpoint(Path(path))  # DeepSpeed's own folder: read by DeepSpeed
 
     def save_checkpoint(self, path: str | os.PathLike, module: nn.Module, tensors: dict[str, Any],
                         metadata: dict[str, Any]) -> Path:
-        return save_zero3_tensors(path, tensors, metadata)
+        return save_zero_tensors(path, tensors, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike, module: nn.Module, targets: dict[str, Any],
                         strict: bool = True, weights_only: Optional[bool] = None, source: Any = None) -> dict[str, Any]:
-        return load_zero3_checkpoint(path, dict(targets), strict=strict, weights_only=weights_only is not False,
+        return load_zero_checkpoint(path, dict(targets), strict=strict, weights_only=weights_only is not False,
                                      master=_master(module), source=source)
 
     def load_pretrained(self, module: nn.Module, folder: str | os.PathLike, prefix: str = "",
@@ -228,13 +272,20 @@ class ZeroEngine(Engine):
         names, tied = pretrained_names(folder, user.state_dict(), prefix, lambda loaded: _tied_aliases(user, loaded),
                                        partial, exclude)
         targets = {f"{MODEL_KEY}.{k}": s for k, s in names.items()}
-        load_zero3_state(folder, user, _master(module), MODEL_KEY, None, strict=False,
+        load_zero_state(folder, user, _master(module), MODEL_KEY, None, strict=False,
                          reader=PretrainedReader(folder, targets), stored=set(targets))
         return tied
 
+    def full_model(self, module: nn.Module) -> AbstractContextManager[nn.Module]:
+        """Below stage 3 every rank holds the whole parameters (in the training dtype): ``module`` under
+        ``torch.no_grad()``. Stage 3 refuses, naming ``export_full``: it gathers parameters a submodule at a time."""
+        if self.builds_partitioned:
+            return super().full_model(module)
+        return _no_grad(module)
+
     def export(self, module: nn.Module, path: str | os.PathLike, prefix: str = "") -> Path:
         """The full model in its training dtype (for the fp32 master weights of a checkpoint: ``disttrain export``)."""
-        return export_zero3(_user_module(module), path, prefix=prefix)
+        return export_zero(_user_module(module), path, prefix=prefix)
 
 
 def _user_module(module: nn.Module) -> nn.Module:
@@ -244,10 +295,16 @@ def _user_module(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DeepSpeedEngine) else module
 
 
+@contextmanager
+def _no_grad(module: nn.Module) -> Iterator[nn.Module]:
+    with torch.no_grad():
+        yield module
+
+
 def _master(module: nn.Module) -> Any:
-    """The ZeRO-3 optimizer holding the engine's fp32 master weights (None for an engine without one: inference)."""
+    """The ZeRO optimizer holding the engine's fp32 master weights (None for an engine without one: inference)."""
     optimizer = getattr(module, "optimizer", None)
-    return optimizer if hasattr(optimizer, "fp32_partitioned_groups_flat") else None
+    return optimizer if zero_stage_of(optimizer) is not None else None
 
 
 __all__ = ["ZeroEngine", "ZeroOptions"]
