@@ -9,11 +9,11 @@ FBGEMM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo fbgemm-gpu==1.9.
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e ".[deepspeed,recsys,fp8,dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[deepspeed,recsys,fp8,dev]"
 	$(PY) -m pip install -q --no-deps torchrec==1.9.2 $(FBGEMM)
 	touch $(STAMP)
 

@@ -88,7 +88,9 @@ def test_killed_rank_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
            str(out), str(ckpts), "4", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "exitcode: -9" in proc.stderr  # the first attempt really lost a rank
+    # The first attempt really lost a rank (rank 1 killed itself; which failure torchrun logs first, rank 1's SIGKILL
+    # or rank 0's broken connection to it, is a race), and both ranks of the second attempt resumed from step 2.
+    assert Path(f"{out}.killed").exists()
     ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
     assert [(r["attempt"], r["start"]) for r in ranks] == [(1, 2), (1, 2)]
     assert close(ranks[0]["losses"], reference_losses(4, world_size=2)[2:])

@@ -38,6 +38,7 @@ def on_step(step: int) -> None:
     state["step"] = step + 1
     fabric.save(ckpt_dir / f"step-{step + 1:06d}", state)
     if attempt == 0 and step + 1 == kill_at and fabric.global_rank == 1:
+        Path(f"{sys.argv[1]}.killed").touch()  # the test's proof: which rank's failure torchrun reports first is a race
         os.kill(os.getpid(), signal.SIGKILL)  # a hard crash: no exception, no cleanup
 
 

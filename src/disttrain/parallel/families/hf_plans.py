@@ -86,6 +86,30 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
             module._parameters[name] = first._parameters[attr]
 
 
+class _TPMeshes:
+    """What transformers' styles ask of a model's ``_mesh_manager`` when disttrain, not ``from_pretrained``, applies
+    a plan: the tp mesh, and the "unit" view of it that ``unit_colwise``/``unit_rowwise`` shard whole heads over
+    (MiniCPM5-MoE's key/value projections, with fewer kv heads than tp ranks). transformers builds that view as a
+    fresh DeviceMesh from the tp ranks alone, which every data-parallel group would create on its own; unflattening
+    our tp mesh makes it from the root mesh's layout, so any dp x tp world builds it together."""
+
+    def __init__(self, tp_mesh: Any) -> None:
+        self.tp_mesh = tp_mesh
+        self._units: dict[int, Any] = {}
+
+    def get_mesh(self, dims: Any) -> Any:
+        if dims not in ("tp", ("tp",)):
+            raise ValueError(f"disttrain applies transformers' tensor-parallel styles on the tp mesh only, not {dims}")
+        return self.tp_mesh
+
+    def get_unit_mesh(self, unit_number: int) -> Any:
+        tp = self.tp_mesh.size()
+        groups = math.gcd(unit_number, tp)
+        if groups not in self._units:
+            self._units[groups] = self.tp_mesh._unflatten(0, (groups, tp // groups), ("tp_unit", "unit_replicate"))
+        return self._units[groups]
+
+
 def expert_counts(model: nn.Module) -> tuple[int, int, int]:
     """``(parameters in experts, experts per MoE layer, experts each token goes to)`` of an HF model whose config
     declares an expert plan (its ``ep_dispatch_experts`` modules); zeros for a dense model. Sharded parameters count
@@ -232,6 +256,8 @@ class HFPlansFamily(HFFamily):
 
         tp_plan, _ = resolved_plans(model, tp_mesh.size(), ep)
         tied = _owners(model)
+        if getattr(model, "_mesh_manager", None) is None:
+            model._mesh_manager = _TPMeshes(tp_mesh)
         apply_tensor_parallelism(model, tp_mesh, tp_plan)
         _retie(tied)
 

@@ -15,8 +15,9 @@ cache. Point it at a persistent folder on machines whose ``/tmp`` is cleared.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 
@@ -27,7 +28,22 @@ def compile_blocks(blocks: list[nn.Module], dynamic: Optional[bool] = None) -> l
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is None:
             block.compile(dynamic=dynamic)
+            block._compiled_call_impl = _tracing_checkpointed(block._compiled_call_impl)
     return blocks
+
+
+def _tracing_checkpointed(compiled: Callable) -> Callable:
+    """``compiled`` traced with Python side effects of a checkpointed forward allowed, not replayed when the
+    backward recomputes it. Without this, one context-variable write in the block (transformers >= 5.25 wraps
+    Llama's attention in ``kernels``' forward, which sets and resets one) breaks the checkpointed graph and the whole
+    block falls back to eager. The flag is read while tracing, so it is set around each call (a no-op once traced);
+    a block's tensor work is recomputed exactly as eagerly."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def is_compiled(model: nn.Module) -> bool:
