@@ -503,6 +503,29 @@ def run_command(command: str, work: Path, env: dict[str, str],
     return zygote.run_one(argv, env, port, COMMAND_TIMEOUT, cwd=work)
 
 
+def launched_ranks(block: Block) -> int:
+    """How many processes a Python block's ``Trainer``/``Fabric`` runs on: its ``devices=N`` when every one it
+    builds says the same N and no ``num_nodes``; 1 otherwise (the block then runs as one plain process)."""
+    counts = {int(n) for n in re.findall(r"\bdevices\s*=\s*(\d+)", block.text)}
+    return counts.pop() if len(counts) == 1 and "num_nodes" not in block.text else 1
+
+
+def run_ranks(script: Path, ranks: int, work: Path, env: dict[str, str],
+              zygote: Launcher) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node RANKS script`` with the ranks forked from zygotes: the example's Trainer or
+    Fabric finds torchrun's variables and starts no process of its own. What a ``python example.py`` run saves is a
+    second interpreter importing torch, Lightning and the rest (Lightning starts rank 1 with ``sys.executable``);
+    README's examples still run that way, so the launch a reader's first run takes stays checked here. Rank 0's
+    output, then the others', as the combined output."""
+    logs = zygote.logs(script.stem, ranks)
+    try:
+        codes = zygote.run([script.name], env, ranks, free_port(), logs, COMMAND_TIMEOUT, cwd=work)
+    except TimeoutError:
+        raise subprocess.TimeoutExpired([sys.executable, script.name], COMMAND_TIMEOUT) from None
+    output = "".join(log.read_text(errors="replace") for log in logs)
+    return subprocess.CompletedProcess([sys.executable, script.name], next((c for c in codes if c), 0), output, "")
+
+
 def run_block(block: Block, work: Path, env: dict[str, str],
               zygote: Optional[Launcher] = None) -> tuple[str, list[str]]:
     """Run a block's commands (a Python block as a script); return what it printed and its commands' timings."""
@@ -510,21 +533,33 @@ def run_block(block: Block, work: Path, env: dict[str, str],
         script = work / f"docs_{block.page.stem}_{block.line}.py"
         script.write_text(block.text)
         commands = [f"python {script.name}"]
+        ranks = launched_ranks(block)
+        if ranks > 1 and zygote is not None and block.page.name != "README.md":
+            start = time.perf_counter()
+            proc = run_ranks(script, ranks, work, env, zygote)
+            timings = [f"{time.perf_counter() - start:6.1f}s  {block.where}  torchrun --nproc_per_node {ranks} "
+                       f"{script.name}"]
+            check_exit(block, f"torchrun --nproc_per_node {ranks} {script.name}", proc)
+            return proc.stdout + proc.stderr, timings
     else:
         ports: dict[str, str] = {}
         commands = [with_ports(c, ports) for c in block.commands()]
     output, timings = "", []
-    expect_failure = bool(block.marker and block.marker[0] == "fails")
     for command in commands:
         start = time.perf_counter()
         proc = run_command(command, work, env, zygote)
         timings.append(f"{time.perf_counter() - start:6.1f}s  {block.where}  {command}")
         output += proc.stdout + proc.stderr
-        failed = proc.returncode != 0
-        if failed != expect_failure:
-            outcome = f"exited {proc.returncode}" if failed else "succeeded but the page says it fails"
-            raise BlockFailed(f"{block.where}: `{command}` {outcome}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        check_exit(block, command, proc)
     return output, timings
+
+
+def check_exit(block: Block, command: str, proc: subprocess.CompletedProcess) -> None:
+    """Raise BlockFailed unless ``command`` failed exactly when the block's marker says it fails."""
+    failed = proc.returncode != 0
+    if failed != bool(block.marker and block.marker[0] == "fails"):
+        outcome = f"exited {proc.returncode}" if failed else "succeeded but the page says it fails"
+        raise BlockFailed(f"{block.where}: `{command}` {outcome}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 
 
 def run_page(path: Path, work: Path, zygote: Optional[Launcher] = None) -> tuple[Optional[str], list[str]]:

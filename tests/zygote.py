@@ -246,16 +246,17 @@ class Launcher:
         return self.zygotes[:nproc]
 
     def run(self, argv: list[str], env: dict[str, str], nproc: int, port: int, logs: list[Path],
-            timeout: float, run_env: dict[str, str] | None = None, errs: list[Path] | None = None) -> list[int]:
+            timeout: float, run_env: dict[str, str] | None = None, errs: list[Path] | None = None,
+            cwd: Path | None = None) -> list[int]:
         """Run ``argv`` (script, args) on ``nproc`` ranks; return their exit codes. As torchrun does, when a rank
         fails the others get SIGTERM, then SIGKILL after a grace period. Raises TimeoutError past ``timeout``.
         ``run_env``: variables read only after the imports (a launcher's LT_*); ``errs``: stderr files apart from
-        the logs."""
+        the logs; ``cwd``: where the ranks run (default: the launcher's folder)."""
         zygotes = self._zygotes(nproc, env)
         deadline = time.monotonic() + timeout
         pids = []
         for rank, (zygote, log) in enumerate(zip(zygotes, logs)):
-            zygote.send({"argv": argv, "cwd": str(self.cwd), "log": str(log), "err": str((errs or logs)[rank]),
+            zygote.send({"argv": argv, "cwd": str(cwd or self.cwd), "log": str(log), "err": str((errs or logs)[rank]),
                          "env": {**rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json"))),
                                  **(run_env or {})}})
             reply = zygote.read(time.monotonic() + 60)
