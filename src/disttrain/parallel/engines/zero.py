@@ -136,7 +136,10 @@ class ZeroEngine(Engine):
         return Layout(
             params=Params((), Dtype.COMPUTE, Where.DEVICE, gather=Gather.AFTER_STEP, units=Units.NONE),
             grads=grads, optimizer=optimizer, partition=Partition.FLAT,
-            buffers=Buffers(reduce_bucket=REDUCE_BUCKET, partition_copy=offloaded, accumulation_copy=offloaded),
+            # (stage 1 under offload_optimizer, which no registered name sets, keeps its accumulation copy and
+            # fp32 gradient partition in host memory too: not counted here, its gradients are declared whole)
+            buffers=Buffers(reduce_bucket=REDUCE_BUCKET, partition_copy=offloaded,
+                            accumulation_copy=offloaded and options.stage == 2),
             work=Work.PLAIN, can=_capabilities(offload=("grads", "optimizer")))
 
     @property
