@@ -110,7 +110,10 @@ def test_zero1_and_zero2_are_planned_from_their_layout_alone(zero12):
     part = zero3.params // 2  # DeepSpeed's padded partition, in elements
     assert (one.params, one.grads, one.optimizer) == (2 * P, 2 * P, 12 * part)
     assert (two.params, two.grads, two.optimizer) == (2 * P, 2 * part, 12 * part)
-    assert (off.params, off.grads, off.optimizer, off.host) == (2 * P, 0, 0, 2 * part + 12 * part)
+    # in host memory: the fp32 gradient partition, master copy and moments; a 16-bit copy of the partition and of
+    # its gradients (summed over micro-steps)
+    assert (off.params, off.grads, off.optimizer, off.host) == (2 * P, 0, 0, (4 + 12 + 2 + 2) * part)
+    assert off.buffers == one.buffers  # the reduce bucket in 16 bits, the gradients' reduce dtype
     # gradients reduce-scattered in 16 bits, the updated partitions gathered once after the step
     assert one.comm["dp"] == pytest.approx(7 / 8 * P * 2) and one.comm["after_step"] == pytest.approx(7 / 8 * P * 2)
     assert one.buffers >= REDUCE_BUCKET * 2  # DeepSpeed's reduce bucket, allocated whole

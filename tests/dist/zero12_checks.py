@@ -1,13 +1,14 @@
 """ZeRO-1/2 specifics on 2 CPU processes, each stage on the Trainer and on Fabric: losses, what each rank holds of
 DeepSpeed's partitions (the Trainer accumulating over 2 micro-batches), Fabric's setup_module + setup_optimizers
-with clipping, full_model, Fabric's refusal of accumulation, bf16, and fp16 with dynamic loss scaling (an overflow
-step skipped). Usage: zero12_checks.py OUT
+with clipping, full_model, Fabric accumulating over 2 micro-batches (every stage; the bytes each rank holds, for the
+planner's estimate) and its error on a wrong count of backward passes, bf16, and fp16 with dynamic loss scaling (an
+overflow step skipped). Usage: zero12_checks.py OUT
 
 What a rank holds is read from DeepSpeed's stage 1/2 optimizer itself: its fp32 master partitions
 (``single_partition_of_fp32_groups``), the optimizer state keyed by them, and the gradients it keeps between
 accumulation micro-steps (``param.grad``, whole; ``all_grad_tensors`` / ``averaged_gradients``, the gradients of
 the parameters its partition covers; under offload, the fp32 partitions' ``.grad`` and the per-parameter
-accumulation buffers in host memory).
+accumulation buffers in host memory); in bytes, by disttrain.planner.measure.zero12_state_bytes.
 """
 
 import math
@@ -18,11 +19,24 @@ import lightning as L
 import torch
 
 import disttrain
+from disttrain.callbacks import GradientAccumulation
+from disttrain.planner.measure import zero12_state_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LlamaModule, loader, mean_over_ranks, probe_input, rank_batch, tiny_llama, write_result  # noqa: E402
+from common import (  # noqa: E402
+    MICRO_BATCH,
+    LlamaModule,
+    loader,
+    mean_over_ranks,
+    probe_input,
+    rank_batch,
+    tiny_llama,
+    write_result,
+)
 
 NAMES = ("disttrain_zero1", "disttrain_zero2", "disttrain_zero2_offload")
+ACCUMULATING = (*NAMES, "disttrain_zero3", "disttrain_zero3_offload")
+MICRO_STEPS = 2  # Fabric's accumulation window
 MAX_NORM = 0.5  # below the tiny Llama's gradient norms (about 2): every step is clipped
 
 
@@ -76,7 +90,7 @@ def trainer_run(name: str) -> dict:
 
 def fabric_run(name: str, steps: int = 3) -> dict:
     """litgpt's set-up (setup_module, then the optimizer from its parameters), every step clipped at MAX_NORM;
-    then the full model, and the refusal of accumulation."""
+    then the full model."""
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=name)
     fabric.launch()
     model = fabric.setup_module(tiny_llama())
@@ -95,17 +109,76 @@ def fabric_run(name: str, steps: int = 3) -> dict:
         grad_inside = torch.is_grad_enabled()
     with torch.no_grad():
         engine_logits = model(input_ids=probe_input()).logits
-    accumulating = L.Fabric(accelerator="cpu", devices=2, strategy=disttrain.fabric.ZeroStrategy(
-        **_defaults(name), gradient_accumulation_steps=2))
-    accumulating.launch()
-    try:
-        accumulating.setup(tiny_llama(), torch.optim.AdamW(tiny_llama().parameters()))
-        refusal = None
-    except ValueError as e:
-        refusal = str(e)
     return {"losses": losses, "norms": norms, "held": held(optimizer.optimizer), "logits": logits.tolist(),
             "same_as_engine": bool(torch.equal(logits, engine_logits)), "grad_inside_full_model": grad_inside,
-            "engine": fabric.strategy.engine.name, "accumulation_refusal": refusal}
+            "engine": fabric.strategy.engine.name}
+
+
+def fabric_accumulation_run(name: str, steps: int = 3) -> dict:
+    """Fabric's accumulation as a user writes it (GradientAccumulation.attach sets the strategy's
+    gradient_accumulation_steps): MICRO_STEPS backward passes, then optimizer.step(). Losses per optimizer step (the
+    mean of its micro-steps'), and below stage 3 the largest bytes of each kind a rank held after a backward or a
+    step (zero12_state_bytes)."""
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=name)
+    accumulation = GradientAccumulation(global_batch_size=MICRO_STEPS * MICRO_BATCH * 2)
+    micro_steps = accumulation.attach(fabric, micro_batch_size=MICRO_BATCH)
+    fabric.launch()
+    model = tiny_llama()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    zero = optimizer.optimizer
+    peak: dict[str, int] = {}
+
+    def measure() -> None:
+        if hasattr(zero, "single_partition_of_fp32_groups"):  # stages 1 and 2
+            for key, value in zero12_state_bytes(zero).items():
+                peak[key] = max(peak.get(key, 0), value)
+
+    losses = []
+    for step in range(steps):
+        micro = []
+        for i in range(micro_steps):
+            ids = rank_batch(step * micro_steps + i, fabric.global_rank, fabric.world_size)
+            with accumulation.micro_step(fabric, model, i):
+                loss = model(input_ids=ids, labels=ids).loss
+                fabric.backward(accumulation.scale(fabric, loss))
+            measure()
+            micro.append(mean_over_ranks(loss))
+        optimizer.step()
+        measure()
+        optimizer.zero_grad()
+        losses.append(sum(micro) / len(micro))
+    return {"losses": losses, "micro_steps": micro_steps, "bytes": peak,
+            "accumulation": fabric.strategy.config["gradient_accumulation_steps"],
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def fabric_wrong_counts(name: str = "disttrain_zero2") -> dict:
+    """gradient_accumulation_steps=2, then a step after one backward, and a third backward in a window."""
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=disttrain.fabric.ZeroStrategy(
+        **_defaults(name), gradient_accumulation_steps=MICRO_STEPS))
+    fabric.launch()
+    model = tiny_llama()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = rank_batch(0, fabric.global_rank, fabric.world_size)
+    backward = lambda: fabric.backward(model(input_ids=ids, labels=ids).loss)  # noqa: E731
+    errors = {}
+    backward()
+    try:
+        optimizer.step()
+    except RuntimeError as e:
+        errors["early_step"] = str(e)
+    optimizer.zero_grad()
+    for _ in range(MICRO_STEPS):
+        backward()
+    optimizer.step()  # a whole window steps again after the refused step
+    optimizer.zero_grad()
+    for _ in range(MICRO_STEPS):
+        backward()
+    try:
+        backward()
+    except RuntimeError as e:
+        errors["extra_backward"] = str(e)
+    return errors
 
 
 def _defaults(name: str) -> dict:
@@ -170,5 +243,7 @@ def bf16_run() -> dict:
 
 result = {"trainer": {name: trainer_run(name) for name in NAMES},
           "fabric": {name: fabric_run(name) for name in NAMES},
+          "fabric_accumulation": {name: fabric_accumulation_run(name) for name in ACCUMULATING},
+          "fabric_wrong_counts": fabric_wrong_counts(),
           "fp16": fp16_run(), "bf16": bf16_run()}
 write_result(result)

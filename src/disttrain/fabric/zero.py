@@ -31,7 +31,8 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
     fabric.setup_module(model)`` then ``optimizer = fabric.setup_optimizers(optimizer)`` (litgpt's form: the optimizer
     is made from the partitioned parameters). ``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips by the
     whole model's gradient 2-norm with DeepSpeed's own clipping, in the next ``optimizer.step()``, and returns that
-    norm.
+    norm. With ``gradient_accumulation_steps=N``, call ``optimizer.step()`` after every N ``fabric.backward(loss)``
+    (the loss undivided: DeepSpeed divides it); another count is an error.
     """
 
     strategy_name = "disttrain_zero3"
@@ -86,9 +87,11 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
             extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build
                 once.
             micro_batch_size: Fabric only (the Trainer reads its DataLoader and ``accumulate_grad_batches``, and refuses
-                these). Fabric accumulates under stage 3 only.
+                these). Under Fabric, call ``optimizer.step()`` after every ``gradient_accumulation_steps`` calls of
+                ``fabric.backward(loss)`` (DeepSpeed divides each loss by it).
             gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and ``accumulate_grad_batches``,
-                and refuses these). Fabric accumulates under stage 3 only.
+                and refuses these). Under Fabric, call ``optimizer.step()`` after every ``gradient_accumulation_steps``
+                calls of ``fabric.backward(loss)`` (DeepSpeed divides each loss by it).
             broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the ranks: rank 0's after every
                 training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
             sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's
@@ -151,8 +154,18 @@ class ZeroStrategy(FabricAdapter, DeepSpeedPlumbing, DeepSpeedStrategy):
                                   f" fabric.clip_gradients(model, optimizer, max_norm={clip_val}) instead of clip_val")
 
     @override
+    def backward(self, tensor: torch.Tensor, module: Any, *args: Any, **kwargs: Any) -> None:
+        # Fabric passes the DeepSpeed engine the loss belongs to; optimizer.step() will not call its step(), so
+        # DeepSpeed learns from here which backward ends an accumulation window.
+        if module is not None:
+            self.engine.mark_backward(module)
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         engine = self._deepspeed_engine
+        if engine is not None:
+            self.engine.check_window(engine)
         stepping = engine is not None and engine.is_gradient_accumulation_boundary()
         output = super().optimizer_step(optimizer, **kwargs)
         if stepping:

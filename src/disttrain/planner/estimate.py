@@ -275,7 +275,7 @@ def _data_parallel(s: Setup) -> Estimate:
     root = spec.root_params if spec.layers and buffers.root_gathered else 0
     extra = ((P * z.grad if buffers.gradient_copy else 0) + root * z.compute
              + buffers.gathered_units * unit * z.compute + buffers.unit_gradients * unit * z.reduce
-             + buffers.reduce_bucket * z.grad)
+             + buffers.reduce_bucket * z.reduce)
 
     # Gathers per unit run over the parameters' shard group, which is the optimizer's (FSDP2, ZeRO-3).
     gathers = layout.params.gather.per_step if layout.params.gather is Gather.PER_UNIT else 0
@@ -295,6 +295,13 @@ def _data_parallel(s: Setup) -> Estimate:
 
     device = [b if state.where is Where.DEVICE else 0 for b, state in zip(states, layout.states)]
     host = sum(b for b, state in zip(states, layout.states) if state.where is Where.HOST)
+    # Copies of a partition (DeepSpeed's stage 1/2 offload), in the compute dtype, beside the state they copy.
+    for copied, state, count in ((buffers.partition_copy, layout.optimizer, elements[2]),
+                                 (buffers.accumulation_copy, layout.grads, elements[1])):
+        if copied and state.where is Where.HOST:
+            host += count * z.compute
+        elif copied:
+            extra += count * z.compute
     if layout.optimizer.where is not Where.DEVICE:  # a CPU optimizer steps the shards
         shard = elements[2]
         comm["pcie"] = shard * (z.compute + z.grad)  # shards up before use, gradients down

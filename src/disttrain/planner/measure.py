@@ -74,8 +74,11 @@ def state_bytes(model: nn.Module, optimizer: Any = None) -> dict[str, int]:
     after ``optimizer.step()`` and before ``zero_grad()`` (gradients and optimizer state both alive).
 
     ZeRO-3 keeps its gradients and fp32 master partitions inside its optimizer, not on ``p.grad``: they are read
-    from the DeepSpeed optimizer's flat partition lists."""
+    from the DeepSpeed optimizer's flat partition lists. ZeRO-1/2: :func:`zero12_state_bytes` (with ``host`` and
+    ``buffers``)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric/Lightning wrappers
+    if hasattr(inner, "single_partition_of_fp32_groups"):
+        return zero12_state_bytes(inner)
     zero = _zero_optimizer(inner)
     if zero is None:
         return rank_state_bytes(model, inner)
@@ -89,6 +92,62 @@ def state_bytes(model: nn.Module, optimizer: Any = None) -> dict[str, int]:
     out["optimizer"] = states + tensor_bytes(master)
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def zero12_state_bytes(zero: Any) -> dict[str, int]:
+    """``{"params", "grads", "optimizer", "host", "buffers", "total"}`` bytes DeepSpeed's ZeRO stage 1/2 optimizer
+    (``zero``) holds on this rank now, each storage counted once, whole (a view of a flat buffer counts the buffer).
+
+    params: the flat buffer the model's parameters are views of. grads: the gradients on the compute device: the
+    parameters' ``.grad`` (whole, between micro-steps under stage 1), the reduced partition DeepSpeed keeps for the
+    step (``averaged_gradients``, ``all_grad_tensors``, ``grads_in_partition``) and the fp32 partitions' ``.grad``.
+    optimizer: the fp32 master partitions and the optimizer state. host: under ``offload_optimizer``, what
+    DeepSpeed allocates on its offload device: the master partitions, their ``.grad``, the optimizer state, the
+    gradients accumulated between micro-steps (``accumulated_grads_in_cpu``), the 16-bit copy of the updated
+    partition and a one-parameter gradient staging buffer. They are told apart by that role, not by their device, so
+    that the split holds on a machine whose compute device is the CPU too. buffers: on the compute device, the
+    reduce bucket and (offload) a one-parameter gradient staging buffer. Gradients and their buckets come and go
+    within a step: measure after each backward and after the step and take each key's largest value for the
+    peak."""
+    seen: set[int] = set()
+
+    def held(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+    def flat(value: Any) -> list:
+        if isinstance(value, torch.Tensor):
+            return [value]
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, (list, tuple)):
+            return [t for v in value for t in flat(v)]
+        return []
+
+    master = list(zero.single_partition_of_fp32_groups)
+    states = [v for state in zero.optimizer.state.values() for v in state.values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    optimizer = held(master) + held(states)
+    offloaded = [m.grad for m in master] + flat(getattr(zero, "accumulated_grads_in_cpu", {}))
+    staging = flat([getattr(zero, "param_buffer_of_bit16_for_cpu_offload_groups", None),
+                    getattr(zero, "temp_grad_buffer_for_cpu_offload", None)])
+    host = optimizer + held(offloaded) + held(staging) if zero.cpu_offload else 0
+    params = held(zero.bit16_groups_flat)
+    buckets = [t for bucket in getattr(zero, "ipg_buckets", {}).values() for t in flat(getattr(bucket, "buffer", []))]
+    buffers = held(buckets + flat([getattr(zero, "temp_grad_buffer_for_gpu_offload", None)]))
+    grads = held([p.grad for group in zero.bit16_groups for p in group] + offloaded
+                 + flat([getattr(zero, name, None) for name in ("all_grad_tensors", "averaged_gradients",
+                                                                "grads_in_partition")]))
+    device = {"params": params, "grads": grads, "optimizer": 0 if zero.cpu_offload else optimizer}
+    return {**device, "host": host, "buffers": buffers, "total": sum(device.values()) + host}
 
 
 def _zero_optimizer(opt: Any) -> Any:

@@ -54,7 +54,8 @@ class ZeroOptions:
         costs a ~2.5-minute JIT build the first time).
     extensions_dir: where DeepSpeed JIT-builds ops such as CPU Adam (TORCH_EXTENSIONS_DIR); reuse it to build once.
     micro_batch_size, gradient_accumulation_steps: Fabric only (the Trainer reads its DataLoader and
-        ``accumulate_grad_batches``, and refuses these). Fabric accumulates under stage 3 only.
+        ``accumulate_grad_batches``, and refuses these). Under Fabric, call ``optimizer.step()`` after every
+        ``gradient_accumulation_steps`` calls of ``fabric.backward(loss)`` (DeepSpeed divides each loss by it).
     broadcast_buffers: keep buffers (BatchNorm running statistics) equal across the ranks: rank 0's after every
         training forward, as DDP's ``broadcast_buffers=True`` does; False lets each rank keep its own.
     sync_batchnorm: BatchNorm layers as SyncBatchNorm (GPU only, as under DDP); the Trainer's

@@ -180,7 +180,12 @@ class Buffers:
     root_gathered: the root's own parameters (embeddings, head) stay gathered through forward and backward (FSDP2).
     unit_gradients: units whose unsharded gradients are held for their reduction, in the reduce dtype.
     reduce_bucket: elements of a reduction buffer allocated whole (DeepSpeed's ``reduce_bucket_size``), in the
-        gradient dtype.
+        gradients' reduce dtype.
+    partition_copy: a copy of the optimizer's parameter partition in the compute dtype, where the optimizer lives
+        (DeepSpeed's stage 1/2 offload casts the updated partition there before it is all-gathered).
+    accumulation_copy: a copy of this rank's gradients in the compute dtype, where the gradients live, that the
+        micro-steps of an accumulation window are summed into (DeepSpeed's stage 1/2 offload; allocated by the
+        first window that accumulates, and counted as if the run accumulates).
     """
 
     gradient_copy: bool = False
@@ -188,6 +193,8 @@ class Buffers:
     root_gathered: bool = False
     unit_gradients: int = 0
     reduce_bucket: int = 0
+    partition_copy: bool = False
+    accumulation_copy: bool = False
 
 
 @dataclass(frozen=True)

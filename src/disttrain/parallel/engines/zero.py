@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import weakref
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Iterator, Optional
@@ -86,6 +87,8 @@ class ZeroEngine(Engine):
         super().__init__(options, options.name if name.startswith("disttrain_zero") else name)
         set_extensions_dir(options)
         self.config: dict[str, Any] = {}
+        # Backward passes since the last optimizer step, per DeepSpeed engine (mark_backward).
+        self._backwards: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     @classmethod
     def layout(cls, options: ZeroOptions) -> Layout:
@@ -101,9 +104,15 @@ class ZeroEngine(Engine):
         optimizer reads them there).
 
         Stages 1 and 2: every rank keeps the whole model in the compute dtype; the gradients are reduced bucket by
-        bucket during backward into the partition each rank updates (stage 2 keeps only that partition, stage 1 the
-        whole gradient), and after each optimizer step the updated partitions are all-gathered back into the whole
-        model. Plain modules: no hooks but the gradients' own."""
+        bucket during backward into the partition each rank updates, and after each optimizer step the updated
+        partitions are all-gathered back into the whole model. Plain modules: no hooks but the gradients' own.
+        What is declared is held while gradients accumulate (the Trainer's ``accumulate_grad_batches``, Fabric's
+        ``gradient_accumulation_steps``), which is where the stages differ: between micro-steps stage 1 keeps every
+        gradient whole (it reduces at the window's last backward only), stage 2 only its partition. Under
+        ``offload_optimizer`` the gradient partition is the fp32 master's gradient in host memory, next to a 16-bit
+        copy of the partition (the updated weights, cast before the all-gather) and, once a window accumulates, a
+        16-bit copy of the partition's gradients that the micro-steps are summed into. Without accumulation stage 1
+        keeps only its partition after backward, and offload needs no accumulation copy: less than declared."""
         shard = ("dp_shard", "cp")
         places = {None: Where.DEVICE, "cpu": Where.HOST, "nvme": Where.NVME}
         optimizer_at = places[options.offload_optimizer]
@@ -117,12 +126,20 @@ class ZeroEngine(Engine):
                 optimizer=optimizer, partition=Partition.FLAT,
                 buffers=Buffers(gathered_units=2, reduce_bucket=REDUCE_BUCKET), work=Work.ZERO3,
                 can=_capabilities(offload=("params", "grads", "optimizer")))
+        offloaded = optimizer_at is not Where.DEVICE
+        if options.stage == 2:
+            grads = Grads(shard, Dtype.FP32 if offloaded else Dtype.COMPUTE, grads_at, reduce=Reduce.REDUCE_SCATTER,
+                          reduce_dtype=Dtype.COMPUTE, bucket_bytes=2 * REDUCE_BUCKET)
+        else:  # whole between micro-steps; reduced into the partition (the master's gradient) at the window's end
+            grads = Grads((), Dtype.COMPUTE, Where.DEVICE, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.COMPUTE,
+                          bucket_bytes=2 * REDUCE_BUCKET)
         return Layout(
             params=Params((), Dtype.COMPUTE, Where.DEVICE, gather=Gather.AFTER_STEP, units=Units.NONE),
-            grads=Grads(shard if options.stage == 2 else (), Dtype.COMPUTE, grads_at if options.stage == 2
-                        else Where.DEVICE, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.COMPUTE,
-                        bucket_bytes=2 * REDUCE_BUCKET),
-            optimizer=optimizer, partition=Partition.FLAT, buffers=Buffers(reduce_bucket=REDUCE_BUCKET),
+            grads=grads, optimizer=optimizer, partition=Partition.FLAT,
+            # (stage 1 under offload_optimizer, which no registered name sets, keeps its accumulation copy and
+            # fp32 gradient partition in host memory too: not counted here, its gradients are declared whole)
+            buffers=Buffers(reduce_bucket=REDUCE_BUCKET, partition_copy=offloaded,
+                            accumulation_copy=offloaded and options.stage == 2),
             work=Work.PLAIN, can=_capabilities(offload=("grads", "optimizer")))
 
     @property
@@ -186,7 +203,6 @@ class ZeroEngine(Engine):
         hands the model over through :meth:`prepare` and :meth:`initialize`)."""
         if len(optimizers) > 1:
             raise ValueError(f"{self.name} takes one optimizer per model (DeepSpeed), got {len(optimizers)}")
-        self._refuse_fabric_accumulation()
         module = self.prepare(module, device, training, sync_batchnorm, convert)
         engine, zero_optimizer, _ = self.initialize(module, optimizers[0] if optimizers else None, scheduler, device)
         self.broadcast_buffers(engine.module)
@@ -195,23 +211,11 @@ class ZeroEngine(Engine):
     def setup_optimizer(self, engine: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> Any:
         """The ZeRO optimizer over the parameters of an engine set up without one (litgpt's ``setup_module`` then
         ``setup_optimizers``)."""
-        self._refuse_fabric_accumulation()
         own = {id(p) for p in engine.module.parameters()}
         if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(f"{self.name}: the optimizer holds parameters that are not the last model set up with"
                              " fabric.setup_module; make it from that model's parameters, right after setting it up")
         return attach_zero_optimizer(engine, self.optimizer_for(optimizer, device))
-
-    def _refuse_fabric_accumulation(self) -> None:
-        """Fabric's ``optimizer.step()`` steps DeepSpeed's ZeRO optimizer, not its engine, whose micro-step count
-        tells backward which micro-step ends the window: stage 3 reduces every micro-step's gradients anyway, stage
-        1/2 reduce only in that last backward (without it the step finds no gradients)."""
-        steps = self.config.get("gradient_accumulation_steps", 1)
-        if steps > 1 and self.options.stage < 3:
-            raise ValueError(f"gradient_accumulation_steps={steps}: {self.name} does not accumulate under Fabric"
-                             " (DeepSpeed's stage 1/2 optimizer reduces gradients only when its engine steps, which"
-                             " Fabric's optimizer.step() bypasses); accumulate under the Trainer"
-                             " (accumulate_grad_batches), or use disttrain_zero3 or disttrain_fsdp with Fabric")
 
     # -- training ---------------------------------------------------------------------------------------------
     def clip_grad_norm_(self, module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
@@ -232,6 +236,38 @@ class ZeroEngine(Engine):
                                " cannot be clipped; pass error_if_nonfinite=False to let DeepSpeed skip the step")
         zero_optimizer.clip_grad = float(max_norm)
         return norm
+
+    def mark_backward(self, engine: Any) -> None:
+        """Before each backward of a loop that steps the optimizer once per accumulation window (Fabric's
+        ``fabric.backward(loss)`` ... ``optimizer.step()``): tell DeepSpeed whether this backward ends the window,
+        i.e. is the ``gradient_accumulation_steps``-th since the last step. ``engine``: the DeepSpeed engine.
+
+        Why: DeepSpeed counts micro-steps in its engine's ``step()``, which such a loop never calls (Fabric's
+        ``optimizer.step()`` steps the ZeRO optimizer itself, once per window). Left alone, that count never moves
+        and no backward ends a window: stages 1 and 2 would reduce no gradient into the partitions they step (the
+        step fails), offloaded stages would never copy their gradients to the host optimizer."""
+        steps = engine.gradient_accumulation_steps()
+        if steps == 1:
+            return  # every backward ends a window (DeepSpeed's own count says so)
+        done = self._backwards.get(engine, 0)
+        if done == steps:
+            raise RuntimeError(f"{self.name}: backward pass {done + 1} since the last optimizer step, but"
+                               f" gradient_accumulation_steps={steps}: call optimizer.step() after every {steps}"
+                               f" backward passes, or pass ZeroStrategy(gradient_accumulation_steps=N), N the"
+                               " backward passes per step")
+        engine.set_gradient_accumulation_boundary(done + 1 == steps)
+        self._backwards[engine] = done + 1
+
+    def check_window(self, engine: Any) -> None:
+        """Before a loop's optimizer step (see :meth:`mark_backward`): the step must end an accumulation window,
+        otherwise DeepSpeed would step partitions holding part of the window's gradients (stages 1 and 2: none)."""
+        steps = engine.gradient_accumulation_steps()
+        done = self._backwards.pop(engine, 0)
+        if steps > 1 and done != steps:
+            raise RuntimeError(f"{self.name}: optimizer.step() after {done} backward passes, but"
+                               f" gradient_accumulation_steps={steps}: call optimizer.step() after every {steps}"
+                               f" backward passes, or pass ZeroStrategy(gradient_accumulation_steps=N), N the"
+                               " backward passes per step")
 
     def after_optimizer_step(self, engine: Any) -> None:
         """A ``clip_grad_norm_`` holds for one step; after it, the config's value again."""
