@@ -116,7 +116,9 @@ class Calibration:
         out = asdict(self)
         out.pop("path")
         out["links"] = {op: asdict(link) for op, link in self.links.items()}
-        if self.inter_links is not None:
+        if self.inter_links is None:
+            out.pop("inter_links")  # a file of one node as it always was
+        else:
             out["inter_links"] = {op: asdict(link) for op, link in self.inter_links.items()}
         return out
 
