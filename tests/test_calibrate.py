@@ -634,3 +634,56 @@ def test_calibrate_over_two_nodes_on_loopback_measures_both_links(tmp_path):
     grows = fsdp_units(spec) * (slow.latency - was.latency) + \
         hsdp.comm["dp_replicate"] * (1 / slow.bandwidth - 1 / was.bandwidth)
     assert step_time(spec, hsdp, slowed) - step_time(spec, hsdp, measured) == pytest.approx(grows, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_slower_network_between_nodes_is_measured_slower(tmp_path):
+    """Two nodes in network namespaces of their own, joined by a veth pair shaped to 200 Mbit/s (tc tbf): the links
+    between nodes are measured below that rate, those within a node (its own address, not over the veth) far above.
+    Needs root and `ip netns` / `tc` (skipped without them)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        pytest.skip("needs root, ip and tc (network namespaces)")
+    tag = f"dtc{os.getpid() % 100000}"
+    spaces, ends, addresses = [f"{tag}n0", f"{tag}n1"], [f"{tag}v0", f"{tag}v1"], ["10.77.0.1", "10.77.0.2"]
+    rate = 200e6 / 8  # bytes/s the veth carries each way
+
+    def ip(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True, text=True)
+
+    try:
+        try:
+            for space in spaces:
+                ip("ip", "netns", "add", space)
+            ip("ip", "link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+            for space, end, address in zip(spaces, ends, addresses):
+                ip("ip", "link", "set", end, "netns", space)
+                ip("ip", "-n", space, "addr", "add", f"{address}/24", "dev", end)
+                ip("ip", "-n", space, "link", "set", end, "up")
+                ip("ip", "-n", space, "link", "set", "lo", "up")
+                ip("tc", "-n", space, "qdisc", "add", "dev", end, "root", "tbf", "rate", "200mbit", "burst",
+                   "32kbit", "latency", "50ms")
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"network namespaces unavailable here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+        procs = [subprocess.Popen(
+            ["ip", "netns", "exec", space, sys.executable, "-m", "disttrain.cli", "calibrate", "--devices", "2",
+             "--num-nodes", "2", "--node-rank", str(node), "--main-address", addresses[0], "--main-port", "29555",
+             "--quick"], cwd=ROOT, env={**child_env(), "DISTTRAIN_CACHE": str(tmp_path / f"node{node}"),
+                                        "GLOO_SOCKET_IFNAME": end},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for node, (space, end) in enumerate(zip(spaces, ends))]
+        for proc in procs:
+            _, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-4000:]
+    finally:
+        for space in spaces:
+            subprocess.run(["ip", "netns", "del", space], capture_output=True)  # takes its end of the veth along
+    c = cal.load(next((tmp_path / "node0" / "calibration").glob("*-cpu-2x2.json")))
+    assert all(link.bandwidth < rate for link in c.inter_links.values()), c.inter_links
+    assert c.inter_links["all_reduce"].bandwidth < c.links["all_reduce"].bandwidth / 4, (c.links, c.inter_links)

@@ -347,7 +347,7 @@ def _plan(argv: list[str]) -> int:
     from disttrain.planner import hardware
     from disttrain.planner.hardware import present
 
-    here = here_device(args.gpu, args.gpus)
+    here = here_device(args.gpu, args.gpus, args.gpus_per_node)
     if args.trial and here is None:
         named = f"--gpu {args.gpu}" if args.gpu else "the default (A100-class) hardware"
         raise ValueError(f"--trial runs the plans on this machine's devices, and {named} with --gpus {args.gpus} is"
@@ -371,9 +371,10 @@ def _plan(argv: list[str]) -> int:
     return 0 if plan.choice is not None else 1
 
 
-def here_device(gpu: str | None, count: int) -> str | None:
+def here_device(gpu: str | None, count: int, per_node: int | None = None) -> str | None:
     """"cpu" or "cuda" when ``--gpu`` names this machine's devices (``cpu``; ``cuda`` or no ``--gpu`` with that many
-    GPUs here), else None: a preset for hardware that is not here."""
+    GPUs here), else None: a preset for hardware that is not here. ``--gpu cuda`` with ``per_node`` (--gpus-per-node)
+    GPUs here and ``count`` a multiple of it: a cluster of nodes like this one."""
     import torch
 
     if gpu is not None and gpu.lower() == "cpu":
@@ -382,8 +383,11 @@ def here_device(gpu: str | None, count: int) -> str | None:
     if (gpu is None or gpu.lower() == "cuda") and 0 < count <= gpus:
         return "cuda"
     if gpu is not None and gpu.lower() == "cuda":
-        raise ValueError(f"--gpu cuda: this machine has {gpus} GPUs, --gpus {count} asks for more; pass a preset"
-                         " (--gpu A100) to plan for hardware that is not here")
+        if per_node and 0 < per_node <= gpus and count % per_node == 0:
+            return "cuda"
+        raise ValueError(f"--gpu cuda: this machine has {gpus} GPUs, --gpus {count} asks for more; pass"
+                         " --gpus-per-node to plan for nodes like this one, or a preset (--gpu A100) to plan for"
+                         " hardware that is not here")
     return None
 
 

@@ -174,7 +174,8 @@ def present(kind: str, world_size: int, memory: Any = None, measure: bool = True
     """The Hardware of ``world_size`` processes on this machine's ``kind`` ("cpu" or "cuda") devices, with this
     machine's calibration: the cached one (over the nodes ``gpus_per_node=`` makes of the world, when measured so
     by ``disttrain calibrate --num-nodes``), else (``measure``) measured now on this host and cached (said on
-    stderr)."""
+    stderr): ``world_size`` processes, or one node's when this machine has fewer GPUs than the world (a cluster of
+    nodes like this one)."""
     from disttrain.planner.calibrate import cache_path, cached, calibrate, hardware_from, nodes_of
 
     device = torch.device(kind)
@@ -184,8 +185,11 @@ def present(kind: str, world_size: int, memory: Any = None, measure: bool = True
     if overrides:
         hw = replace(hw, **overrides)
     calibration = cached(device, world_size, nodes_of(world_size, hw.gpus_per_node))
+    here = world_size if kind == "cpu" or world_size <= torch.cuda.device_count() else hw.gpus_per_node
+    if calibration is None and here != world_size:
+        calibration = cached(device, here)
     if calibration is None and measure:
-        print(f"calibrating {world_size} {kind} processes (once; cached in {cache_path(device, world_size)})",
+        print(f"calibrating {here} {kind} processes (once; cached in {cache_path(device, here)})",
               file=sys.stderr, flush=True)
-        calibration = calibrate(world_size, kind)
+        calibration = calibrate(here, kind)
     return hardware_from(calibration, hw) if calibration is not None else hw
