@@ -160,6 +160,20 @@ def test_the_planner_finds_the_calibration_of_the_nodes_it_plans_for(cache):
     assert detect(torch.device("cpu"), 4, gpus_per_node=2).calibration.nodes == 2  # disttrain_auto at run time
 
 
+def test_plan_on_gpus_here_stands_for_a_cluster_of_nodes_like_this_one(monkeypatch):
+    import torch
+
+    from disttrain.cli import here_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert here_device("cuda", 32, 8) == here_device(None, 8) == "cuda"
+    assert here_device(None, 32) is None  # no --gpu: the default preset
+    for per_node in (None, 16, 12):  # more GPUs per node than here, or not dividing the world
+        with pytest.raises(ValueError, match="this machine has 8 GPUs, --gpus 32 asks for more; pass --gpus-per-node"):
+            here_device("cuda", 32, per_node)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--num-nodes", "2", "--node-rank", "2", "--main-address", "10.0.0.1"],
      "--node-rank 2 is not one of the --num-nodes 2 nodes' ranks: pass 0 to 1"),
