@@ -60,6 +60,136 @@ def test_a_corrupt_cache_file_is_one_error_naming_it_and_the_fix(cache, text, ca
     assert len(err) == 1 and str(path) in err[0] and "delete it or run `disttrain calibrate --force`" in err[0], err
 
 
+def two_nodes(**inter: cal.Link) -> cal.Calibration:
+    """A calibration of 2 nodes x 2 processes: the synthetic links within a node, ``inter`` (else fast) between."""
+    fast = cal.Link(1e-4, 1e9)
+    return replace(synthetic(), world_size=4, nodes=2, inter_links={op: inter.get(op, fast) for op in cal.OPS})
+
+
+def test_a_calibration_over_nodes_is_a_file_of_its_own_and_older_files_still_read(cache):
+    path = cal.cache_path("cpu", 4, nodes=2)
+    assert path.name.endswith("-cpu-2x2.json") and cal.cache_path("cpu", 4).name.endswith("-cpu-4.json")
+    assert cal.cached("cpu", 4, nodes=2) is None
+    cal.save(synthetic(), cal.cache_path("cpu", 4))
+    assert cal.cached("cpu", 4, nodes=2).inter_links is None  # no calibration over nodes: this host's
+    measured = two_nodes(all_reduce=cal.Link(2e-3, 1e8))
+    cal.save(measured, path)
+    back = cal.cached("cpu", 4, nodes=2)
+    assert (back.inter_links, back.links, back.nodes, back.per_node) == (measured.inter_links, measured.links, 2, 2)
+    assert cal.cached("cpu", 4).nodes == 1  # one host's file stays what it was
+    # a file written before the links between nodes were measured: no such keys; read as one node's
+    old = cal.cache_path("cpu", 2)
+    data = synthetic().to_json()
+    del data["nodes"]
+    assert "inter_links" not in data
+    old.write_text(json.dumps(data))
+    assert (cal.load(old).inter_links, cal.load(old).nodes) == (None, 1)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"inter_links": None}, "2 node.* without inter-node links"),
+    ({"nodes": 3}, "nodes 3 does not divide world_size 4"),
+    ({"inter_links": {op: {"latency": 1e-4, "bandwidth": 0.0} for op in cal.OPS}}, "not a finite latency"),
+    ({"links": {op: {"latency": float("nan"), "bandwidth": 1e9} for op in cal.OPS}}, "not a finite latency"),
+])
+def test_a_calibration_with_malformed_node_links_is_refused(cache, change, match):
+    path = cal.cache_path("cpu", 4, nodes=2)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**two_nodes().to_json(), **change}))
+    with pytest.raises(cal.CalibrationError, match=f"{match}.* calibrate --force"):
+        cal.cached("cpu", 4, nodes=2)
+
+
+def hsdp_and_fsdp(spec, hw) -> tuple:
+    plan = choose(spec, 4, hw, micro_batch=2, precision="32-true", activation_checkpointing=False)
+    hsdp = next(c.estimate for c in plan.candidates if c.estimate.dims.hybrid)
+    fsdp = next(c.estimate for c in plan.candidates if c.label == "disttrain_fsdp")
+    return hsdp, fsdp
+
+
+def test_traffic_across_nodes_costs_the_links_measured_between_nodes():
+    """2 nodes x 2 CPU processes: HSDP (shard=2 x 2) all-reduces its gradient shards between the nodes, one call per
+    FSDP unit; its gathers stay within a node. FSDP over all 4 ranks gathers across the nodes."""
+    from disttrain.planner.steptime import fsdp_units, step_time
+
+    spec = model_spec(TINY)
+    cpu = replace(hardware("cpu"), gpus_per_node=2)
+    base = cal.hardware_from(two_nodes(), cpu)
+    hsdp, fsdp = hsdp_and_fsdp(spec, base)
+    assert hsdp.dims.dp_replicate == 2 and hsdp.comm["dp_replicate"] > 0
+    slow = cal.Link(0.05, 1e6)
+    reduce_across = cal.hardware_from(two_nodes(all_reduce=slow), cpu)
+    grows = fsdp_units(spec) * (slow.latency - 1e-4) + hsdp.comm["dp_replicate"] * (1 / slow.bandwidth - 1 / 1e9)
+    assert step_time(spec, hsdp, reduce_across) - step_time(spec, hsdp, base) == pytest.approx(grows, rel=1e-9)
+    # HSDP's gathers use the links within a node, FSDP's over 4 ranks those between them
+    gather_across = cal.hardware_from(two_nodes(all_gather=slow), cpu)
+    assert step_time(spec, hsdp, gather_across) == pytest.approx(step_time(spec, hsdp, base))
+    assert step_time(spec, fsdp, gather_across) > step_time(spec, fsdp, base) + 0.05
+    gather_within = cal.hardware_from(replace(two_nodes(), links={**synthetic().links, "all_gather": slow}), cpu)
+    assert step_time(spec, hsdp, gather_within) > step_time(spec, hsdp, base) + 0.05
+    assert step_time(spec, fsdp, gather_within) == pytest.approx(step_time(spec, fsdp, base))
+    assert "between nodes as measured over 2 nodes" in choose(spec, 4, base, micro_batch=2).report()
+
+
+def test_a_calibration_of_one_node_charges_traffic_across_nodes_at_the_preset_s_figures():
+    """Without links measured between nodes, the crossing traffic costs the preset's latency and inter_node_bw (the
+    ones ``disttrain plan --inter-node-gbps`` sets), not the links measured within one host."""
+    from disttrain.planner.steptime import fsdp_units, step_time
+
+    spec = model_spec(TINY)
+    cpu = replace(hardware("cpu"), gpus_per_node=2)
+    one_host = cal.hardware_from(synthetic(), cpu)
+    hsdp, _ = hsdp_and_fsdp(spec, one_host)
+    slower = cal.hardware_from(synthetic(), replace(cpu, inter_node_bw=1e6, latency=0.05))
+    grows = fsdp_units(spec) * (0.05 - cpu.latency) + hsdp.comm["dp_replicate"] * (1 / 1e6 - 1 / cpu.inter_node_bw)
+    assert step_time(spec, hsdp, slower) - step_time(spec, hsdp, one_host) == pytest.approx(grows, rel=1e-9)
+    assert "between nodes not measured: 1 GB/s and 1000 us per collective (`disttrain calibrate --num-nodes`" in \
+        choose(spec, 4, one_host, micro_batch=2).report()
+
+
+def test_the_planner_finds_the_calibration_of_the_nodes_it_plans_for(cache):
+    from disttrain.planner.hardware import detect, present
+
+    cal.save(synthetic(), cal.cache_path("cpu", 4))
+    cal.save(two_nodes(), cal.cache_path("cpu", 4, nodes=2))
+    assert present("cpu", 4, gpus_per_node=2, measure=False).calibration.nodes == 2
+    assert present("cpu", 4, measure=False).calibration.nodes == 1  # 4 processes on this host
+    assert present("cpu", 4, gpus_per_node=1, measure=False).calibration.nodes == 1  # no 4x1 calibration: this host's
+    import torch
+
+    assert detect(torch.device("cpu"), 4, gpus_per_node=2).calibration.nodes == 2  # disttrain_auto at run time
+
+
+def test_plan_on_gpus_here_stands_for_a_cluster_of_nodes_like_this_one(monkeypatch):
+    import torch
+
+    from disttrain.cli import here_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert here_device("cuda", 32, 8) == here_device(None, 8) == "cuda"
+    assert here_device(None, 32) is None  # no --gpu: the default preset
+    for per_node in (None, 16, 12):  # more GPUs per node than here, or not dividing the world
+        with pytest.raises(ValueError, match="this machine has 8 GPUs, --gpus 32 asks for more; pass --gpus-per-node"):
+            here_device("cuda", 32, per_node)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--num-nodes", "2", "--node-rank", "2", "--main-address", "10.0.0.1"],
+     "--node-rank 2 is not one of the --num-nodes 2 nodes' ranks: pass 0 to 1"),
+    (["--num-nodes", "2", "--node-rank", "1"], "--num-nodes 2 needs --main-address"),
+    (["--node-rank", "1"], "--node-rank 1 needs --num-nodes 2 or more"),
+    (["--num-nodes", "0"], "--num-nodes 0 must be at least 1"),
+    (["--num-nodes", "2", "--main-address", "10.0.0.1", "--main-port", "70000"], "--main-port 70000 is not a port"),
+])
+def test_calibrate_refuses_a_bad_node_layout_in_one_line(cache, capsys, argv, match):
+    from disttrain import cli
+
+    assert cli.main(["calibrate", "--devices", "1", *argv]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("disttrain calibrate: error: ") and match in err[0], err
+
+
 def test_the_link_fit_recovers_latency_and_bandwidth():
     points = [(b, 2e-3 + b / 5e8) for b in (1e4, 1e6, 4e6, 1.6e7)]
     link = cal._fit(points)
@@ -467,3 +597,107 @@ def test_calibrate_and_trial_on_two_cpu_processes(tmp_path):
     assert len(measured) == 2 and measured[slow] >= 5, out.stdout  # predicted and measured side by side
     assert f"recommendation: {min(measured, key=measured.get)}" in out.stdout, out.stdout
     assert f"the estimate preferred {slow}" in out.stdout
+
+
+@pytest.mark.slow
+def test_calibrate_over_two_nodes_on_loopback_measures_both_links(tmp_path):
+    """Two `disttrain calibrate --num-nodes 2` launches of 2 processes each on 127.0.0.1 (--quick: two sizes, one
+    repeat), each node with a cache of its own: both write the same calibration, with the links within a node and
+    between nodes; the planner then charges HSDP's all-reduce between the nodes at the inter-node link."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env, free_port
+    from disttrain.planner.hardware import present
+    from disttrain.planner.steptime import fsdp_units, step_time
+
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "disttrain.cli", "calibrate", "--devices", "2", "--num-nodes", "2", "--node-rank",
+         str(node), "--main-address", "127.0.0.1", "--main-port", str(port), "--quick"],
+        cwd=ROOT, env={**child_env(), "DISTTRAIN_CACHE": str(tmp_path / f"node{node}")}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-4000:]
+        outs.append(out)
+    assert "within a node (2 processes):" in outs[0] and "between nodes (2):" in outs[0], outs[0]
+    files = [next((tmp_path / f"node{node}" / "calibration").glob("*-cpu-2x2.json")) for node in (0, 1)]
+    c = cal.load(files[0])
+    assert cal.load(files[1]).to_json() == c.to_json()  # rank 0's figures on every node
+    assert (c.world_size, c.nodes, c.per_node) == (4, 2, 2)
+    for links in (c.links, c.inter_links):
+        assert set(links) == set(cal.OPS)
+        assert all(0 <= link.latency < 1 and 0 < link.bandwidth < float("inf") for link in links.values()), links
+
+    # the same calibration with a slow all-reduce between the nodes: HSDP's step grows by its replicas' traffic
+    slow = cal.Link(0.05, 1e6)
+    cache = tmp_path / "planner"
+    shutil.copytree(tmp_path / "node0", cache)
+    spec = model_spec(TINY)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DISTTRAIN_CACHE", str(cache))
+        measured = present("cpu", 4, gpus_per_node=2, measure=False)
+        cal.save(replace(c, inter_links={**c.inter_links, "all_reduce": slow}), cache / "calibration" / files[0].name)
+        slowed = present("cpu", 4, gpus_per_node=2, measure=False)
+    assert measured.calibration.inter_links == c.inter_links and slowed.calibration.inter_links["all_reduce"] == slow
+    hsdp, _ = hsdp_and_fsdp(spec, measured)
+    was = c.inter_links["all_reduce"]
+    grows = fsdp_units(spec) * (slow.latency - was.latency) + \
+        hsdp.comm["dp_replicate"] * (1 / slow.bandwidth - 1 / was.bandwidth)
+    assert step_time(spec, hsdp, slowed) - step_time(spec, hsdp, measured) == pytest.approx(grows, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_slower_network_between_nodes_is_measured_slower(tmp_path):
+    """Two nodes in network namespaces of their own, joined by a veth pair shaped to 200 Mbit/s (tc tbf): the links
+    between nodes are measured below that rate, those within a node (its own address, not over the veth) far above.
+    Needs root and `ip netns` / `tc` (skipped without them)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        pytest.skip("needs root, ip and tc (network namespaces)")
+    tag = f"dtc{os.getpid() % 100000}"
+    spaces, ends, addresses = [f"{tag}n0", f"{tag}n1"], [f"{tag}v0", f"{tag}v1"], ["10.77.0.1", "10.77.0.2"]
+    rate = 200e6 / 8  # bytes/s the veth carries each way
+
+    def ip(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True, text=True)
+
+    try:
+        try:
+            for space in spaces:
+                ip("ip", "netns", "add", space)
+            ip("ip", "link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+            for space, end, address in zip(spaces, ends, addresses):
+                ip("ip", "link", "set", end, "netns", space)
+                ip("ip", "-n", space, "addr", "add", f"{address}/24", "dev", end)
+                ip("ip", "-n", space, "link", "set", end, "up")
+                ip("ip", "-n", space, "link", "set", "lo", "up")
+                ip("tc", "-n", space, "qdisc", "add", "dev", end, "root", "tbf", "rate", "200mbit", "burst",
+                   "32kbit", "latency", "50ms")
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"network namespaces unavailable here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+        procs = [subprocess.Popen(
+            ["ip", "netns", "exec", space, sys.executable, "-m", "disttrain.cli", "calibrate", "--devices", "2",
+             "--num-nodes", "2", "--node-rank", str(node), "--main-address", addresses[0], "--main-port", "29555",
+             "--quick"], cwd=ROOT, env={**child_env(), "DISTTRAIN_CACHE": str(tmp_path / f"node{node}"),
+                                        "GLOO_SOCKET_IFNAME": end},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for node, (space, end) in enumerate(zip(spaces, ends))]
+        for proc in procs:
+            _, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-4000:]
+    finally:
+        for space in spaces:
+            subprocess.run(["ip", "netns", "del", space], capture_output=True)  # takes its end of the veth along
+    c = cal.load(next((tmp_path / "node0" / "calibration").glob("*-cpu-2x2.json")))
+    assert all(link.bandwidth < rate for link in c.inter_links.values()), c.inter_links
+    assert c.inter_links["all_reduce"].bandwidth < c.links["all_reduce"].bandwidth / 4, (c.links, c.inter_links)

@@ -347,7 +347,7 @@ def _plan(argv: list[str]) -> int:
     from disttrain.planner import hardware
     from disttrain.planner.hardware import present
 
-    here = here_device(args.gpu, args.gpus)
+    here = here_device(args.gpu, args.gpus, args.gpus_per_node)
     if args.trial and here is None:
         named = f"--gpu {args.gpu}" if args.gpu else "the default (A100-class) hardware"
         raise ValueError(f"--trial runs the plans on this machine's devices, and {named} with --gpus {args.gpus} is"
@@ -371,9 +371,10 @@ def _plan(argv: list[str]) -> int:
     return 0 if plan.choice is not None else 1
 
 
-def here_device(gpu: str | None, count: int) -> str | None:
+def here_device(gpu: str | None, count: int, per_node: int | None = None) -> str | None:
     """"cpu" or "cuda" when ``--gpu`` names this machine's devices (``cpu``; ``cuda`` or no ``--gpu`` with that many
-    GPUs here), else None: a preset for hardware that is not here."""
+    GPUs here), else None: a preset for hardware that is not here. ``--gpu cuda`` with ``per_node`` (--gpus-per-node)
+    GPUs here and ``count`` a multiple of it: a cluster of nodes like this one."""
     import torch
 
     if gpu is not None and gpu.lower() == "cpu":
@@ -382,8 +383,11 @@ def here_device(gpu: str | None, count: int) -> str | None:
     if (gpu is None or gpu.lower() == "cuda") and 0 < count <= gpus:
         return "cuda"
     if gpu is not None and gpu.lower() == "cuda":
-        raise ValueError(f"--gpu cuda: this machine has {gpus} GPUs, --gpus {count} asks for more; pass a preset"
-                         " (--gpu A100) to plan for hardware that is not here")
+        if per_node and 0 < per_node <= gpus and count % per_node == 0:
+            return "cuda"
+        raise ValueError(f"--gpu cuda: this machine has {gpus} GPUs, --gpus {count} asks for more; pass"
+                         " --gpus-per-node to plan for nodes like this one, or a preset (--gpu A100) to plan for"
+                         " hardware that is not here")
     return None
 
 
@@ -401,11 +405,37 @@ def _calibrate(argv: list[str]) -> int:
                         " backward")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the recipe's, else 1")
     parser.add_argument("--force", action="store_true", help="measure again even when the cache holds a result")
+    parser.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int, default=1,
+                        help="nodes to measure over, --devices processes on each: run the same command on every node"
+                        " with its --node-rank; the links within a node and between nodes are measured (always"
+                        " measured anew: a node cannot know whether the others hold the result)")
+    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                        help="this node's rank, 0 to --num-nodes - 1 (node 0 hosts the rendezvous)")
+    parser.add_argument("--main-address", "--main_address", dest="main_address", default=None,
+                        help="the address of node rank 0's machine (needed with --num-nodes > 1)")
+    parser.add_argument("--main-port", "--main_port", dest="main_port", type=int, default=None,
+                        help=f"the rendezvous port there, the same on every node (default {DEFAULT_PORT})")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and one repeat: a smoke test of the set-up"
+                        " in seconds (rough figures; cached like a full calibration)")
     args = parser.parse_args(argv)
+    if args.devices < 1:
+        raise ValueError(f"--devices {args.devices} must be at least 1 (processes per node)")
+    if args.num_nodes < 1:
+        raise ValueError(f"--num-nodes {args.num_nodes} must be at least 1")
+    if not 0 <= args.node_rank < args.num_nodes:
+        raise ValueError(f"--node-rank {args.node_rank} needs --num-nodes {args.node_rank + 1} or more (one node is"
+                         " node rank 0)" if args.num_nodes == 1 and args.node_rank > 0 else
+                         f"--node-rank {args.node_rank} is not one of the --num-nodes {args.num_nodes} nodes' ranks:"
+                         f" pass 0 to {args.num_nodes - 1}, 0 on the machine at --main-address")
+    if args.num_nodes > 1 and not args.main_address:
+        raise ValueError(f"--num-nodes {args.num_nodes} needs --main-address: the address of node rank 0's machine,"
+                         " the same on every node")
+    if args.main_port is not None and not 0 < args.main_port < 65536:
+        raise ValueError(f"--main-port {args.main_port} is not a port (1 to 65535)")
     import torch
 
     device = torch.device("cuda" if args.accelerator in ("cuda", "gpu") else "cpu")
-    path = cache_path(device, args.devices)
+    path = cache_path(device, args.devices * args.num_nodes, nodes=args.num_nodes)
     shapes: list = []
     models: list = []
     if args.model:
@@ -429,18 +459,27 @@ def _calibrate(argv: list[str]) -> int:
             print(f"{args.model}: its own step is not timed (a recipe YAML's or an HF config's model is)")
         if mapping is not None:
             models = [{"model": mapping, "micro_batch": micro_batch, "seq_len": seq_len}]
-    if path.exists() and not args.force and not shapes:
+    # Over several nodes every launch measures: one that stopped at its cache would leave the others waiting.
+    if path.exists() and not args.force and not shapes and args.num_nodes == 1:
         from disttrain.planner.calibrate import load
 
         load(path)  # a corrupt file is one error naming it
         print(f"{path}: already calibrated (--force measures again)")
         return 0
-    c = calibrate(args.devices, args.accelerator, shapes, path=path, models=models)
+    c = calibrate(args.devices, args.accelerator, shapes, path=path, models=models, quick=args.quick,
+                  num_nodes=args.num_nodes, node_rank=args.node_rank, main_address=args.main_address,
+                  main_port=args.main_port)
     print(f"wrote {path}")
     print(f"matmul {max(r[3] for r in c.matmul) / 1e9:.3g} GFLOP/s at best; memory {c.memory_bw / 1e9:.3g} GB/s;"
           f" AdamW sweeps {c.optimizer_bw / 1e9:.3g} GB/s; overlap {c.overlap:.2f}")
-    for op, link in c.links.items():
-        print(f"{op:<15} latency {link.latency * 1e6:9.1f} us  bandwidth {link.bandwidth / 1e9:8.3g} GB/s per rank")
+    tables = [("", c.links)] if c.inter_links is None else \
+        [(f"within a node ({c.per_node} processes):", c.links), (f"between nodes ({c.nodes}):", c.inter_links)]
+    for title, links in tables:
+        if title:
+            print(title)
+        for op, link in links.items():
+            print(f"{op:<15} latency {link.latency * 1e6:9.1f} us  bandwidth {link.bandwidth / 1e9:8.3g} GB/s"
+                  " per rank")
     timed = c.models or []
     for row in timed[len(timed) - len(models):]:  # the models measured now come last
         steps = ", ".join(f"{d} blocks {t * 1e3:.1f} ms" for d, t in zip(row["depths"], row["seconds"]))
@@ -562,8 +601,10 @@ commands:
   verify CKPT [CKPT ...]
                  check checkpoint folders offline against their checksums (exit 0: all sound; one line per problem)
   strategies     list the registered disttrain strategy names
-  calibrate --devices N [--accelerator cpu|cuda --model CONFIG --force]
-                 measure this machine for the planner (matmul, memory, collectives over N processes); cached
+  calibrate --devices N [--accelerator cpu|cuda --model CONFIG --force --num-nodes M --node-rank R
+             --main-address ADDR --main-port P]
+                 measure this machine for the planner (matmul, memory, collectives over N processes; with
+                 --num-nodes, run on every node: the links within and between nodes); cached
   plan --model CONFIG.yaml|HF_DIR|TIMM_NAME --gpus N [--gpu-mem 40GiB --gpu A100 --micro-batch B --seq-len S ...]
                  per-rank memory of every strategy, whether it fits, and the recommended one
                  (--simulate: the recommendation also sharded on a fake process group, beside the estimate;

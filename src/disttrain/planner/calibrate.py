@@ -4,11 +4,19 @@ seconds per block (plain, sharded, tensor-parallel, pipelined), cached per machi
 
     disttrain calibrate --devices 2                 # gloo on CPU, nccl on GPUs; writes the cache file it names
     disttrain calibrate --devices 8 --model configs/nlp/dialogue_1b.yaml   # also the model's own matmul shapes
+    disttrain calibrate --devices 8 --num-nodes 2 --node-rank R --main-address NODE0   # on each node: both links
 
 A calibration is one JSON file per (host, device, world size) under :func:`cache_dir` (``$DISTTRAIN_CACHE`` or
-``$XDG_CACHE_HOME/disttrain``, by default ``~/.cache/disttrain``), in ``calibration/``. The planner uses it whenever
-it plans for the hardware present (``disttrain plan`` without ``--gpu``, ``disttrain_auto`` without ``hardware=``);
-a preset (``--gpu A100``) stands for hardware that is not here.
+``$XDG_CACHE_HOME/disttrain``, by default ``~/.cache/disttrain``), in ``calibration/``; one over several nodes is a
+file of its own (``HOST-DEVICE-NODESxPER_NODE.json``) on every node. The planner uses it whenever it plans for the
+hardware present (``disttrain plan`` without ``--gpu``, ``disttrain_auto`` without ``hardware=``); a preset (``--gpu
+A100``) stands for hardware that is not here.
+
+Over several nodes the collectives are measured twice: within a node (``links``: every node's ranks as one group) and
+between nodes (``inter_links``: the ranks of one local rank on every node, as HSDP's replicas), and the planner
+charges traffic that crosses nodes with the second. A calibration of one node has no ``inter_links``: traffic across
+nodes is then charged at the preset's ``inter_node_bw`` and ``latency`` (``disttrain plan --inter-node-gbps``), as
+for hardware that is not here.
 
 Each collective is timed at several sizes and fitted to ``time = latency + bytes / bandwidth`` (the alpha-beta
 model), where ``bytes`` is what one rank sends in the usual ring algorithm: ``(n-1)/n`` of the gathered tensor for
@@ -68,13 +76,17 @@ class Calibration:
     matmul: list[list[float]]  # [m, n, k, FLOP/s] per shape measured, fp32 on CPU, bf16 on GPUs
     memory_bw: float  # bytes/s a large elementwise op reads and writes
     optimizer_bw: float  # bytes of parameters + gradients + AdamW state that torch's AdamW sweeps per second
-    links: dict[str, Link]
+    links: dict[str, Link]  # within a node
     overlap: float
     overheads: Optional[dict[str, float]] = None  # Overheads' seconds; None in older files: the preset's figures
     blocks: Optional[list[list[float]]] = None  # [tokens, hidden, efficiency] per size measured (measure_blocks)
     models: Optional[list[dict]] = None  # the models' own forward + backward, timed (measure_models)
     measured_at: str = ""
     torch_version: str = ""
+    # Over several nodes: the collectives between them (over one rank per node, see measure_node_links) and how many
+    # nodes; None and 1 in files of one node, older files among them (crossing traffic: the preset's figures).
+    inter_links: Optional[dict[str, Link]] = None
+    nodes: int = 1
     version: int = VERSION
     path: str = ""
 
@@ -104,7 +116,16 @@ class Calibration:
         out = asdict(self)
         out.pop("path")
         out["links"] = {op: asdict(link) for op, link in self.links.items()}
+        if self.inter_links is None:
+            out.pop("inter_links")  # a file of one node as it always was
+        else:
+            out["inter_links"] = {op: asdict(link) for op, link in self.inter_links.items()}
         return out
+
+    @property
+    def per_node(self) -> int:
+        """Processes per node in the calibration."""
+        return self.world_size // self.nodes
 
 
 def cache_dir() -> Path:
@@ -122,12 +143,23 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def cache_path(device: torch.device | str, world_size: int, host: Optional[str] = None) -> Path:
-    """The cache file of ``world_size`` processes on ``device``'s kind on this host."""
+def cache_path(device: torch.device | str, world_size: int, host: Optional[str] = None, nodes: int = 1) -> Path:
+    """The cache file of ``world_size`` processes on ``device``'s kind on this host (``HOST-DEVICE-N.json``); over
+    ``nodes`` > 1 nodes, the file of that layout (``HOST-DEVICE-NODESxPER_NODE.json``): a calibration whose ranks
+    spanned nodes does not stand for one whose ranks shared a host."""
     device = torch.device(device) if isinstance(device, str) else device
+    count = f"{nodes}x{world_size // nodes}" if nodes > 1 else f"{world_size}"
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{host or socket.gethostname()}-"
-                   f"{device_name(device)}-{world_size}")
+                   f"{device_name(device)}-{count}")
     return cache_dir() / "calibration" / f"{name}.json"
+
+
+def _links(table: Any) -> dict[str, Link]:
+    links = {op: Link(**table[op]) for op in OPS}
+    for op, link in links.items():
+        if not (0 <= link.latency < math.inf and 0 < link.bandwidth < math.inf):
+            raise ValueError(f"{op} link {link} is not a finite latency >= 0 and bandwidth > 0")
+    return links
 
 
 def load(path: str | os.PathLike) -> Optional[Calibration]:
@@ -142,7 +174,14 @@ def load(path: str | os.PathLike) -> Optional[Calibration]:
         if data.get("version") != VERSION:
             raise CalibrationError(f"calibration cache {path} was written by another disttrain version "
                                    f"({data.get('version')!r}, this one reads {VERSION}): {fix}")
-        data["links"] = {op: Link(**data["links"][op]) for op in OPS}
+        data["links"] = _links(data["links"])
+        if data.get("inter_links") is not None:
+            data["inter_links"] = _links(data["inter_links"])
+        nodes = data.get("nodes", 1)
+        if not (isinstance(nodes, int) and nodes >= 1 and data["world_size"] % nodes == 0):
+            raise ValueError(f"nodes {nodes!r} does not divide world_size {data['world_size']!r}")
+        if (nodes > 1) != (data.get("inter_links") is not None):
+            raise ValueError(f"{nodes} node(s) with{'out' if nodes > 1 else ''} inter-node links")
         overheads = data.get("overheads")
         if overheads is not None and not OVERHEADS <= set(overheads) <= OVERHEADS | LATER_OVERHEADS:
             raise ValueError(f"overheads {sorted(overheads)} are not {sorted(OVERHEADS)}"
@@ -244,8 +283,15 @@ def measure_memory(device: torch.device, elements: int, repeats: int = 5) -> tup
 
 
 def measure_link(op: str, sizes: Iterable[int], device: torch.device, group: Any = None, repeats: int = 5) -> Link:
-    """``op`` over the default process group at each total size (bytes of the gathered / reduced tensor), fitted to
-    latency + sent / bandwidth by least squares (sent: what one rank sends, see the module docstring)."""
+    """``op`` over ``group`` (default: the whole process group) at each total size (bytes of the gathered / reduced
+    tensor), fitted to latency + sent / bandwidth by least squares (sent: what one rank sends, see the module
+    docstring)."""
+    return _fit(link_points(op, sizes, device, group, repeats))
+
+
+def link_points(op: str, sizes: Iterable[int], device: torch.device, group: Any = None, repeats: int = 5
+                ) -> list[tuple[float, float]]:
+    """(bytes one rank sends, seconds) of ``op`` over ``group`` at each total size (:func:`measure_link`)."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
@@ -271,7 +317,55 @@ def measure_link(op: str, sizes: Iterable[int], device: torch.device, group: Any
         else:
             raise ValueError(f"collective {op!r} is not measured; choose one of {', '.join(OPS)}")
         points.append((sent, _timed(fn, device, repeats, barrier_sync)))
-    return _fit(points)
+    return points
+
+
+def node_ranks() -> list[list[int]]:
+    """The ranks of each node of the process group, in node order: each rank's node is torchrun's ``GROUP_RANK``
+    (the ``--node-rank`` its launch was given), gathered from every rank. Call it on every rank."""
+    import torch.distributed as dist
+
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, int(os.environ.get("GROUP_RANK", "0")))
+    ranks = [[r for r, node in enumerate(found) if node == n] for n in sorted(set(found))]
+    if len({len(r) for r in ranks}) > 1:
+        raise ValueError(f"the nodes run {[len(r) for r in ranks]} processes: launch every node with the same"
+                         " --devices")
+    return ranks
+
+
+def measure_node_links(nodes: list[list[int]], sizes: Iterable[int], device: torch.device, repeats: int = 5
+                       ) -> tuple[dict[str, Link], dict[str, Link]]:
+    """(links within a node, links between nodes) of each collective over ``nodes`` (:func:`node_ranks`). Within: each
+    node's ranks as one group, every node's group at once. Between: the ranks of one local rank on every node as one
+    group, every local rank's group at once. That is the group HSDP's replicas all-reduce in (its replicate mesh
+    dimension: rank i of every node), and with all of them busy at once each rank gets its share of the node's
+    network, the per-device figure ``Hardware.inter_node_bw`` means (a data-parallel collective over every rank
+    crosses the nodes in the same per-device shares). Each point is the slowest group's (every rank's times
+    reduced by their maximum), so every rank fits the same links. With one process per node there is no link within
+    a node to measure, and the planner never uses one (every group of two ranks crosses nodes): the between-node
+    links stand in for them. Call it on every rank."""
+    import torch.distributed as dist
+
+    rank, sizes = dist.get_rank(), list(sizes)
+    # every rank creates every group, in the same order (torch's rule for new_group)
+    within = [dist.new_group(ranks) for ranks in nodes]
+    across = [dist.new_group([ranks[i] for ranks in nodes]) for i in range(len(nodes[0]))]
+    node = next(n for n, ranks in enumerate(nodes) if rank in ranks)
+    groups = {"across": across[nodes[node].index(rank)]}
+    if len(nodes[0]) > 1:
+        groups["within"] = within[node]
+    found: dict[str, dict[str, Link]] = {}
+    for kind, group in groups.items():
+        dist.barrier()  # every group starts together: the nodes' groups compete as they do in a step
+        points = {op: link_points(op, sizes, device, group, repeats) for op in OPS}
+        times = torch.tensor([[t for _, t in points[op]] for op in OPS], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        found[kind] = {op: _fit([(sent, t) for (sent, _), t in zip(points[op], row)])
+                       for op, row in zip(OPS, times.tolist())}
+    for group in within + across:
+        dist.destroy_process_group(group)
+    return found.get("within", found["across"]), found["across"]
 
 
 def _fit(points: list[tuple[float, float]]) -> Link:
@@ -608,7 +702,11 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     memory_bw, optimizer_bw = measure_memory(device, (1 << 20 if quick else 1 << 22) if device.type == "cpu"
                                              else (1 << 27), repeats)
     # a collective's time varies more than local work's: the median of 3x the repeats (9 at the default)
-    links = {op: measure_link(op, sizes, device, repeats=3 * repeats) for op in OPS}
+    nodes = node_ranks()
+    if len(nodes) > 1:
+        links, inter_links = measure_node_links(nodes, sizes, device, repeats=3 * repeats)
+    else:
+        links, inter_links = {op: measure_link(op, sizes, device, repeats=3 * repeats) for op in OPS}, None
     overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
     overheads = measure_overheads(device, repeats=3 if quick else 10)
     overheads["collective"] = measure_in_step(device, (1 << 16, 1 << 18, 1 << 19), calls=5 if quick else 20,
@@ -622,7 +720,8 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
                        links=links, overlap=overlap, overheads=overheads, blocks=blocks, models=timed or None,
-                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch_version=torch.__version__)
+                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch_version=torch.__version__,
+                       inter_links=inter_links, nodes=len(nodes))
 
 
 # -- launching ----------------------------------------------------------------------------------------------------
@@ -631,23 +730,36 @@ WORKER = Path(__file__).with_name("calibrate_run.py")
 
 def calibrate(devices: int, accelerator: str = "cpu", shapes: Iterable[tuple[int, int, int]] = (),
               path: Optional[str | os.PathLike] = None, timeout: float = 600.0, quick: bool = False,
-              models: Iterable[dict] = ()) -> Calibration:
+              models: Iterable[dict] = (), num_nodes: int = 1, node_rank: int = 0,
+              main_address: Optional[str] = None, main_port: Optional[int] = None) -> Calibration:
     """Measure this machine on ``devices`` processes (``disttrain run``'s launcher: gloo on CPU, nccl on GPUs) and
     write the cache file (``path``, default :func:`cache_path`). ``models``: also time these models' own steps
-    (:func:`measure_models`); the timings of other models the file held are kept."""
+    (:func:`measure_models`); the timings of other models the file held are kept. Over ``num_nodes`` > 1 nodes, call
+    it on every node with its ``node_rank`` and node 0's ``main_address`` (and the same ``main_port``): the nodes meet
+    in the launcher's static rendezvous there, and each node writes the same calibration (rank 0's figures)."""
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(f"node_rank={node_rank} is not one of the {num_nodes} nodes' ranks (0 to {num_nodes - 1})")
+    if num_nodes > 1 and not main_address:
+        raise ValueError(f"{num_nodes} nodes need main_address: the address of node rank 0's machine")
     device = torch.device("cuda" if accelerator in ("gpu", "cuda") else "cpu")
-    target = Path(path) if path is not None else cache_path(device, devices)
+    target = Path(path) if path is not None else cache_path(device, devices * num_nodes, nodes=num_nodes)
     models = list(models)
+    where = f"{devices} {accelerator} processes" + (f" on each of {num_nodes} nodes (this one node rank {node_rank})"
+                                                    if num_nodes > 1 else "")
+    launch = ["--num-nodes", str(num_nodes), "--node-rank", str(node_rank)] if num_nodes > 1 else []
+    if main_address:
+        launch += ["--main-address", main_address]
+    if main_port is not None:
+        launch += ["--main-port", str(main_port)]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "calibration.json"
         command = [sys.executable, "-m", "disttrain.cli", "run", str(WORKER), "--devices", str(devices),
-                   "--accelerator", accelerator, "--", str(out), json.dumps([list(s) for s in shapes]),
+                   "--accelerator", accelerator, *launch, "--", str(out), json.dumps([list(s) for s in shapes]),
                    json.dumps(models)] + (["--quick"] if quick else [])
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-            raise RuntimeError(f"calibration on {devices} {accelerator} processes failed (exit {done.returncode}):\n"
-                               + "\n".join(tail))
+            raise RuntimeError(f"calibration on {where} failed (exit {done.returncode}):\n" + "\n".join(tail))
         calibration = load(out)
     assert calibration is not None
     try:
@@ -666,9 +778,22 @@ def kept_models(before: Optional[Calibration], measured: Optional[list[dict]]) -
         (measured or []) or None
 
 
-def cached(device: torch.device | str, world_size: int) -> Optional[Calibration]:
-    """This machine's calibration for ``world_size`` processes, None when there is none yet."""
+def cached(device: torch.device | str, world_size: int, nodes: int = 1) -> Optional[Calibration]:
+    """This machine's calibration for ``world_size`` processes, None when there is none yet. Over ``nodes`` > 1
+    nodes: the one measured over that many nodes, else the one of ``world_size`` processes on this host (its links
+    stand for those within a node; between nodes the planner then uses the preset's figures)."""
+    if nodes > 1:
+        found = load(cache_path(device, world_size, nodes=nodes))
+        if found is not None:
+            return found
     return load(cache_path(device, world_size))
+
+
+def nodes_of(world_size: int, per_node: Optional[int]) -> int:
+    """The nodes ``world_size`` processes span at ``per_node`` each (1 when that does not divide them evenly)."""
+    if not per_node or world_size <= per_node or world_size % per_node:
+        return 1
+    return world_size // per_node
 
 
 def hardware_from(calibration: Calibration, base: Any) -> Any:
@@ -683,6 +808,6 @@ def hardware_from(calibration: Calibration, base: Any) -> Any:
 
 
 __all__ = ["OPS", "Calibration", "CalibrationError", "Link", "cache_dir", "cache_path", "cached", "calibrate",
-           "hardware_from", "kept_models", "load", "measure_here", "measure_models", "model_key", "model_shapes",
-           "save"]
+           "hardware_from", "kept_models", "link_points", "load", "measure_here", "measure_models",
+           "measure_node_links", "model_key", "model_shapes", "node_ranks", "nodes_of", "save"]
 

@@ -1,5 +1,6 @@
 """Run by ``disttrain calibrate`` in every process (``disttrain run``'s launcher): measure this machine over the
-process group and write the calibration from rank 0.
+process group and write rank 0's calibration, from the first process of every node (over several nodes each node's
+``disttrain calibrate`` reads it there).
 
 Usage: calibrate_run.py OUT SHAPES_JSON MODELS_JSON [--quick]   (SHAPES_JSON: extra [m, n, k] matmul shapes, e.g. a
 model's; MODELS_JSON: models to time, ``[{"model": mapping, "micro_batch", "seq_len"}]``; --quick: fewer sizes, one
@@ -25,7 +26,11 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         calibration = measure_here(device, shapes, quick="--quick" in sys.argv[4:], models=models)
-        if dist.get_rank() == 0:
+        if calibration.nodes > 1:  # every node writes rank 0's figures (its own are its ranks' alone)
+            found = [calibration]
+            dist.broadcast_object_list(found, src=0)
+            calibration = found[0]
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             save(calibration, out)
         dist.barrier()
     finally:

@@ -360,14 +360,20 @@ def _settings_note(plan: Plan) -> str:
     return "; ".join(parts)
 
 
-def _timing_note(hw: Hardware, spec: ModelSpec) -> str:
+def _timing_note(hw: Hardware, spec: ModelSpec, world_size: int) -> str:
     if hw.calibration is not None:
         timed = hw.calibration.model_profile(spec)
         model = (f"this model's own step timed there, {model_factor(spec, hw):.2f}x the modelled compute" if timed
                  else "this model's own step not timed (`disttrain calibrate --model CONFIG` times it)")
+        network = ""
+        if world_size > hw.gpus_per_node:
+            network = (f", between nodes as measured over {hw.calibration.nodes} nodes"
+                       if hw.calibration.inter_links is not None else
+                       f", between nodes not measured: {hw.inter_node_bw / 1e9:.4g} GB/s and {hw.latency * 1e6:.4g} us"
+                       " per collective (`disttrain calibrate --num-nodes` measures them)")
         return (f"step times from the calibration measured on this machine ({hw.calibration.path}): matmul at the"
-                f" model's shapes, each collective's latency and bandwidth, overlap {hw.calibration.overlap:.2f};"
-                f" {model}")
+                f" model's shapes, each collective's latency and bandwidth{network}, overlap"
+                f" {hw.calibration.overlap:.2f}; {model}")
     return (f"step times from the {hw.name} figures (peak {hw.peak_flops / 1e12:.4g} TFLOP/s x {hw.mfu}, links"
             f" {hw.intra_node_bw / 1e9:.4g} GB/s in a node, {hw.inter_node_bw / 1e9:.4g} GB/s between nodes), not"
             " measured here")
@@ -416,7 +422,7 @@ def _decide(plan: Plan, allowed: set[str]) -> None:
     if len(near) > 1:
         reasons.append(f"throughputs within {TIE:.0%} are ties, won by the simpler set-up (no offload, no recomputation;"
                        " DDP, FSDP, ZeRO-3, then tensor/pipeline splits)")
-    reasons.append(_timing_note(plan.hardware, spec))
+    reasons.append(_timing_note(plan.hardware, spec, plan.world_size))
 
 
 def _why(choice: Candidate, by: str, hw: Hardware) -> str:

@@ -138,12 +138,13 @@ def detect(device: torch.device, world_size: int, gpus_per_node: int | None = No
            calibrated: bool = True) -> Hardware:
     """The hardware of this process's device: memory and name from CUDA, links from the matching preset, or, when
     ``calibrated`` and ``disttrain calibrate`` has measured this machine at ``world_size`` processes, from its
-    cache file (a corrupt one is a CalibrationError naming it)."""
+    cache file (a corrupt one is a CalibrationError naming it): when the world spans nodes of ``gpus_per_node``, the
+    one measured over that many nodes, else the one of this host."""
     hw = _detect(device, world_size, gpus_per_node)
     if calibrated:
-        from disttrain.planner.calibrate import cached, hardware_from
+        from disttrain.planner.calibrate import cached, hardware_from, nodes_of
 
-        calibration = cached(device, world_size)
+        calibration = cached(device, world_size, nodes_of(world_size, gpus_per_node))
         if calibration is not None:
             return hardware_from(calibration, hw)
     return hw
@@ -171,8 +172,11 @@ def _detect(device: torch.device, world_size: int, gpus_per_node: int | None) ->
 
 def present(kind: str, world_size: int, memory: Any = None, measure: bool = True, **overrides: Any) -> Any:
     """The Hardware of ``world_size`` processes on this machine's ``kind`` ("cpu" or "cuda") devices, with this
-    machine's calibration: the cached one, else (``measure``) measured now and cached (said on stderr)."""
-    from disttrain.planner.calibrate import cache_path, cached, calibrate, hardware_from
+    machine's calibration: the cached one (over the nodes ``gpus_per_node=`` makes of the world, when measured so
+    by ``disttrain calibrate --num-nodes``), else (``measure``) measured now on this host and cached (said on
+    stderr): ``world_size`` processes, or one node's when this machine has fewer GPUs than the world (a cluster of
+    nodes like this one)."""
+    from disttrain.planner.calibrate import cache_path, cached, calibrate, hardware_from, nodes_of
 
     device = torch.device(kind)
     hw = detect(device, world_size, calibrated=False)
@@ -180,9 +184,12 @@ def present(kind: str, world_size: int, memory: Any = None, measure: bool = True
         hw = hw.with_memory(memory)
     if overrides:
         hw = replace(hw, **overrides)
-    calibration = cached(device, world_size)
+    calibration = cached(device, world_size, nodes_of(world_size, hw.gpus_per_node))
+    here = world_size if kind == "cpu" or world_size <= torch.cuda.device_count() else hw.gpus_per_node
+    if calibration is None and here != world_size:
+        calibration = cached(device, here)
     if calibration is None and measure:
-        print(f"calibrating {world_size} {kind} processes (once; cached in {cache_path(device, world_size)})",
+        print(f"calibrating {here} {kind} processes (once; cached in {cache_path(device, here)})",
               file=sys.stderr, flush=True)
-        calibration = calibrate(world_size, kind)
+        calibration = calibrate(here, kind)
     return hardware_from(calibration, hw) if calibration is not None else hw

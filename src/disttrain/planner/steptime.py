@@ -42,6 +42,9 @@ data-parallel rank). Its parts, as the engines schedule them:
 
 Each collective costs ``latency x calls + bytes / bandwidth`` with the link measured for its kind (all-gather,
 reduce-scatter, all-reduce, all-to-all) when calibrated, else the preset's latency and intra-/inter-node bandwidth.
+Traffic that crosses nodes (:func:`crosses_nodes`) uses the links measured between nodes (``disttrain calibrate
+--num-nodes``); a calibration of one node has none, and that traffic then costs the preset's latency and
+``inter_node_bw``.
 """
 
 from __future__ import annotations
@@ -91,12 +94,16 @@ def _matmul_rate(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
         hw.calibration.block_efficiency(tokens, hidden / d.tp)
 
 
-def _link(hw: Hardware, op: str, sent: float, calls: float, bandwidth: float) -> float:
+def _link(hw: Hardware, op: str, sent: float, calls: float, crosses: bool) -> float:
+    """Seconds of ``calls`` ``op`` collectives sending ``sent`` bytes per rank, within a node or (``crosses``)
+    between nodes."""
     if not sent:
         return 0.0
-    if hw.calibration is not None:
-        return hw.calibration.links[op].time(sent, calls)
-    return calls * hw.latency + sent / bandwidth
+    calibration = hw.calibration
+    measured = None if calibration is None else calibration.inter_links if crosses else calibration.links
+    if measured is not None:
+        return measured[op].time(sent, calls)
+    return calls * hw.latency + sent / (hw.inter_node_bw if crosses else hw.intra_node_bw)
 
 
 def microbatches(e: Estimate) -> int:
@@ -272,14 +279,13 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
     optimizer = (0.0 if c.get("host_optimizer") else e.states / hw.optimizer_sweep) + optimizer_overhead(spec, e, hw)
 
     crossing = crosses_nodes(e, hw)
-    bw = {kind: hw.inter_node_bw if over else hw.intra_node_bw for kind, over in crossing.items()}
     layers = max(1, spec.layers // d.pp)
     params, grads = layout.params, layout.grads
 
     if params.gather is not Gather.PER_UNIT:  # gradients reduced bucket by bucket while backward runs
         calls = max(1, math.ceil(e.grads / grads.bucket_bytes)) if grads.bucket_bytes else 1
         op = "all_reduce" if grads.reduce is Reduce.ALL_REDUCE else "reduce_scatter"
-        dp = _link(hw, op, c.get("dp", 0), calls, bw["dp"])
+        dp = _link(hw, op, c.get("dp", 0), calls, crossing["dp"])
         hidden_behind = compute * 2 / 3  # buckets reduce while backward (two thirds of the compute) runs
         inline = 0.0
     else:
@@ -291,9 +297,9 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         # Forward and backward all-gathers (2 x compute bytes of every 2 x compute + reduce) and one reduce-scatter;
         # the replicas' all-reduce of each unit's gradient shard (HSDP).
         gathers = params.gather.per_step
-        dp = (_link(hw, "all_gather", sent * gathers / (gathers + 1), gathers * paid, bw["dp"])
-              + _link(hw, "reduce_scatter", sent / (gathers + 1), paid, bw["dp"])
-              + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, bw["dp_replicate"]))
+        dp = (_link(hw, "all_gather", sent * gathers / (gathers + 1), gathers * paid, crossing["dp"])
+              + _link(hw, "reduce_scatter", sent / (gathers + 1), paid, crossing["dp"])
+              + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, crossing["dp_replicate"]))
         # FSDP2 and DeepSpeed prefetch on a separate stream; a device without streams (CPU processes) waits for
         # each unit's (submodule's) gather as it enters it: there each of them sits between computations.
         hidden_behind = compute if hw.overheads.overlaps else 0.0
@@ -302,16 +308,17 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
 
     per_block = 4 * layers * micro_steps  # collectives per block per micro-batch, forward and backward
 
-    def between(op: str, sent: float, calls: float, bandwidth: float) -> float:
+    def between(op: str, kind: str, calls: float) -> float:
         """A collective between computations: its link's time and what it costs there beyond it."""
-        return _link(hw, op, sent, calls, bandwidth) + (calls * hw.overheads.collective if sent else 0.0)
+        sent = c.get(kind, 0)
+        return _link(hw, op, sent, calls, crossing[kind]) + (calls * hw.overheads.collective if sent else 0.0)
 
-    critical = (between("all_reduce", c.get("tp", 0), per_block, bw["tp"])
-                + between("all_to_all", c.get("pp", 0), 2 * m, bw["pp"])  # point-to-point sends, per microbatch
-                + between("all_to_all", c.get("cp", 0), per_block, bw["cp"])
-                + between("all_to_all", c.get("ep", 0), per_block, bw["ep"])
-                + between("all_to_all", c.get("a2a", 0), 4, bw["a2a"])  # ids out, embeddings back, their gradients
-                + between("all_gather", c.get("after_step", 0), 1, bw["after_step"])  # after the optimizer step
+    critical = (between("all_reduce", "tp", per_block)
+                + between("all_to_all", "pp", 2 * m)  # point-to-point sends, per microbatch
+                + between("all_to_all", "cp", per_block)
+                + between("all_to_all", "ep", per_block)
+                + between("all_to_all", "a2a", 4)  # ids out, embeddings back, their gradients
+                + between("all_gather", "after_step", 1)  # after the optimizer step
                 + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
     return StepTime(compute, optimizer, dp, dp_exposed, critical, overhead(spec, e, hw, loader_batch, factor),
                     hw.overheads.overlaps)
