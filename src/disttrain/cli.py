@@ -415,8 +415,9 @@ def _calibrate(argv: list[str]) -> int:
                         help="the address of node rank 0's machine (needed with --num-nodes > 1)")
     parser.add_argument("--main-port", "--main_port", dest="main_port", type=int, default=None,
                         help=f"the rendezvous port there, the same on every node (default {DEFAULT_PORT})")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and one repeat: a smoke test of the set-up"
-                        " in seconds (rough figures; cached like a full calibration)")
+    parser.add_argument("--quick", action="store_true", help="the links, matmul and memory only, at fewer sizes, once"
+                        " each: a check of the set-up and its links in seconds (rough figures; the framework's"
+                        " overheads and --model timings stay the preset's; cached like a full calibration)")
     args = parser.parse_args(argv)
     if args.devices < 1:
         raise ValueError(f"--devices {args.devices} must be at least 1 (processes per node)")

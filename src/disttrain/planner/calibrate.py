@@ -689,8 +689,9 @@ def collective_sizes(device: torch.device) -> list[int]:
 def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repeats: int = 3,
                  quick: bool = False, models: Iterable[dict] = ()) -> Calibration:
     """Everything, measured in this process of an initialized process group (call it on every rank); ``models``
-    (:func:`measure_models`) timed too. ``quick``: fewer shapes and sizes, one repeat (a smoke run's figures, not a
-    machine's)."""
+    (:func:`measure_models`) timed too. ``quick``: the links, matmul and memory only, at fewer shapes and sizes,
+    one repeat, the framework's overheads left to the preset (a check of a set-up and its links in seconds, not a
+    machine's figures)."""
     import torch.distributed as dist
 
     ladder = default_shapes(device)[:3] if quick else default_shapes(device)
@@ -708,15 +709,16 @@ def measure_here(device: torch.device, shapes: list[tuple[int, int, int]], repea
     else:
         links, inter_links = {op: measure_link(op, sizes, device, repeats=3 * repeats) for op in OPS}, None
     overlap = measure_overlap(device, sizes[-1], ladder[min(2, len(ladder) - 1)])
-    overheads = measure_overheads(device, repeats=3 if quick else 10)
-    overheads["collective"] = measure_in_step(device, (1 << 16, 1 << 18, 1 << 19), calls=5 if quick else 20,
-                                              rounds=1 if quick else 3)
-    blocks = measure_blocks(sizes_of_blocks, device, repeats=2 if quick else 5)
-    timed = measure_models(models, device, repeats=2 if quick else 5)
-    # last: DeepSpeed's set-up patches torch (its comm layer), which the models above must not meet
-    zero3 = measure_zero3(device, overheads["eager"], repeats=3 if quick else 10)
-    if zero3 is not None:
-        overheads["zero3"] = zero3
+    overheads, blocks, timed = None, None, []
+    if not quick:
+        overheads = measure_overheads(device, repeats=10)
+        overheads["collective"] = measure_in_step(device, (1 << 16, 1 << 18, 1 << 19), calls=20, rounds=3)
+        blocks = measure_blocks(sizes_of_blocks, device, repeats=5)
+        timed = measure_models(models, device, repeats=5)
+        # last: DeepSpeed's set-up patches torch (its comm layer), which the models above must not meet
+        zero3 = measure_zero3(device, overheads["eager"], repeats=10)
+        if zero3 is not None:
+            overheads["zero3"] = zero3
     return Calibration(host=socket.gethostname(), device=device_name(device), world_size=dist.get_world_size(),
                        backend=dist.get_backend(), matmul=matmul, memory_bw=memory_bw, optimizer_bw=optimizer_bw,
                        links=links, overlap=overlap, overheads=overheads, blocks=blocks, models=timed or None,

@@ -3,8 +3,8 @@ process group and write rank 0's calibration, from the first process of every no
 ``disttrain calibrate`` reads it there).
 
 Usage: calibrate_run.py OUT SHAPES_JSON MODELS_JSON [--quick]   (SHAPES_JSON: extra [m, n, k] matmul shapes, e.g. a
-model's; MODELS_JSON: models to time, ``[{"model": mapping, "micro_batch", "seq_len"}]``; --quick: fewer sizes, one
-repeat)
+model's; MODELS_JSON: models to time, ``[{"model": mapping, "micro_batch", "seq_len"}]``; --quick: the links, matmul and
+memory only, fewer sizes, one repeat)
 """
 
 import json
