@@ -12,7 +12,7 @@ import time
 import lightning as L
 import pytest
 import torch.distributed as dist
-from conftest import ROOT, child_env, run_python, run_torchrun
+from conftest import ROOT, child_env, free_port, run_python, run_torchrun
 
 import disttrain
 from disttrain.parallel.options import OptionError
@@ -142,7 +142,8 @@ def test_disttrain_run_prints_that_line_alone(verbose):
     """The whole launcher, its processes fresh interpreters under torchrun: the one line, or with --verbose every
     process's traceback and torchrun's report."""
     flags = ["--verbose"] if verbose else []
-    proc = subprocess.run([sys.executable, "-m", "disttrain.cli", "run", *flags,
+    # a free --main-port: the default one may be another test's at this moment, and its notice is a line of its own
+    proc = subprocess.run([sys.executable, "-m", "disttrain.cli", "run", *flags, "--main-port", str(free_port()),
                            "tests/dist/refused_sizes.py", "fabric", "--accelerator", "cpu", "--devices", "2"],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and "reached" not in proc.stdout

@@ -94,7 +94,9 @@ class Steps(str, Enum):
     TENSORS = "tensors"  # plain tensors, one per parameter
     DTENSORS = "dtensors"  # distributed tensors (FSDP2's DTensor shards, torchrec's ShardedTensor tables): each op
     # through their dispatch
-    FLAT = "flat"  # a few flat partitions (DeepSpeed): no work per parameter tensor
+    FLAT = "flat"  # a few flat partitions (DeepSpeed ZeRO-3): no work per parameter tensor
+    FLAT_PER_GRADIENT = "flat_per_gradient"  # a few flat partitions, each parameter's gradient copied into its
+    # bucket by a hook of its own every step (DeepSpeed stages 1 and 2): a plain optimizer's work per tensor
 
 
 class Work(str, Enum):

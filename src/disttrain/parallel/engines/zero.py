@@ -117,7 +117,9 @@ class ZeroEngine(Engine):
         places = {None: Where.DEVICE, "cpu": Where.HOST, "nvme": Where.NVME}
         optimizer_at = places[options.offload_optimizer]
         grads_at = Where.DEVICE if optimizer_at is Where.DEVICE else Where.HOST
-        optimizer = Optimizer(shard, Dtype.FP32, optimizer_at, master=True, steps=Steps.FLAT)
+        # ZeRO-3's hooks are per submodule (Work.ZERO3, measured); stages 1 and 2 hook every parameter's gradient
+        steps = Steps.FLAT if options.stage == 3 else Steps.FLAT_PER_GRADIENT
+        optimizer = Optimizer(shard, Dtype.FP32, optimizer_at, master=True, steps=steps)
         if options.stage == 3:
             return Layout(
                 params=Params(shard, Dtype.COMPUTE, places[options.offload_parameters], gather=Gather.PER_UNIT,
