@@ -224,6 +224,7 @@ class Launcher:
         self.cwd, self.log_dir = cwd, log_dir
         self.zygotes: list[Zygote] = []
         self.launches = 0
+        self.first_failure = 0  # of the last run: the exit code of the rank that failed first in time
 
     def logs(self, script: str, nproc: int) -> list[Path]:
         """Fresh log files for the ranks of the next launch of ``script``."""
@@ -249,8 +250,9 @@ class Launcher:
             timeout: float, run_env: dict[str, str] | None = None, errs: list[Path] | None = None,
             cwd: Path | None = None) -> list[int]:
         """Run ``argv`` (script, args) on ``nproc`` ranks; return their exit codes. As torchrun does, when a rank
-        fails the others get SIGTERM, then SIGKILL after a grace period. Raises TimeoutError past ``timeout``.
-        ``run_env``: variables read only after the imports (a launcher's LT_*); ``errs``: stderr files apart from
+        fails the others get SIGTERM, then SIGKILL after a grace period, and ``first_failure`` is the code of the rank
+        that failed first in time (what torchrun reports: the others' may be the SIGTERM's -15 even when they would
+        have failed the same way a moment later). Raises TimeoutError past ``timeout``. ``run_env``: variables read only after the imports (a launcher's LT_*); ``errs``: stderr files apart from
         the logs; ``cwd``: where the ranks run (default: the launcher's folder)."""
         zygotes = self._zygotes(nproc, env)
         deadline = time.monotonic() + timeout
@@ -264,6 +266,7 @@ class Launcher:
                 raise RuntimeError(f"the zygote did not start rank {rank}: {reply}")
             pids.append(reply["pid"])
         codes: dict[int, int] = {}
+        self.first_failure = 0
         stop_at = deadline  # moves closer when a rank fails
         while len(codes) < nproc:
             exited = self._next_exit(zygotes, codes, stop_at)
@@ -280,6 +283,7 @@ class Launcher:
             rank, code = exited
             codes[rank] = code
             if code != 0 and stop_at == deadline:
+                self.first_failure = code
                 self._signal(pids, codes, signal.SIGTERM)
                 stop_at = min(deadline, time.monotonic() + GRACE_S)
         return [codes[rank] for rank in range(nproc)]
