@@ -133,7 +133,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
     except TimeoutError:
         raise subprocess.TimeoutExpired(script, timeout) from None
     read = lambda files: "".join(f.read_text(errors="replace") for f in files if f.exists())  # noqa: E731
-    return subprocess.CompletedProcess([script, *args], _launcher.first_failure, read(outs), read(errs))
+    return subprocess.CompletedProcess([script, *args], Launcher.exit_code(codes), read(outs), read(errs))
 
 
 def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None = None, accelerator: str = "cpu",

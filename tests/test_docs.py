@@ -523,7 +523,7 @@ def run_ranks(script: Path, ranks: int, work: Path, env: dict[str, str],
     except TimeoutError:
         raise subprocess.TimeoutExpired([sys.executable, script.name], COMMAND_TIMEOUT) from None
     output = "".join(log.read_text(errors="replace") for log in logs)
-    return subprocess.CompletedProcess([sys.executable, script.name], zygote.first_failure, output, "")
+    return subprocess.CompletedProcess([sys.executable, script.name], Launcher.exit_code(codes), output, "")
 
 
 def run_block(block: Block, work: Path, env: dict[str, str],

@@ -224,7 +224,6 @@ class Launcher:
         self.cwd, self.log_dir = cwd, log_dir
         self.zygotes: list[Zygote] = []
         self.launches = 0
-        self.first_failure = 0  # of the last run: the exit code of the rank that failed first in time
 
     def logs(self, script: str, nproc: int) -> list[Path]:
         """Fresh log files for the ranks of the next launch of ``script``."""
@@ -250,9 +249,8 @@ class Launcher:
             timeout: float, run_env: dict[str, str] | None = None, errs: list[Path] | None = None,
             cwd: Path | None = None) -> list[int]:
         """Run ``argv`` (script, args) on ``nproc`` ranks; return their exit codes. As torchrun does, when a rank
-        fails the others get SIGTERM, then SIGKILL after a grace period, and ``first_failure`` is the code of the rank
-        that failed first in time (what torchrun reports: the others' may be the SIGTERM's -15 even when they would
-        have failed the same way a moment later). Raises TimeoutError past ``timeout``. ``run_env``: variables read only after the imports (a launcher's LT_*); ``errs``: stderr files apart from
+        fails the others get SIGTERM, then SIGKILL after a grace period. Raises TimeoutError past ``timeout``.
+        ``run_env``: variables read only after the imports (a launcher's LT_*); ``errs``: stderr files apart from
         the logs; ``cwd``: where the ranks run (default: the launcher's folder)."""
         zygotes = self._zygotes(nproc, env)
         deadline = time.monotonic() + timeout
@@ -266,7 +264,6 @@ class Launcher:
                 raise RuntimeError(f"the zygote did not start rank {rank}: {reply}")
             pids.append(reply["pid"])
         codes: dict[int, int] = {}
-        self.first_failure = 0
         stop_at = deadline  # moves closer when a rank fails
         while len(codes) < nproc:
             exited = self._next_exit(zygotes, codes, stop_at)
@@ -283,10 +280,17 @@ class Launcher:
             rank, code = exited
             codes[rank] = code
             if code != 0 and stop_at == deadline:
-                self.first_failure = code
                 self._signal(pids, codes, signal.SIGTERM)
                 stop_at = min(deadline, time.monotonic() + GRACE_S)
         return [codes[rank] for rank in range(nproc)]
+
+    @staticmethod
+    def exit_code(codes: list[int]) -> int:
+        """The launch's exit code from its ranks' (in rank order): the lowest rank's own failing status, else the
+        lowest rank's signal (negative), else 0. A rank ended by a signal was mostly ended by someone else (this
+        launcher's SIGTERM after another rank failed, a watchdog's SIGKILL of a stalled peer): the status of a rank
+        that exited by itself is the one that says why."""
+        return next((code for code in codes if code > 0), next((code for code in codes if code), 0))
 
     def run_one(self, argv: list[str], env: dict[str, str], run_env: dict[str, str], timeout: float,
                 cwd: Path | None = None) -> subprocess.CompletedProcess:
