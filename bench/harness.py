@@ -71,6 +71,18 @@ def batches(args, device) -> list[torch.Tensor]:
     return [torch.randint(0, 4096, (args.batch, args.seq), generator=g).to(device) for _ in range(args.steps + 3)]
 
 
+def deepspeed_rank(args) -> torch.device:
+    """This rank's device (``cuda:$LOCAL_RANK`` with ``--device cuda``, else the CPU), current, with DeepSpeed's
+    process group started for it (nccl / gloo): what a raw ``deepspeed.initialize`` baseline expects."""
+    import deepspeed
+
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()

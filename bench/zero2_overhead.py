@@ -32,6 +32,7 @@ from harness import (  # noqa: E402
     batches,
     build_model,
     count_params,
+    deepspeed_rank,
     parse_smoke,
     run_variants,
     sync,
@@ -105,13 +106,7 @@ def fabric_step(args, device, strategy: str):
 
 def child(args: argparse.Namespace) -> None:
     """One round on this process group; rank 0 writes every engine's step times."""
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    import deepspeed
-
-    deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
+    device = deepspeed_rank(args)
     data = batches(args, device)
     steps = {RAW: raw_step(args, device), **{name: fabric_step(args, device, name) for name in FABRIC}}
     times: dict[str, list[float]] = {name: [] for name in steps}

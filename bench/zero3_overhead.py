@@ -30,6 +30,7 @@ from harness import (  # noqa: E402
     batches,
     build_model,
     count_params,
+    deepspeed_rank,
     each_variant,
     parse_smoke,
     run_variants,
@@ -122,13 +123,7 @@ RUNS = {"raw deepspeed.initialize": raw_deepspeed, "disttrain_zero3 (Fabric)": f
 
 def child(args: argparse.Namespace) -> None:
     """The variant(s) on this process group; rank 0 writes times and every rank's memory to each one's result."""
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    import deepspeed
-
-    deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
+    device = deepspeed_rank(args)
     data = batches(args, device)
     for variant, result in each_variant(args.variant, args.result):
         times, mem = RUNS[variant](args, device, data)

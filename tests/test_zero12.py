@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import relative_diff, run_dist, run_python
-from safetensors.torch import load_file
+from conftest import exported_probe_logits, relative_diff, run_dist
 
-from common import global_batch, probe_input, reference_losses, tiny_llama
+from common import clipped_reference, reference_losses, tiny_llama
 from disttrain.parallel import registry
 from disttrain.parallel.engines.deepspeed import STAGE12_KEYS, ZeroOptions, zero_config
 
@@ -30,22 +29,6 @@ def checks(tmp_path_factory):
     return run_dist("zero12_checks.py", tmp_path_factory.mktemp("zero12"))
 
 
-def clipped_reference(steps: int) -> tuple[list[float], list[float]]:
-    """One process, the global batch per step, every step clipped at MAX_NORM: (losses, gradient norms)."""
-    model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, norms = [], []
-    for step in range(steps):
-        ids = global_batch(step, WORLD)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_trainer_matches_one_process(checks, name):
@@ -59,7 +42,7 @@ def test_trainer_matches_one_process(checks, name):
 def test_fabric_setup_module_then_optimizers_clips_like_one_process(checks, name):
     """fabric.setup_module, then the optimizer from the set-up model's parameters and fabric.setup_optimizers;
     fabric.clip_gradients returns the whole model's norm and DeepSpeed clips by it."""
-    losses, norms = clipped_reference(3)
+    losses, norms = clipped_reference(3, WORLD, MAX_NORM)
     run = checks[0]["fabric"][name]
     assert relative_diff(run["norms"], norms) <= 1e-5, (run["norms"], norms)
     assert relative_diff(run["losses"], losses) <= 1e-5, (run["losses"], losses)
@@ -176,13 +159,7 @@ def test_bf16_computes_in_bf16_and_checkpoints_the_fp32_master(checks):
 def test_trainer_checkpoint_exports_to_a_plain_model(tmp_path, trainer_zero2):
     result = trainer_zero2[0]
     ckpt = Path(result["ckpt_dir"]) / "epoch=1-step=5.ckpt"  # the state after the last step
-    out = tmp_path / "fp32.safetensors"
-    proc = run_python("-m", "disttrain.cli", "export", str(ckpt), str(out), "--prefix", "model.")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plain = tiny_llama(seed=99)
-    plain.load_state_dict(load_file(out))
-    with torch.no_grad():
-        logits = plain(input_ids=probe_input()).logits
+    logits = exported_probe_logits(ckpt, tmp_path / "fp32.safetensors")
     assert torch.allclose(logits, torch.tensor(result["logits"]), atol=1e-5, rtol=1e-5)
 
 

@@ -4,7 +4,9 @@ other world sizes and strategies (CPU, gloo, fp32).
 
 One launch at 2 (disttrain_zero2) and one at 4 processes (disttrain_zero1) of tests/dist/zero3_shards.py (a model
 with tied, frozen, single-element and smaller-than-the-world parameters, buffers and two parameter groups) serve
-most tests; the Llama chain through FSDP, ZeRO-3 and DDP uses tests/dist/moves.py like test_portable.py."""
+most tests; the Llama chain through FSDP, ZeRO-3 and DDP uses tests/dist/moves.py like test_portable.py. The checks every ZeRO stage passes
+(training, resuming at the same and another world size, one process reading the folder, a different model refused)
+are tests/zero_checkpoint_cases.py's, collected here with this file's launches."""
 
 from __future__ import annotations
 
@@ -15,15 +17,18 @@ import torch
 from conftest import run_dist
 
 from disttrain.parallel.checkpoint.io import load_sharded, model_state, optimizer_state, save_sharded, stored_entries
-from zero3_shards import edge_loss, edge_net, edge_optimizer, global_batch, reference_losses, tensor_bytes_per_rank
+from zero3_shards import edge_net, reference_losses, tensor_bytes_per_rank
+from zero_checkpoint_cases import SIZES, close, size_args
+from zero_checkpoint_cases import (  # noqa: F401  (collected here, with this file's launches)
+    test_a_different_model_is_refused_clearly,
+    test_checkpoint_resumes_in_one_process,
+    test_one_process_checkpoint_resumes_under_zero,
+    test_resume_at_another_world_size,
+    test_resume_at_the_same_world_size,
+    test_trains_like_one_process,
+)
 
 pytestmark = pytest.mark.timeout(1800)
-SIZES = {"width": 383, "depth": 2, "vocab": 2003}  # odd sizes: ranks' ranges start and end inside rows
-TOL = 1e-5
-
-
-def close(a: list[float], b: list[float], tol: float = TOL) -> bool:
-    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -37,60 +42,9 @@ def edge(tmp_path_factory):
     for n, strategy, loads in ((2, "disttrain_zero2", ["plain"]), (4, "disttrain_zero1", ["zero-2", "plain"])):
         (tmp / f"n{n}").mkdir()
         runs[n] = run_dist("zero3_shards.py", tmp / f"n{n}", "--save", str(tmp / f"zero-{n}"), "--strategy", strategy,
-                           *[a for name in loads for a in ("--load", str(tmp / name))],
-                           *[f"--{k}={v}" for k, v in SIZES.items()], nproc=n)
-    return {"tmp": tmp, "reference": reference_losses(4, **SIZES)[0], **runs}
-
-
-@pytest.mark.slow
-def test_zero12_trains_like_one_process(edge):
-    for n in (2, 4):
-        assert close(edge[n][0]["losses"], edge["reference"]), (n, edge[n][0]["losses"], edge["reference"])
-        assert edge[n][0]["frozen_unchanged"]
-
-
-@pytest.mark.slow
-def test_resume_at_the_same_world_size(edge):
-    for n in (2, 4):
-        rank0, after = edge[n][0], edge[n][0]["losses"][2:]
-        assert close(rank0["reloaded"], after)  # into the model and optimizer that trained on past the save
-        resumed = rank0["resumed"][str(edge["tmp"] / f"zero-{n}")]  # into a fresh model (another seed)
-        assert resumed["start"] == 2 and close(resumed["losses"], after)
-
-
-@pytest.mark.slow
-def test_zero2_checkpoint_resumes_under_zero1_at_another_world_size(edge):
-    resumed = edge[4][0]["resumed"][str(edge["tmp"] / "zero-2")]
-    assert resumed["start"] == 2 and close(resumed["losses"], edge[2][0]["losses"][2:])
-
-
-@pytest.mark.slow
-def test_one_process_checkpoint_resumes_under_zero12(edge):
-    for n in (2, 4):
-        resumed = edge[n][0]["resumed"][str(edge["tmp"] / "plain")]
-        assert resumed["start"] == 2 and close(resumed["losses"], edge["reference"][2:])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
-def test_zero12_checkpoint_resumes_in_one_process(edge, n):
-    """The stored tensors are the plain model's, by FQN and full shape: tied, frozen and buffers included, optimizer
-    state per parameter with each group's hyper-parameters."""
-    model = edge_net(5, **SIZES)
-    opt = edge_optimizer(model)
-    meta = load_sharded(edge["tmp"] / f"zero-{n}", {"model": model, "optimizer": opt}, model)
-    assert meta == {"step": 2}
-    assert model.head.weight is model.embed.weight
-    assert torch.equal(model.frozen.weight, edge_net(0, **SIZES).frozen.weight)
-    assert [g["lr"] for g in opt.param_groups] == [1e-2, 5e-3] and opt.param_groups[0]["weight_decay"] == 0.1
-    losses = []
-    for step in (2, 3):
-        loss = edge_loss(model, global_batch(step, SIZES["vocab"]), SIZES["vocab"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    assert close(losses, edge["reference"][2:])
+                           *[a for name in loads for a in ("--load", str(tmp / name))], *size_args(), nproc=n)
+    return {"tmp": tmp, "saved": {n: tmp / f"zero-{n}" for n in runs}, "plain": tmp / "plain",
+            "reference": reference_losses(4, **SIZES)[0], **runs}
 
 
 @pytest.mark.slow
@@ -122,13 +76,6 @@ def test_saving_writes_the_ranges_in_place(edge):
     total = sum(tensor_bytes_per_rank(edge["tmp"] / "zero-2"))
     for n in (2, 4):
         assert max(r["save"]["tensor_allocated"] for r in edge[n]) < 0.25 * total / n
-
-
-@pytest.mark.slow
-def test_a_different_model_is_refused_clearly(edge):
-    for rank in edge[2]:
-        assert rank["mismatch"].endswith("zero-2' does not match the model: missing ['blocks.2.bias',"
-                                         " 'blocks.2.weight']; pass strict=False to load the common keys")
 
 
 @pytest.mark.slow

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import relative_diff, run_dist, run_python
-from safetensors.torch import load_file
+from conftest import exported_probe_logits, relative_diff, run_dist
 
-from common import probe_input, reference_losses, tiny_llama
+from common import reference_losses
 from disttrain.parallel.engines.deepspeed import ZeroOptions, zero3_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -54,13 +53,7 @@ def test_cpu_offload_matches_single_process(checks):
 def test_consolidated_zero_checkpoint_loads_into_plain_model(tmp_path, trainer_zero3):
     result = trainer_zero3[0]
     ckpt = Path(result["ckpt_dir"]) / "epoch=1-step=5.ckpt"  # the state after the last step
-    out = tmp_path / "fp32.safetensors"
-    proc = run_python("-m", "disttrain.cli", "export", str(ckpt), str(out), "--prefix", "model.")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plain = tiny_llama(seed=99)
-    plain.load_state_dict(load_file(out))
-    with torch.no_grad():
-        logits = plain(input_ids=probe_input()).logits
+    logits = exported_probe_logits(ckpt, tmp_path / "fp32.safetensors")
     assert torch.allclose(logits, torch.tensor(result["logits"]), atol=1e-5, rtol=1e-5)
 
 

@@ -3,7 +3,9 @@ the folder moves to and from other world sizes and strategies (CPU, gloo, fp32).
 
 One launch at 2 and one at 4 processes of tests/dist/zero3_shards.py (a model with tied, frozen, single-element
 and smaller-than-the-world parameters, buffers and two parameter groups) serve most tests; the Llama chain through
-FSDP uses tests/dist/moves.py like test_portable.py."""
+FSDP uses tests/dist/moves.py like test_portable.py. The checks every ZeRO stage passes
+(training, resuming at the same and another world size, one process reading the folder, a different model refused)
+are tests/zero_checkpoint_cases.py's, collected here with this file's launches."""
 
 from __future__ import annotations
 
@@ -14,28 +16,20 @@ import pytest
 import torch
 from conftest import run_dist
 
-from disttrain.parallel.checkpoint.io import (
-    CheckpointError,
-    load_sharded,
-    model_state,
-    optimizer_state,
-    save_sharded,
-    stored_entries,
-)
+from disttrain.parallel.checkpoint.io import CheckpointError, model_state, optimizer_state, save_sharded, stored_entries
 from disttrain.parallel.checkpoint.zero import flat_range_boxes
-from zero3_shards import edge_loss, edge_net, edge_optimizer, global_batch, reference_losses, tensor_bytes_per_rank
+from zero3_shards import edge_net, reference_losses, tensor_bytes_per_rank
+from zero_checkpoint_cases import SIZES, close, size_args
+from zero_checkpoint_cases import (  # noqa: F401  (collected here, with this file's launches)
+    test_a_different_model_is_refused_clearly,
+    test_checkpoint_resumes_in_one_process,
+    test_one_process_checkpoint_resumes_under_zero,
+    test_resume_at_another_world_size,
+    test_resume_at_the_same_world_size,
+    test_trains_like_one_process,
+)
 
 pytestmark = pytest.mark.timeout(1200)
-SIZES = {"width": 383, "depth": 2, "vocab": 2003}  # odd sizes: partitions start and end inside rows
-TOL = 1e-5
-
-
-def close(a: list[float], b: list[float], tol: float = TOL) -> bool:
-    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
-
-
-def size_args() -> list[str]:
-    return [f"--{k}={v}" for k, v in SIZES.items()]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +44,8 @@ def edge(tmp_path_factory):
         (tmp / f"n{n}").mkdir()
         runs[n] = run_dist("zero3_shards.py", tmp / f"n{n}", "--save", str(tmp / f"zero3-{n}"), "--strategy", strategy,
                            *[a for name in loads for a in ("--load", str(tmp / name))], *size_args(), nproc=n)
-    return {"tmp": tmp, "reference": reference_losses(4, **SIZES)[0], **runs}
+    return {"tmp": tmp, "saved": {n: tmp / f"zero3-{n}" for n in runs}, "plain": tmp / "plain",
+            "reference": reference_losses(4, **SIZES)[0], **runs}
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)])
@@ -64,57 +59,6 @@ def test_flat_ranges_are_covered_by_few_boxes_in_storage_order(shape):
             values = [v for offsets, sizes in boxes
                       for v in full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1).tolist()]
             assert values == list(range(start, end))
-
-
-@pytest.mark.slow
-def test_zero3_trains_like_one_process(edge):
-    for n in (2, 4):
-        assert close(edge[n][0]["losses"], edge["reference"]), (n, edge[n][0]["losses"], edge["reference"])
-        assert edge[n][0]["frozen_unchanged"]
-
-
-@pytest.mark.slow
-def test_resume_at_the_same_world_size(edge):
-    for n in (2, 4):
-        rank0, after = edge[n][0], edge[n][0]["losses"][2:]
-        assert close(rank0["reloaded"], after)  # into the model and optimizer that trained on past the save
-        resumed = rank0["resumed"][str(edge["tmp"] / f"zero3-{n}")]  # into a fresh model (another seed)
-        assert resumed["start"] == 2 and close(resumed["losses"], after)
-
-
-@pytest.mark.slow
-def test_resume_at_another_world_size(edge):
-    resumed = edge[4][0]["resumed"][str(edge["tmp"] / "zero3-2")]
-    assert resumed["start"] == 2 and close(resumed["losses"], edge[2][0]["losses"][2:])
-
-
-@pytest.mark.slow
-def test_one_process_checkpoint_resumes_under_zero3(edge):
-    for n in (2, 4):
-        resumed = edge[n][0]["resumed"][str(edge["tmp"] / "plain")]
-        assert resumed["start"] == 2 and close(resumed["losses"], edge["reference"][2:])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
-def test_zero3_checkpoint_resumes_in_one_process(edge, n):
-    """The stored tensors are the plain model's, by FQN and full shape: tied, frozen and buffers included, optimizer
-    state per parameter with each group's hyper-parameters."""
-    model = edge_net(5, **SIZES)
-    opt = edge_optimizer(model)
-    meta = load_sharded(edge["tmp"] / f"zero3-{n}", {"model": model, "optimizer": opt}, model)
-    assert meta == {"step": 2}
-    assert model.head.weight is model.embed.weight
-    assert torch.equal(model.frozen.weight, edge_net(0, **SIZES).frozen.weight)
-    assert [g["lr"] for g in opt.param_groups] == [1e-2, 5e-3] and opt.param_groups[0]["weight_decay"] == 0.1
-    losses = []
-    for step in (2, 3):
-        loss = edge_loss(model, global_batch(step, SIZES["vocab"]), SIZES["vocab"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    assert close(losses, edge["reference"][2:])
 
 
 @pytest.mark.slow
@@ -161,14 +105,6 @@ def test_checkpoint_memory_per_rank_falls_as_one_over_world_size(edge):
     for key in ("tensor_peak", "tensor_allocated"):
         ratio = worst[4][("load", key)] / worst[2][("load", key)]
         assert 0.35 <= ratio <= 0.65, (key, worst, ratio)
-
-
-@pytest.mark.slow
-def test_a_different_model_is_refused_clearly(edge):
-    for rank in edge[2]:
-        assert rank["mismatch"].startswith("CheckpointError: checkpoint ")
-        assert rank["mismatch"].endswith("zero3-2' does not match the model: missing ['blocks.2.bias',"
-                                         " 'blocks.2.weight']; pass strict=False to load the common keys")
 
 
 @pytest.mark.slow

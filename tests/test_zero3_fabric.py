@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import relative_diff, run_dist
 
-from common import global_batch, tiny_llama
+from common import clipped_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS, MAX_NORM, LR, WORLD = 4, 0.5, 0.2, 2  # as in tests/dist/zero3_fabric_loop.py
@@ -20,18 +20,7 @@ def loop(tmp_path_factory):
 
 def one_process(max_norm: float) -> tuple[list[float], list[float]]:
     """(losses, gradient norms before clipping) of the unsharded model on the global batch."""
-    model = tiny_llama()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for step in range(STEPS):
-        ids = global_batch(step, WORLD)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
+    return clipped_reference(STEPS, WORLD, max_norm, lambda params: torch.optim.SGD(params, lr=LR))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from disttrain.parallel.checkpoint.io import latest_checkpoint
 from disttrain.parallel.guards.diskspace import FAIL_ENV
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LlamaModule, loader, rank_batch, mean_over_ranks, tiny_llama, write_result  # noqa: E402
+from common import LlamaModule, fabric_train, loader, tiny_llama, write_result  # noqa: E402
 
 STRATEGIES = {"disttrain_fsdp": {}, "disttrain_ddp": {}, "disttrain_megatron": {"tensor_parallel_size": 2}}
 
@@ -42,17 +42,11 @@ def make_fabric(name: str, asynchronous: bool) -> L.Fabric:
 
 def train(fabric: L.Fabric, model, optimizer, start: int, stop: int, folder: Path | None) -> list[float]:
     """Steps start..stop-1; after each a save of step-<n> (n = steps done) under ``folder``."""
-    losses = []
-    for step in range(start, stop):
-        ids = rank_batch(step, fabric.global_rank, fabric.world_size)
-        loss = model(input_ids=ids, labels=ids).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(mean_over_ranks(loss))
+    def save(step: int) -> None:  # after the optimizer step (the gradients are not part of a checkpoint)
         if folder is not None:
             fabric.save(folder / f"step-{step + 1:06d}", {"model": model, "optimizer": optimizer, "step": step + 1})
-    return losses
+
+    return fabric_train(fabric, model, optimizer, stop, start=start, on_step=save)
 
 
 def setup(fabric: L.Fabric):

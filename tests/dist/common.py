@@ -169,6 +169,23 @@ def reference_losses(steps: int, world_size: int, shuffle_seed: int | None = 0, 
     return losses
 
 
+def clipped_reference(steps: int, world_size: int, max_norm: float, optimizer=None) -> tuple[list[float], list[float]]:
+    """One process, the global batch per step, every step's gradients clipped at ``max_norm``: (losses, gradient
+    norms before clipping). ``optimizer``: params -> optimizer (default AdamW at lr 1e-2)."""
+    model = tiny_llama()
+    opt = (optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-2)))(model.parameters())
+    losses, norms = [], []
+    for step in range(steps):
+        ids = global_batch(step, world_size)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
 def tmpdir() -> str:
     return os.path.dirname(sys.argv[1])
 

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     MICRO_BATCH,
     LlamaModule,
+    fabric_train,
     loader,
     mean_over_ranks,
     probe_input,
@@ -222,14 +223,7 @@ def bf16_run() -> dict:
     fabric.launch()
     model = tiny_llama()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    losses = []
-    for step in range(3):
-        ids = rank_batch(step, fabric.global_rank, fabric.world_size)
-        loss = model(input_ids=ids, labels=ids).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(mean_over_ranks(loss))
+    losses = fabric_train(fabric, model, optimizer, 3)
     path = os.path.join(os.path.dirname(sys.argv[1]), "bf16-ckpt")
     fabric.save(path, {"model": model, "optimizer": optimizer})
     from disttrain.parallel.checkpoint.io import stored_entries
