@@ -108,7 +108,7 @@ class Registered:
 
 
 DDP = Registered("disttrain_ddp", DDPEngine,
-                 "DDP with optional gradient compression (fp16, bf16, PowerSGD); CPU (gloo) and GPU (nccl)")
+                 "DDP with optional gradient compression (fp16, bf16, int8, PowerSGD); CPU (gloo) and GPU (nccl)")
 FSDP = Registered("disttrain_fsdp", FSDPEngine,
                   "FSDP2 fully_shard, one unit per block found automatically, full shard; CPU (gloo) and GPU (nccl)")
 FSDP_OFFLOAD = Registered("disttrain_fsdp_offload", FSDPEngine,
