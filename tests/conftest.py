@@ -227,15 +227,15 @@ def fabric_zero2(tmp_path_factory):
     return launch(tmp_path_factory, "fabric_fsdp.py", "disttrain_zero2")
 
 
-def exported_probe_logits(ckpt: Path, out: Path):
-    """``disttrain export CKPT OUT --prefix model.`` (a Trainer checkpoint of tests/dist's tiny Llama), loaded into a
-    plain model of another seed: its logits on ``probe_input()``."""
+def exported_probe_logits(ckpt: Path, out: Path, *flags: str):
+    """``disttrain export CKPT OUT FLAGS`` (a checkpoint of tests/dist's tiny Llama; a Trainer's needs ``--prefix
+    model.``), loaded into a plain model of another seed: its logits on ``probe_input()``."""
     import torch
     from safetensors.torch import load_file
 
     from common import probe_input, tiny_llama
 
-    proc = run_python("-m", "disttrain.cli", "export", str(ckpt), str(out), "--prefix", "model.")
+    proc = run_python("-m", "disttrain.cli", "export", str(ckpt), str(out), *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = tiny_llama(seed=99)
     plain.load_state_dict(load_file(out))

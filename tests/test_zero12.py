@@ -159,7 +159,7 @@ def test_bf16_computes_in_bf16_and_checkpoints_the_fp32_master(checks):
 def test_trainer_checkpoint_exports_to_a_plain_model(tmp_path, trainer_zero2):
     result = trainer_zero2[0]
     ckpt = Path(result["ckpt_dir"]) / "epoch=1-step=5.ckpt"  # the state after the last step
-    logits = exported_probe_logits(ckpt, tmp_path / "fp32.safetensors")
+    logits = exported_probe_logits(ckpt, tmp_path / "fp32.safetensors", "--prefix", "model.")
     assert torch.allclose(logits, torch.tensor(result["logits"]), atol=1e-5, rtol=1e-5)
 
 

@@ -53,7 +53,7 @@ def test_cpu_offload_matches_single_process(checks):
 def test_consolidated_zero_checkpoint_loads_into_plain_model(tmp_path, trainer_zero3):
     result = trainer_zero3[0]
     ckpt = Path(result["ckpt_dir"]) / "epoch=1-step=5.ckpt"  # the state after the last step
-    logits = exported_probe_logits(ckpt, tmp_path / "fp32.safetensors")
+    logits = exported_probe_logits(ckpt, tmp_path / "fp32.safetensors", "--prefix", "model.")
     assert torch.allclose(logits, torch.tensor(result["logits"]), atol=1e-5, rtol=1e-5)
 
 
