@@ -420,6 +420,11 @@ def test_user_pages_speak_of_what_a_block_needs_not_of_this_test():
     assert not mentions, f"user pages that speak of the docs tests: {mentions}; say what the block needs instead"
 
 
+def test_the_cron_line_shown_is_the_one_deploy_ships():
+    cron = [line for line in (ROOT / "deploy" / "crontab").read_text().splitlines() if not line.startswith("#")]
+    assert len(cron) == 1 and cron[0] in (DOCS / "recipes" / "deepfm-daily.md").read_text().splitlines()
+
+
 # ---- running the pages ---------------------------------------------------------------------------------------
 
 def free_port() -> int:
