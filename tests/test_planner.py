@@ -132,6 +132,21 @@ def test_small_model_that_fits_gets_ddp():
     assert plan.choice.estimate.micro_batch == 64  # searched: the largest that fits (none is set)
 
 
+def test_the_plan_says_what_it_assumed_and_the_flag_that_changes_it():
+    """A model without a recipe (an HF folder, a config): precision, sequence length and optimizer are the planner's
+    assumptions, said in the reasons; what the recipe or the caller fixes is said as fixed instead."""
+    said = next(r for r in choose(TINY_LLAMA, 4, "A100-80GB").reasons if "assumed: " in r)
+    longest = TINY_LLAMA["max_position_embeddings"]
+    assert said.endswith(f"assumed: precision bf16-mixed (--precision to change), seq len {longest} (the model's"
+                         " longest; --seq-len to change), AdamW with fp32 moments"), said
+    fixed = next(r for r in choose(TINY_LLAMA, 4, "A100-80GB", precision="32-true", seq_len=128).reasons
+                 if "assumed: " in r)
+    assert fixed.endswith("assumed: AdamW with fp32 moments") and "precision 32-true (as given)" in fixed, fixed
+    # DeepFM: no sequence, and its tables' optimizer is the recipe's (Adagrad unless it says otherwise)
+    deepfm = next(r for r in choose(DEEPFM_5B, 8, "T4-16GB", micro_batch=4096).reasons if "assumed: " in r)
+    assert deepfm.endswith("assumed: precision bf16-mixed (--precision to change)"), deepfm
+
+
 def test_the_recipe_fixes_batch_precision_and_checkpointing():
     plan = choose(ROOT / "configs/vision/vit2b.yaml", 16, "A100-40GB")
     assert {c.estimate.micro_batch for c in plan.candidates} == {32}  # data.batch_size, not 1

@@ -313,7 +313,7 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
             e, fits, why = best
             parts = breakdown(spec, e, hw, loader_batch)
             plan.candidates.append(Candidate(e, fits, parts.total, usable, why, parts=parts))
-    _decide(plan, allowed)
+    _decide(plan, allowed, _assumptions(spec, settings, precision_, optimizer))
     note = measurement_note(spec)
     if note:
         plan.reasons.append(note)
@@ -348,7 +348,20 @@ def _simplicity(c: Candidate) -> tuple:
     return (layout.offloaded, c.estimate.activation_checkpointing, kind, dims.tp * dims.pp, dims.hybrid)
 
 
-def _settings_note(plan: Plan) -> str:
+def _assumptions(spec: ModelSpec, settings: dict, precision: str, optimizer: str | None) -> list[str]:
+    """What the plan assumed where neither the caller nor the recipe said: the precision, a language model's sequence
+    length (its maximum) and the optimizer, each with the flag that changes it."""
+    assumed = []
+    if "precision" not in settings:
+        assumed.append(f"precision {precision} (--precision to change)")
+    if "seq_len" not in settings and spec.vocab and spec.tokens:
+        assumed.append(f"seq len {spec.tokens} (the model's longest; --seq-len to change)")
+    if not spec.table_rows:
+        assumed.append("AdamW with fp32 moments" if optimizer in (None, "adamw") else f"optimizer {optimizer}")
+    return assumed
+
+
+def _settings_note(plan: Plan, assumed: list[str]) -> str:
     said = {"given": "as given", "recipe": "from the recipe"}
     fixed = [f"{key.replace('_', ' ')} {_word(value)} ({said[source]})" for key, (value, source) in plan.settings.items()]
     searched = [what for key, what in (("micro_batch", f"micro-batch (the largest that fits, up to"
@@ -357,7 +370,7 @@ def _settings_note(plan: Plan) -> str:
                 if key not in plan.settings]
     parts = ([f"fixed: {', '.join(fixed)}"] if fixed else []) + ([f"searched: {', '.join(searched)}"] if searched
                                                                   else [])
-    return "; ".join(parts)
+    return "; ".join(parts + ([f"assumed: {', '.join(assumed)}"] if assumed else []))
 
 
 def _timing_note(hw: Hardware, spec: ModelSpec, world_size: int) -> str:
@@ -379,9 +392,9 @@ def _timing_note(hw: Hardware, spec: ModelSpec, world_size: int) -> str:
             " measured here")
 
 
-def _decide(plan: Plan, allowed: set[str]) -> None:
+def _decide(plan: Plan, allowed: set[str], assumed: list[str]) -> None:
     spec, reasons = plan.spec, plan.reasons
-    note = _settings_note(plan)
+    note = _settings_note(plan, assumed)
     if note:
         reasons.append(note)
     fitting = plan.ranked()
