@@ -72,7 +72,7 @@ def test_refusals_are_one_line_and_name_the_fix(two):
         assert "num_attention_heads=3" in errors["heads"] and "cp=2" in errors["heads"] and "[1, 3]" in errors["heads"]
         assert "cpu" in errors["ring_cpu"] and "attention='all_to_all'" in errors["ring_cpu"]
         assert "attention_mask" in errors["padding"] and "pack" in errors["padding"]
-        assert "GPT2LMHeadModel" in errors["family"]
+        assert "GPT2LMHeadModel" in errors["family"] and "activation_checkpointing=True" in errors["family"]
         assert "did you mean 'all_to_all'" in errors["typo"]
         assert "already applied" in errors["twice"]
         assert "changed to 'eager'" in errors["attention_changed"]

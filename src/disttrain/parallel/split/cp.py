@@ -383,7 +383,9 @@ def _check_model(model: nn.Module) -> None:
     if (getattr(config, "model_type", None) not in LLAMA.model_types or layers is None
             or not isinstance(getattr(model, "lm_head", None), nn.Module)):
         raise ValueError(f"context parallelism splits the HF Llama family's causal LMs (LlamaForCausalLM,"
-                         f" Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM), not {type(model).__name__}")
+                         f" Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM), not {type(model).__name__}:"
+                         " for long rows of another model use activation_checkpointing=True, tensor parallelism"
+                         " (tensor_parallel_size) or a smaller micro batch")
     if getattr(model, "context_parallel", None) is not None:
         raise ValueError(f"context parallelism is already applied to this {type(model).__name__}; apply it once")
 
