@@ -161,6 +161,9 @@ def test_trainer_matches_one_process(tmp_path, case):
         if resume:  # a DCP checkpoint of both stages, resumed by a new Trainer: step 4 as in one process
             assert result["resumed"] == pytest.approx(result["ref_losses"][3:], abs=TOL)
         assert result["val"] == pytest.approx(result["ref_val"], abs=TOL)  # validation under PP/TP
+        # self.log(..., reduce_fx="sum", sync_dist=True) sums over the data-parallel ranks, not every process
+        assert result["samples"]["logged"] == result["samples"]["seen"], result["samples"]
+        assert result["votes"] == [True, True, False]  # all, any (rank 0 alone), all (rank 0 alone)
     assert results[0]["export_diff"] <= TOL  # the exported full model = the one-process model's state dict
     # gradient_clip_val clipped every step, by the whole model's norm (not one stage's, not one mesh's)
     assert min(results[0]["ref_norms"]) > results[0]["clip"]

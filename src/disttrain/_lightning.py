@@ -357,6 +357,15 @@ class DistributedPlumbing:
 
     all_reduce = reduce  # Fabric's name for it
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's vote (checkpoint, early-stopping and spike decisions) over every process: ``reduce`` may
+        combine only the data-parallel ranks (disttrain_megatron), which Lightning's count against the world size
+        would read as a missing vote."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return decision
+        votes = self.engine.reduce(torch.tensor(int(decision), device=self.root_device), "sum", dist.group.WORLD)
+        return bool(votes == self.world_size) if all else bool(votes)
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self.engine.barrier(self.root_device)
 

@@ -79,6 +79,8 @@ class Module(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        # a count summed over the data-parallel ranks (each replica's tp/pp/cp ranks see the same batch)
+        self.log("val_samples", float(len(batch[0])), reduce_fx="sum", sync_dist=True)
         if LM:
             self.log("val_loss", self.step_loss(batch), sync_dist=True)
         else:
@@ -143,7 +145,13 @@ def make_trainer(steps: int) -> L.Trainer:
 
 trainer = make_trainer(STEPS)
 trainer.fit(module, train_dataloaders=DataLoader(data(), batch_size=BATCH))
-val = trainer.validate(module, dataloaders=DataLoader(data(), batch_size=BATCH), verbose=False)[0]["val_loss"]
+validated = trainer.validate(module, dataloaders=DataLoader(data(), batch_size=BATCH), verbose=False)[0]
+val = validated["val_loss"]
+dp_ranks = trainer.strategy.engine.dims.dp  # the DistributedSampler pads every data-parallel rank to an equal share
+samples = {"logged": validated["val_samples"], "seen": dp_ranks * -(-len(data()) // dp_ranks)}
+# Lightning's votes (ModelCheckpoint, EarlyStopping) count every process, whichever ranks logged values combine over
+vote = trainer.strategy.reduce_boolean_decision
+votes = [vote(True), vote(trainer.global_rank == 0, all=False), vote(trainer.global_rank == 0)]
 
 ref_losses, ref_val, ref_state = reference(initial, trainer.strategy.engine.dims.dp)
 export = os.path.join(tmpdir(), f"trainer-{family}.safetensors")
@@ -162,5 +170,5 @@ if resume:
     again = Module()  # fresh weights: everything must come from the checkpoint
     make_trainer(STEPS + 1).fit(again, train_dataloaders=DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt)
     resumed = again.losses
-write_result({"resumed": resumed, "losses": module.losses, "ref_losses": ref_losses, "val": val, "ref_val": ref_val,
+write_result({"samples": samples, "votes": votes, "resumed": resumed, "losses": module.losses, "ref_losses": ref_losses, "val": val, "ref_val": ref_val,
               "export_diff": diff, "ref_norms": ref_norms, "clip": CLIP, "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in module.parameters())})

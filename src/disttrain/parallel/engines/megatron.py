@@ -165,6 +165,16 @@ class MegatronEngine(FSDPEngine):
                              " pipeline_parallel_size=1")
         return dims
 
+    def reduce(self, tensor: Any, op: Any = "mean", group: torch.distributed.ProcessGroup | None = None) -> Any:
+        """Logged values (``self.log(..., sync_dist=True)``, Fabric's ``all_reduce``) combine over the data-parallel
+        ranks: the tensor-, pipeline- and context-parallel ranks of one replica see the same batch, so a sum over
+        every process counted each sample tp x pp x cp times (a mean, max or min is the same either way). An
+        explicit ``group`` is used as given (``torch.distributed.group.WORLD`` for every process)."""
+        dims, meshes = self.dims, self.meshes
+        if group is None and meshes is not None and dims is not None and dims.dp < dims.world_size:
+            group = meshes.dp.get_group()
+        return super().reduce(tensor, op, group)
+
     def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
         return self.meshes.pp.get_group() if self.pipeline is not None and self.meshes is not None else None
 
