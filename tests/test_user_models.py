@@ -16,7 +16,7 @@ from conftest import DIST, relative_diff, run_dist, run_python
 import disttrain  # noqa: F401  (installs load_from_checkpoint for disttrain folders)
 from common import global_batch, LlamaModule
 from disttrain.parallel.checkpoint.io import CheckpointError, model_state, save_sharded
-from user_modules import GAN, STEPS, Classifier
+from user_modules import GAN, STEPS, Classifier, probe_tokens, tiny_qwen2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 SHARDED = ["disttrain_fsdp", "disttrain_fsdp_offload", "disttrain_megatron"]  # megatron at tp = pp = 1
@@ -35,7 +35,7 @@ def part(runs: dict, strategy: str, name: str) -> dict:
 
 
 def close(a, b, tol: float) -> bool:
-    return torch.allclose(torch.tensor(a), torch.tensor(b), rtol=tol, atol=tol)
+    return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), rtol=tol, atol=tol)
 
 
 # -- manual optimization with two sub-networks -------------------------------------------------------------------
@@ -72,6 +72,29 @@ def test_layer_called_outside_its_unit_is_one_line_naming_full_model(runs):
     assert "\n" not in message
     assert "Linear 'model.head.fc'" in message and "call 'model' itself on every rank" in message
     assert "with trainer.strategy.full_model():" in message
+
+
+# -- save_pretrained inside full_model() --------------------------------------------------------------------------
+def test_peft_save_pretrained_inside_full_model_reloads_equal_to_ddp(runs):
+    """peft's and transformers' ``save_pretrained`` by rank 0 alone inside ``full_model()`` under disttrain_fsdp: the
+    state dict holds whole plain tensors, the adapter folder loads into a fresh base with peft's
+    ``PeftModel.from_pretrained`` and gives Lightning ddp's logits, and the whole-model folder equals ddp's."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    got, ddp = part(runs, "disttrain_fsdp", "peft"), part(runs, "ddp", "peft")
+    assert relative_diff(got["losses"], ddp["losses"]) <= 1e-4
+    assert got["state_types"] == ["Tensor"] and got["state_shapes"] == ddp["state_shapes"]  # not DTensor shards
+    logits = {}
+    for name, run in (("fsdp", got), ("ddp", ddp)):
+        with torch.no_grad():
+            logits[name] = PeftModel.from_pretrained(tiny_qwen2(), run["adapters"])(input_ids=probe_tokens()).logits
+    assert close(logits["fsdp"], logits["ddp"], 1e-4)
+    assert close(logits["fsdp"], got["logits"], 1e-5)  # what the model computed inside the block, reloaded
+    assert close(got["logits_after"], got["logits"], 1e-6)  # the shards are back after it
+    whole, reference = (load_file(f"{run['whole']}/model.safetensors") for run in (got, ddp))
+    assert whole.keys() == reference.keys() and any(".lora_A." in k for k in whole)
+    assert all(close(whole[k], reference[k], 1e-4) for k in whole)
 
 
 # -- load_from_checkpoint on the folders ModelCheckpoint wrote ---------------------------------------------------

@@ -3,12 +3,14 @@ user_loops.py OUT STRATEGY [STRATEGY ...] ("ddp" is Lightning's own reference; P
 
 Per strategy: Lightning's GAN (manual optimization, two optimizers) under the Trainer; the same GAN under Fabric
 set up as two modules and (disttrain only) as one container; a timm classifier fitted by the Trainer and then
-called after fit. ModelCheckpoint folders are left for ``load_from_checkpoint`` in the test's own process.
+called after fit; a peft-wrapped Qwen2 fitted and saved with ``save_pretrained`` (peft's and transformers') by rank 0
+inside ``full_model()``. ModelCheckpoint folders are left for ``load_from_checkpoint`` in the test's own process.
 Each part records its error instead of ending the run, so every test reports its own failure."""
 
 import os
 import sys
 import traceback
+from contextlib import nullcontext
 from functools import partial
 
 import lightning as L
@@ -25,6 +27,7 @@ from user_modules import (  # noqa: E402
     Classifier,
     Generator,
     Pair,
+    PeftLM,
     adversarial_losses,
     discriminator,
     gan_loader,
@@ -32,6 +35,8 @@ from user_modules import (  # noqa: E402
     mean_over_ranks,
     probe_images,
     probe_latent,
+    probe_tokens,
+    token_data,
 )
 
 GAN_HIDDEN = 24  # not the default: load_from_checkpoint must restore it from the saved hyperparameters
@@ -136,6 +141,30 @@ def classifier_after_fit(strategy: str) -> dict:
     return result
 
 
+def peft_saved(strategy: str) -> dict:
+    """A peft model fitted, then saved as peft's and transformers' docs show, by rank 0 inside ``full_model()``
+    (Lightning's ddp: no block, every rank already holds the whole model). The folders are compared in the test."""
+    torch.manual_seed(0)
+    module = PeftLM()
+    trainer = trainer_for(strategy)
+    trainer.fit(module, torch.utils.data.DataLoader(token_data(), batch_size=4, shuffle=True))
+    folder = os.path.join(tmpdir(), f"peft-{strategy}")
+    result = {"losses": module.losses, "adapters": f"{folder}/adapters", "whole": f"{folder}/whole"}
+    block = nullcontext() if strategy == "ddp" else trainer.strategy.full_model()
+    with block:
+        if trainer.is_global_zero:  # rank 0 alone: nothing inside may communicate
+            state = module.model.state_dict()
+            result["state_types"] = sorted({type(v).__name__ for v in state.values()})
+            result["state_shapes"] = {k: list(v.shape) for k, v in state.items()}
+            module.model.save_pretrained(result["adapters"])  # peft: the adapters and adapter_config.json
+            module.model.get_base_model().save_pretrained(result["whole"])  # transformers: every tensor
+            with torch.no_grad():
+                result["logits"] = module.model(input_ids=probe_tokens()).logits.tolist()
+    with torch.no_grad():  # the shards are back: a collective call after the block, on every rank
+        result["logits_after"] = module.model(input_ids=probe_tokens()).logits.tolist()
+    return result
+
+
 def attempt(part, *args) -> dict:
     try:
         return part(*args)
@@ -149,9 +178,10 @@ PARTS = {  # what runs under which strategy ("ddp": Lightning's reference)
     "fabric_gan": partial(fabric_gan, one_module=False),
     "fabric_pair": partial(fabric_gan, one_module=True),  # no DDP counterpart: DDP syncs only what runs in forward
     "classifier": classifier_after_fit,
+    "peft": peft_saved,
 }
-SKIP = {"ddp": {"fabric_pair"}, "disttrain_ddp": {"trainer_gan", "fabric_gan", "fabric_pair"},
-        "disttrain_fsdp_offload": {"classifier"}, "disttrain_megatron": {"classifier"}}
+SKIP = {"ddp": {"fabric_pair"}, "disttrain_ddp": {"trainer_gan", "fabric_gan", "fabric_pair", "peft"},
+        "disttrain_fsdp_offload": {"classifier", "peft"}, "disttrain_megatron": {"classifier", "peft"}}
 results = {strategy: {name: attempt(run, strategy) for name, run in PARTS.items()
                       if name not in SKIP.get(strategy, ())} for strategy in sys.argv[2:]}
 write_result(results)

@@ -184,3 +184,54 @@ class Classifier(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+# -- a peft-wrapped Hugging Face model, saved with save_pretrained after fit ---------------------------------------
+VOCAB, SEQ = 64, 8
+
+
+def tiny_qwen2(seed: int = 0) -> nn.Module:
+    """A Qwen2 of two layers with tied embeddings (as the small Qwen2 checkpoints have), seeded: the frozen base a
+    fresh process rebuilds to load the saved adapters into."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+
+
+def token_data(n: int = MICRO_BATCH * STEPS * WORLD) -> TensorDataset:
+    return TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(3)))
+
+
+def probe_tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+class PeftLM(L.LightningModule):
+    """A language model as peft's docs wrap one: ``self.model = get_peft_model(base, LoraConfig(...))``."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        from peft import get_peft_model
+
+        self.lr = lr
+        self.model = get_peft_model(tiny_qwen2(), lora_config())
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(mean_over_ranks(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)

@@ -286,22 +286,50 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
     and calls of ``model`` or any part of it inside run without communication, on any rank (e.g. on rank 0 only),
     under ``torch.no_grad()``. Parameters are resharded on exit. The memory of the whole model is needed meanwhile.
 
+    ``state_dict()`` inside gives the full parameters as plain tensors (in the dtype the model computes in), so
+    ``save_pretrained`` (transformers, peft) and ``safetensors`` work on rank 0 alone. Those tensors are the gathered
+    parameters themselves: their memory is freed on exit (``.clone()`` what must outlive the block). Loading into the
+    model inside the block is not supported (the gathered copies are dropped on exit; load into the sharded model).
+
     FSDP2 has no ``summon_full_params``: unshard every unit and stop the units from resharding after their forward
-    (restored exactly on exit, an int ``reshard_after_forward`` included, hence the saved per-group setting).
+    (restored exactly on exit, an int ``reshard_after_forward`` included, hence the saved per-group setting). FSDP2
+    also reshards a unit before its ``state_dict()`` (a pre-hook per parameter group, so that a state dict holds
+    shards); that hook is lifted for the block and registered again on exit.
     """
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.reshard()
-    saved = [(group, group.post_forward_mesh_info) for unit in units
-             for group in unit._get_fsdp_state()._fsdp_param_groups]
+    groups = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+    saved = [(group, group.post_forward_mesh_info) for group in groups]
     try:
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
-            unit.unshard()
+            unit.unshard()  # the first unshard also registers the state-dict hooks (FSDP's lazy init)
+        for group in groups:
+            _lift_state_dict_resharding(group)
         with torch.no_grad():
             yield model
     finally:
         for group, info in saved:
             group.post_forward_mesh_info = info
+        for group in groups:
+            _restore_state_dict_resharding(group)
         for unit in units:
             unit.reshard()
+
+
+def _lift_state_dict_resharding(group: Any) -> None:
+    for handle in group._module_to_pre_save_state_dict_hook_handle.values():
+        handle.remove()
+    group._module_to_pre_save_state_dict_hook_handle.clear()
+
+
+def _restore_state_dict_resharding(group: Any) -> None:
+    """FSDP registers its save and load hooks together (and only when neither is registered): drop the load hooks
+    too and let it register both again."""
+    if group._module_to_pre_save_state_dict_hook_handle:
+        return
+    for handle in group._module_to_pre_load_state_dict_hook_handle.values():
+        handle.remove()
+    group._module_to_pre_load_state_dict_hook_handle.clear()
+    group._register_state_dict_hooks()
