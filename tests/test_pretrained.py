@@ -45,6 +45,13 @@ def test_lora_fine_tuning_matches_peft_in_one_process_resumes_and_exports(runs, 
     # B starts at zero: the first loss is the pretrained model's own (full fine-tuning's first loss, same batch)
     assert result["losses"][0] == pytest.approx(runs[0]["disttrain_fsdp"]["llama"]["losses"][0], rel=1e-6)
     assert result["resumed"] == pytest.approx(result["losses"][3:], rel=1e-6)  # the checkpoint holds the adapters
+    # ... and only them (with their optimizer state): the frozen base is read from its folder again on resume
+    assert result["checkpoint_model_keys"] and all(".lora_" in k for k in result["checkpoint_model_keys"])
+    assert result["checkpoint_model_bytes"] < result["base_bytes"] / 2, result  # fp32 adapters vs the bf16 base
+    assert "holds only the parameters that trained" in result["no_base_error"]
+    assert "pretrained-llama'; load that folder into the model first" in result["no_base_error"]
+    assert "pretrained-llama-changed" in result["other_base_error"]
+    assert "whose files differ" in result["other_base_error"]
     assert result["base_unchanged"]  # only the adapters were in the optimizer
     assert result["adapter_logits_err"] < 1e-5  # peft's PeftModel.from_pretrained of the exported adapter folder
     assert result["merged_logits_err"] < 1e-5  # the merged export, into the plain HF model
@@ -59,6 +66,8 @@ def test_dialogue_module_fine_tunes_a_pretrained_folder_with_lora_under_the_trai
     assert result["trainable"] == ["lora_A", "lora_B"]
     assert result["base_equal"]  # the folder's weights, loaded and left frozen
     assert result["lora_B_max"] > 0  # the adapters trained
+    assert result["checkpoint_model_keys"] and all(".lora_" in k for k in result["checkpoint_model_keys"])
+    assert result["restored_equal"]  # trainer.fit(ckpt_path=...) of a fresh module: the base read again, then these
 
 
 def tiny_llama(seed: int):
@@ -161,3 +170,61 @@ def test_lora_settings_name_the_bad_value():
     with pytest.raises(ValueError, match=r"lora rank=-1 is not a rank"):
         LoraSettings(rank=-1)
     assert LoraSettings.from_dict({"rank": 8, "target_modules": ["q_proj"]}).scaling == 2.0
+
+
+def test_a_lora_checkpoint_leaves_the_frozen_base_in_its_folder_and_reads_it_back_offline(tmp_path):
+    """One process: a checkpoint of a LoRA model filled from a folder holds the adapters only; it loads into a model
+    whose base was read from the same folder, is refused without it or with a changed one, and the offline readers
+    (exports, load_from_checkpoint) put the base back from the folder."""
+    from safetensors.torch import load_file, save_file
+
+    from disttrain.parallel.checkpoint.frozen import FROZEN_KEY, leave_out_frozen_base
+    from disttrain.parallel.checkpoint.io import (full_model_state, load_sharded, model_state, read_as_single_file,
+                                                  save_sharded)
+    from disttrain.parallel.split.lora import LoraSettings, add_lora
+
+    tiny_llama(0).save_pretrained(tmp_path / "base")
+    settings = LoraSettings(rank=2, seed=1)
+
+    def lora_model(folder=None):
+        model = add_lora(tiny_llama(3), settings)
+        if folder is not None:
+            load_pretrained(folder, model)
+        return model
+
+    trained = lora_model(tmp_path / "base")
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if ".lora_" in name:
+                param.add_(0.5)  # as if trained
+    tensors, metadata = {"model": model_state(trained)}, {"step": 7}
+    leave_out_frozen_base(tensors, metadata, {"model": trained})
+    assert tensors["model"] and all(".lora_" in k for k in tensors["model"])
+    assert metadata[FROZEN_KEY]["model"]["folder"] == str((tmp_path / "base").resolve())
+    save_sharded(tmp_path / "ckpt", tensors, metadata)
+    whole = {k: v.clone() for k, v in trained.state_dict().items()}
+
+    with pytest.raises(CheckpointError, match=r"ckpt' holds only the parameters that trained: its \d+ frozen ones are"
+                                              r" the pretrained weights of '.*base'; load that folder into the model"):
+        load_sharded(tmp_path / "ckpt", {"model": lora_model()}, None)
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    state = load_file(str(tmp_path / "base" / "model.safetensors"))
+    state["model.norm.weight"] = state["model.norm.weight"] + 1
+    save_file(state, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    (changed / "config.json").write_text((tmp_path / "base" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"was trained on the frozen weights of '.*base', but the model's were"
+                                              r" read from '.*changed', whose files differ"):
+        load_sharded(tmp_path / "ckpt", {"model": lora_model(changed)}, None)
+
+    resumed = lora_model(tmp_path / "base")
+    assert load_sharded(tmp_path / "ckpt", {"model": resumed}, None) == {"step": 7}  # no record left for the caller
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in whole.items())
+
+    offline = full_model_state(tmp_path / "ckpt")
+    assert offline.keys() == whole.keys() and all(torch.equal(offline[k], v) for k, v in whole.items())
+    single = read_as_single_file(tmp_path / "ckpt", key="model")
+    assert FROZEN_KEY not in single and all(torch.equal(single["model"][k], v) for k, v in whole.items())
+    save_file(state, str(tmp_path / "base" / "model.safetensors"), metadata={"format": "pt"})  # the folder changes
+    with pytest.raises(CheckpointError, match=r"frozen weights of '.*base', whose files have changed since"):
+        full_model_state(tmp_path / "ckpt")

@@ -11,18 +11,23 @@ folder. Records both runs' losses and the tied parameters the folder held under 
 
 Per ``--lora`` SPEC, on the Llama folder: LoRA adapters (rank 4, every Linear) added to the empty model, the base
 loaded sharded, the adapters' first values set (``init_adapters``), 3 SGD steps on the adapters only, a checkpoint,
-2 more steps; then a fresh model resumed from the checkpoint repeats those 2 steps. Against one process with
+2 more steps; then a fresh model resumed from the checkpoint (which holds the adapters and their optimizer state, not
+the frozen base) repeats those 2 steps once the base folder is read again; before that, and with a changed copy of
+the folder as base, the load is refused. Against one process with
 peft's ``get_peft_model`` given the same first adapter values. Rank 0 then checks the exports: the base weights
 untouched (equal to the folder's), peft's ``PeftModel.from_pretrained`` of the exported adapter folder and the
 merged model both giving the trained model's logits.
 
 Per ``--trainer`` SPEC: ``DialogueLM(pretrained=<Llama folder>, lora=...)`` under ``lightning.Trainer`` (the folder
 read sharded in ``on_fit_start``), 3 steps: its first loss is the pretrained model's own (weights loaded, B zero),
-the loss then falls, and only adapters changed.
+the loss then falls, and only adapters changed; its checkpoint holds the adapters, and a fresh module restored from
+it (the folder read in ``on_fit_start`` again) equals the trained one.
 """
 
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -131,6 +136,41 @@ def lora_model(fabric: L.Fabric):
     return model, optimizer
 
 
+def checkpoint_size(path: str, key: str = "model") -> dict:
+    """The model tensors a checkpoint holds and their bytes, next to the base folder's weights (the files on disk
+    also hold the optimizer state and, in a model this small, mostly DCP's per-entry metadata)."""
+    from disttrain.parallel.checkpoint.io import stored_entries
+
+    model = {k[len(key) + 1:]: md for k, md in stored_entries(path).items() if k.startswith(f"{key}.")}
+    return {"checkpoint_model_bytes": sum(md.size.numel() * md.properties.dtype.itemsize for md in model.values()),
+            "base_bytes": (Path(folder_of("llama")) / "model.safetensors").stat().st_size,
+            "checkpoint_model_keys": sorted(model)}
+
+
+def changed_copy(fabric: L.Fabric, spec: str) -> str:
+    """The Llama folder with one weight changed (another fine-tune of the same architecture)."""
+    from safetensors.torch import load_file, save_file
+
+    copy = os.path.join(tmpdir(), f"pretrained-llama-changed-{spec.replace(':', '_')}")
+    if fabric.global_rank == 0:
+        shutil.copytree(folder_of("llama"), copy)
+        state = load_file(os.path.join(copy, "model.safetensors"))
+        state["model.norm.weight"] = state["model.norm.weight"] * 2
+        save_file(state, os.path.join(copy, "model.safetensors"), metadata={"format": "pt"})
+    fabric.barrier()
+    return copy
+
+
+def load_error(fabric: L.Fabric, path: str, state: dict) -> str:
+    from disttrain.parallel.checkpoint.integrity import CheckpointError
+
+    try:
+        fabric.load(path, state)
+    except CheckpointError as e:
+        return str(e)
+    return ""
+
+
 def check_lora(fabric: L.Fabric, spec: str) -> dict:
     from safetensors.torch import load_file
 
@@ -145,10 +185,15 @@ def check_lora(fabric: L.Fabric, spec: str) -> dict:
     full = os.path.join(tmpdir(), f"lora-full-{spec.replace(':', '_')}.safetensors")
     layers = adapter_layers(model.module)
     fabric.strategy.export_full(model, full)
+    result = {"losses": losses, "ref_losses": ref_losses, "tied": tied, **checkpoint_size(checkpoint)}
     resumed, resumed_optimizer = lora_model(fabric)
-    fabric.load(checkpoint, {"model": resumed, "optimizer": resumed_optimizer})
-    result = {"losses": losses, "ref_losses": ref_losses, "tied": tied,
-              "resumed": train(fabric, resumed, resumed_optimizer, range(3, STEPS))}
+    target = {"model": resumed, "optimizer": resumed_optimizer}
+    result["no_base_error"] = load_error(fabric, checkpoint, target)  # the base is not loaded yet
+    fabric.strategy.load_pretrained(resumed, changed_copy(fabric, spec))  # the same architecture, another weight
+    result["other_base_error"] = load_error(fabric, checkpoint, target)
+    fabric.strategy.load_pretrained(resumed, folder_of("llama"))  # a resume re-reads the base, then the checkpoint
+    fabric.load(checkpoint, target)
+    result["resumed"] = train(fabric, resumed, resumed_optimizer, range(3, STEPS))
     if fabric.global_rank == 0:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
@@ -208,8 +253,24 @@ def check_trainer_lora(spec: str) -> dict:
                                  k.replace(".weight", ".base_layer.weight") in state else state[k], v.float())
                      for k, v in stored.items())
     moved = max(state[k].abs().max().item() for k in state if ".lora_B." in k)
+    checkpoint = os.path.join(tmpdir(), "trainer-lora-ckpt")
+    trainer.save_checkpoint(checkpoint)
+    # A fresh module restored from it (already at max_steps: nothing trains): the folder read again, then the adapters
+    restored = DialogueLM(pretrained=folder_of("llama"), lora=LORA.as_dict(), lr=5e-2, weight_decay=0.0)
+    again = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=3,
+                      strategy=strategy_from_spec(spec, "trainer"), logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                      limit_val_batches=0)
+    again.fit(restored, torch.utils.data.DataLoader(rows, batch_size=BATCH), ckpt_path=checkpoint)
+    reexported = os.path.join(tmpdir(), "trainer-lora-restored.safetensors")
+    again.strategy.export_full(reexported, prefix="model.")
+    again.strategy.barrier()
+    restored_state = load_file(reexported)
     return {"losses": losses.losses, "base_loss": base_loss, "trainable": trainable, "base_equal": base_equal,
-            "lora_B_max": moved}
+            "lora_B_max": moved,
+            "checkpoint_model_keys": checkpoint_size(checkpoint, "state_dict")["checkpoint_model_keys"],
+            "restored_equal": restored_state.keys() == state.keys()
+            and all(torch.equal(restored_state[k], state[k]) for k in state)}
 
 
 if int(os.environ.get("RANK", "0")) == 0:

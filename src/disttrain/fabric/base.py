@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from disttrain._lightning import STEP_METHODS, DistributedPlumbing, EngineAdapter, split_timeout
+from disttrain.parallel.checkpoint.frozen import leave_out_frozen_base
 from disttrain.parallel.checkpoint.io import restore_rest, the_model
 from disttrain.parallel.engines.base import Engine
 from disttrain.parallel.engines.precision import sharded_grad_scaler
@@ -90,6 +91,7 @@ class FabricAdapter(EngineAdapter):
                 tensors[key] = self.engine.optimizer_state(module, value)
             else:
                 metadata[key] = value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+        leave_out_frozen_base(tensors, metadata, {k: v for k, v in state.items() if isinstance(v, nn.Module)})
         self.engine.save_checkpoint(self.broadcast(path), module, tensors, metadata)
 
     def wait_checkpoint(self) -> None:

@@ -207,8 +207,10 @@ class DialogueLM(L.LightningModule):
             if p.requires_grad:
                 # Norm weights and biases are not decayed (the usual LLM recipe).
                 (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=hp.lr, betas=(0.9, 0.95))
+        # An empty group (LoRA adapters are all matrices: nothing undecayed) is left out: torch's loader of a
+        # flattened optimizer state (a checkpoint's) fails on one.
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=(0.9, 0.95))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, hp.warmup_steps,
                                                                                         hp.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from disttrain._lightning import STEP_METHODS, DistributedPlumbing, EngineAdapter, layer_sync_request, \
     split_timeout
+from disttrain.parallel.checkpoint.frozen import leave_out_frozen_base
 from disttrain.parallel.engines.precision import sharded_grad_scaler
 from disttrain.parallel.guards import watchdog
 
@@ -139,6 +140,7 @@ class TrainerAdapter(EngineAdapter):
         tensors = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
         if self.engine.optimizers_by_name:
             tensors.update({optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        leave_out_frozen_base(tensors, checkpoint, {MODEL_KEY: self.model})  # a LoRA run's base stays in its folder
         self.engine.save_checkpoint(self.broadcast(filepath), self.model, tensors, checkpoint)  # type: ignore
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from disttrain.parallel.checkpoint.frozen import add_base, left_out, pop_record, remember_base
 from disttrain.parallel.guards.diskspace import DiskFullError, ensure_free, remove, tensor_bytes, writing
 from disttrain.parallel.guards.watchdog import phase
 from disttrain.parallel.checkpoint.integrity import (
@@ -405,14 +407,17 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} has no {missing} (it holds {sorted(stored)});"
                               " pass the same state keys that were saved")
-    tensors = {key: (model_state(obj) if isinstance(obj, nn.Module) else optimizer_state(model, obj))
+    skipped = {key: left_out(path, metadata, key, obj) for key, obj in targets.items() if isinstance(obj, nn.Module)}
+    pop_record(metadata)
+    tensors = {key: ({k: v for k, v in model_state(obj).items() if k not in skipped[key]}
+                     if isinstance(obj, nn.Module) else optimizer_state(model, obj))
                for key, obj in targets.items()}
     layout.before_load(tensors)
     load_into(path, tensors, strict=strict, weights_only=weights_only, reader=reader)
     layout.after_load(tensors)
     for key, obj in targets.items():
-        if isinstance(obj, nn.Module):
-            set_model_state_dict(obj, tensors[key], options=StateDictOptions(strict=strict))
+        if isinstance(obj, nn.Module):  # what the checkpoint left out is the base already loaded (frozen.py)
+            set_model_state_dict(obj, tensors[key], options=StateDictOptions(strict=strict and not skipped[key]))
         else:
             set_optimizer_state_dict(model, obj, tensors[key], options=_FLAT)
     return metadata
@@ -439,6 +444,8 @@ def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = 
     load_into(folder, tensors, reader=PretrainedReader(folder, {f"{MODEL_KEY}.{k}": s for k, s in names.items()}))
     layout.after_load(tensors)
     set_model_state_dict(module, tensors[MODEL_KEY], options=StateDictOptions(strict=False))
+    if not partial:
+        remember_base(module, folder, names, tied)
     return tied
 
 
@@ -461,9 +468,11 @@ def load_full(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module
     full = StateDictOptions(full_state_dict=True, strict=strict)
     for key, obj in targets.items():
         if isinstance(obj, nn.Module):
-            set_model_state_dict(obj, state.pop(key), options=full)
+            partial = bool(left_out(path, state, key, obj))  # the frozen base, loaded already (frozen.py)
+            set_model_state_dict(obj, state.pop(key), options=replace(full, strict=strict and not partial))
         else:
             set_optimizer_state_dict(model, obj, state.pop(key), options=full)
+    pop_record(state)
     return state
 
 
@@ -561,7 +570,10 @@ def full_model_state(checkpoint: str | os.PathLike, key: str | None = None) -> d
         key = models[0]
     if key not in state:
         raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}; it holds {sorted(state)}")
-    return dict(state[key])
+    model = dict(state[key])
+    if not is_zero_checkpoint(path):
+        add_base(path, read_meta(path), key, model)  # a LoRA run's frozen base, from its folder (frozen.py)
+    return model
 
 
 def is_zero_checkpoint(path: Path) -> bool:
@@ -693,6 +705,8 @@ def read_as_single_file(path: str | os.PathLike, key: str = "state_dict", weight
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: its tensors cannot be read"
                               f" ({_first_line(e.__cause__ or e)}); load an earlier checkpoint") from e
+    add_base(path, metadata, key, tensors[key])  # a LoRA run's frozen base, from its folder (frozen.py)
+    pop_record(metadata)
     return {**metadata, key: tensors[key]}
 
 

@@ -8,7 +8,7 @@ import ctypes
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -431,12 +431,13 @@ def _scalar_target(stored: Any) -> Any:
 @torch.no_grad()
 def load_zero_state(path: Union[str, os.PathLike], module: torch.nn.Module, optimizer: Any, model_key: str,
                     optim_key: Optional[str], strict: bool = True, reader: Any = None,
-                    stored: Optional[set[str]] = None) -> None:
+                    stored: Optional[set[str]] = None, left_out: Collection[str] = ()) -> None:
     """Load a disttrain checkpoint folder of any strategy and world size into a DeepSpeed ZeRO model (and, with
     ``optim_key``, the optimizer state): every rank reads only the stored chunks that overlap its partitions,
     directly into DeepSpeed's memory. ``optimizer``: the ZeRO optimizer holding the fp32 master weights (None for a
     model without one). ``reader``/``stored``: another storage and its tensor names (a pretrained folder).
-    Collective."""
+    ``left_out``: model keys the checkpoint does not hold because the model already has them (a frozen pretrained
+    base, :mod:`disttrain.parallel.checkpoint.frozen`). Collective."""
     from disttrain.parallel.checkpoint.io import CheckpointError, load_into, stored_entries
 
     path = Path(path)
@@ -448,7 +449,7 @@ def load_zero_state(path: Union[str, os.PathLike], module: torch.nn.Module, opti
                                   f" {sorted({k.split('.', 1)[0] for k in stored})}); pass the same state keys that"
                                   " were saved")
     in_file = {k[len(model_key) + 1:] for k in stored if k.startswith(f"{model_key}.")}
-    expected = set(module.state_dict())
+    expected = set(module.state_dict()) - set(left_out)
     missing, unexpected = sorted(expected - in_file), sorted(in_file - expected)
     if strict and (missing or unexpected):
         differences = ", ".join(f"{what} {keys[:5]}" for what, keys in zip(("missing", "unexpected"),
@@ -576,6 +577,7 @@ def load_zero_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], s
     not ask for. ``master``: the engine's ZeRO optimizer when ``state`` holds the model but not the optimizer
     (its fp32 master weights are what training continues from). ``source``: a checkpoint another library wrote,
     seen in the one layout (``reader``, ``metadata``, ``stored``), read in place of ``path``. Collective."""
+    from disttrain.parallel.checkpoint.frozen import left_out, pop_record
     from disttrain.parallel.checkpoint.io import FORMAT_KEY, check_checkpoint, read_meta
 
     model, optimizer, rest = _split_zero_state(state)
@@ -588,7 +590,10 @@ def load_zero_checkpoint(path: Union[str, os.PathLike], state: dict[str, Any], s
         metadata, reader, stored = dict(source.metadata), source.reader, source.stored
         metadata.pop(FORMAT_KEY, None)
     module = getattr(model[1], "module", model[1])
+    skipped = left_out(path, metadata, model[0], model[1])
+    pop_record(metadata)
     load_zero_state(path, module, _master(model[1], optimizer) or master, model[0],
-                     optimizer[0] if optimizer else None, strict=strict, reader=reader, stored=stored)
+                     optimizer[0] if optimizer else None, strict=strict, reader=reader, stored=stored,
+                     left_out=skipped)
     loaded = {model[0]} | ({optimizer[0]} if optimizer else set())
     return restore_rest(state, loaded, metadata)

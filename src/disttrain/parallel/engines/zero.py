@@ -304,6 +304,7 @@ class ZeroEngine(Engine):
         """An HF folder's (or one safetensors file's) weights into the partitions (and the fp32 master weights), each
         rank reading only the rows its partitions cover; ``exclude``: tensor names (as stored) left as they are."""
         from disttrain.parallel.checkpoint.io import _tied_aliases
+        from disttrain.parallel.checkpoint.frozen import remember_base
         from disttrain.parallel.checkpoint.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
 
         user = _user_module(module)
@@ -312,6 +313,8 @@ class ZeroEngine(Engine):
         targets = {f"{MODEL_KEY}.{k}": s for k, s in names.items()}
         load_zero_state(folder, user, _master(module), MODEL_KEY, None, strict=False,
                          reader=PretrainedReader(folder, targets), stored=set(targets))
+        if not partial:
+            remember_base(user, folder, names, tied)  # checkpoints name tensors as the unwrapped model
         return tied
 
     def full_model(self, module: nn.Module) -> AbstractContextManager[nn.Module]:
