@@ -261,9 +261,14 @@ def test_recipe_fine_tunes_a_pretrained_folder_with_lora_under_zero3(tmp_path, d
                                         max_position_embeddings=256, tie_word_embeddings=True))
     base.save_pretrained(tmp_path / "qwen2")
     tokenizer.save_pretrained(str(tmp_path / "qwen2"))
-    proc = recipe("disttrain_zero3", tmp_path, demo[0], "--pretrained", str(tmp_path / "qwen2"), "--lora-rank", "8",
-                  "--steps", "6", "--eval-every", "6", "--lr", "1e-2")
+    proc = recipe("disttrain_zero3", tmp_path, demo[0], "--pretrained", str(tmp_path / "qwen2"), "--data", "demo",
+                  "--lora-rank", "8", "--steps", "6", "--eval-every", "6", "--lr", "1e-2")
     assert "fine-tuning" in proc.stdout and "(Qwen2ForCausalLM); LoRA: " in proc.stdout, proc.stdout[-2000:]
+    # the header line says what was chosen for the run: the demo data (asked for), the device's precision and the
+    # model's sequence length; the learning rate was given
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("fine-tuning"))
+    assert header.endswith("; data: the chatterbot demo dialogues (--data demo), precision 32-true (CPU; --precision),"
+                           " seq len 256 (the model's longest is 256; --seq-len)"), header
     before, after = held_out(proc.stdout)
     assert after < before
     adapter = tmp_path / "out" / "adapter"
@@ -275,6 +280,47 @@ def test_recipe_fine_tunes_a_pretrained_folder_with_lora_under_zero3(tmp_path, d
     bad = run_launched("recipes/nlp/dialogue_llm.py", "--demo-root", str(demo[0]), "--out", str(tmp_path / "bad"),
                        "--lora-rank", "8", strategy="disttrain_fsdp", timeout=300)
     assert "LoRA (rank 8) adapts pretrained weights: pass --pretrained DIR" in bad.stdout + bad.stderr
+
+
+def recipe_module():
+    """recipes/nlp/dialogue_llm.py imported (its argument handling is checked in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dialogue_llm_recipe", ROOT / "recipes/nlp/dialogue_llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pretrained_takes_fine_tuning_defaults_from_the_model_and_needs_data(tmp_path):
+    """--pretrained without --config: precision from the device, the model's sequence length (capped), a
+    fine-tuning learning rate (LoRA's higher), each only where no flag gave it; no --data is one line."""
+    from transformers import LlamaConfig
+
+    from disttrain.parallel.split.lora import LoraSettings
+
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=32768).save_pretrained(tmp_path / "llama")
+    (tmp_path / "llama" / "model.safetensors").write_bytes(b"")  # only its presence is checked here
+    dialogue_llm = recipe_module()
+
+    def settings(*argv: str) -> dict:
+        return dialogue_llm.settings(dialogue_llm.parse_args(["--pretrained", str(tmp_path / "llama"), *argv]))
+
+    with pytest.raises(ValueError, match=r"--pretrained .*llama fine-tunes a real model on your chats: pass --data"
+                                         r" CHATS.jsonl .* or --data demo to fine-tune it on the chatterbot demo"):
+        settings()
+    full = settings("--data", "chats.jsonl")
+    assert (full["train"]["precision"], full["data"]["seq_len"], full["train"]["lr"]) == ("32-true", 4096, 2e-5)
+    assert full["chosen"] == ["precision 32-true (CPU; --precision)",
+                              "seq len 4096 (the model's longest is 32768, capped at 4096; --seq-len)",
+                              "lr 2e-05 (full fine-tuning; --lr)"]
+    lora = settings("--data", "demo", "--lora-rank", "8", "--seq-len", "512", "--precision", "bf16-true")
+    assert isinstance(lora["lora"], LoraSettings) and lora["data"]["train"] is None  # the demo is built
+    assert (lora["train"]["precision"], lora["data"]["seq_len"], lora["train"]["lr"]) == ("bf16-true", 512, 2e-4)
+    assert lora["chosen"] == ["data: the chatterbot demo dialogues (--data demo)", "lr 0.0002 (LoRA fine-tuning; --lr)"]
+    given = settings("--data", "chats.jsonl", "--config", str(ROOT / "configs/nlp/dialogue_tiny.yaml"))
+    assert (given["train"]["lr"], given["data"]["seq_len"], given["chosen"]) == (3e-3, 256, [])  # the YAML's own
 
 
 @pytest.mark.slow

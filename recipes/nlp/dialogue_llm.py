@@ -89,16 +89,30 @@ DOES_NOT_APPLY = {
 }
 
 
+DEMO_CONFIG = ROOT / "configs/nlp/dialogue_tiny.yaml"
+# Fine-tuning a --pretrained model without a --config: the usual starting points (full fine-tuning of 7B-class chat
+# models at 1e-5..5e-5, LoRA at 1e-4..3e-4), and rows no longer than this unless the flags ask.
+FINE_TUNING_LR = {"full": 2e-5, "lora": 2e-4}
+FINE_TUNING_SEQ_CAP = 4096
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "configs/nlp/dialogue_tiny.yaml"),
-                   help="recipe YAML (default: configs/nlp/dialogue_tiny.yaml)")
-    p.add_argument("--data", default=None, help="chat JSONL (default: the config's data.train, else the demo)")
+    p.add_argument("--config", default=None,
+                   help="recipe YAML (default: configs/nlp/dialogue_tiny.yaml, the demo's; with --pretrained its"
+                        " precision, sequence length and learning rate give way to the fine-tuning defaults)")
+    p.add_argument("--data", default=None,
+                   help="chat JSONL (default: the config's data.train, else the demo); 'demo': the chatterbot demo"
+                        " dialogues. Required with --pretrained unless the config names data.train")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer folder (default: config, else demo)")
     p.add_argument("--pretrained", default=None,
                    help="local HF causal-LM folder to fine-tune (config.json + *.safetensors; any family): its config"
                         " replaces the YAML's model:, its tokenizer and chat template are used when it has one, and"
-                        " each process reads only its own slices of the weights")
+                        " each process reads only its own slices of the weights. Without --config, what the flags"
+                        " leave open follows the model and the device: precision bf16-mixed on a GPU with bfloat16"
+                        " (16-mixed on older GPUs, 32-true on CPU), sequence length the model's longest up to"
+                        f" {FINE_TUNING_SEQ_CAP}, learning rate {FINE_TUNING_LR['full']:g}"
+                        f" ({FINE_TUNING_LR['lora']:g} with LoRA)")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="train LoRA adapters of this rank on the frozen --pretrained model (overrides lora.rank; 0: the"
                         " whole model trains); the run exports the adapter folder --out/adapter (peft's format)")
@@ -117,7 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--demo-root", default=str(ROOT / DEFAULT_DEMO_ROOT),
                    help=f"where the demo data is built (default: {DEFAULT_DEMO_ROOT})")
     add_recipe_flags(p, FLAG_DEFAULTS, DOES_NOT_APPLY)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.config_given = args.config is not None
+    args.config = args.config or str(DEMO_CONFIG)
+    return args
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -133,7 +150,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     data = dict(config.get("data", {}))
     if args.seq_len is not None:
         data["seq_len"] = args.seq_len
-    data["train"] = args.data or data.get("train")
+    demo_chosen = args.data == "demo"
+    data["train"] = None if demo_chosen else (args.data or data.get("train"))
     data["tokenizer"] = args.tokenizer or data.get("tokenizer")
     model = config["model"]
     lora = dict(config.get("lora") or {})
@@ -154,7 +172,38 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         model = AutoConfig.from_pretrained(str(folder)).to_dict()
         if not args.tokenizer and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             data["tokenizer"] = str(folder)
-    return {"model": model, "data": data, "train": train, "lora": lora_settings}
+        if not data["train"] and not demo_chosen:
+            raise ValueError(f"--pretrained {args.pretrained} fine-tunes a real model on your chats: pass --data"
+                             " CHATS.jsonl (one dialogue per line, as docs/recipes/dialogue-llm.md shows), or --data"
+                             " demo to fine-tune it on the chatterbot demo dialogues")
+    chosen = []  # what the header line says was chosen for the user
+    if args.pretrained and not args.config_given:
+        chosen = fine_tuning_defaults(args, model, lora_settings.enabled, data, train)
+    if demo_chosen:
+        chosen.insert(0, "data: the chatterbot demo dialogues (--data demo)")
+    return {"model": model, "data": data, "train": train, "lora": lora_settings, "chosen": chosen}
+
+
+def fine_tuning_defaults(args: argparse.Namespace, model: dict[str, Any], lora: bool, data: dict[str, Any],
+                         train: dict[str, Any]) -> list[str]:
+    """A --pretrained model without a --config: precision from the device, sequence length from the model and a
+    fine-tuning learning rate, wherever the flags leave them open (the demo YAML's are for its tiny model).
+    Returns what was chosen, with the flag that changes each, for the header line."""
+    chosen = []
+    if args.precision is None:
+        gpu = args.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+        train["precision"] = ("bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed") if gpu else "32-true"
+        device = "a GPU with bfloat16" if train["precision"] == "bf16-mixed" else "this GPU" if gpu else "CPU"
+        chosen.append(f"precision {train['precision']} ({device}; --precision)")
+    if args.seq_len is None:
+        longest = int(model.get("max_position_embeddings") or FINE_TUNING_SEQ_CAP)
+        data["seq_len"] = min(longest, FINE_TUNING_SEQ_CAP)
+        cap = "" if longest <= FINE_TUNING_SEQ_CAP else f", capped at {FINE_TUNING_SEQ_CAP}"
+        chosen.append(f"seq len {data['seq_len']} (the model's longest is {longest}{cap}; --seq-len)")
+    if args.lr is None:
+        train["lr"] = FINE_TUNING_LR["lora" if lora else "full"]
+        chosen.append(f"lr {train['lr']:g} ({'LoRA' if lora else 'full'} fine-tuning; --lr)")
+    return chosen
 
 
 def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str, Any]]:
@@ -215,7 +264,10 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
         module.load_pretrained(args.pretrained, lambda folder, partial: fabric.strategy.load_pretrained(
             model, folder, "model.", partial))
         fabric.print(f"fine-tuning {args.pretrained} ({model_class(module.model)})"
-                     + (f"; {trainable_summary(module.model)}" if lora.enabled else ""))
+                     + (f"; {trainable_summary(module.model)}" if lora.enabled else "")
+                     + (f"; {', '.join(cfg['chosen'])}" if cfg["chosen"] else ""))
+    elif cfg["chosen"]:
+        fabric.print("; ".join(cfg["chosen"]))
 
     sampler_kwargs = _sampler_kwargs(fabric)
     sampler = ResumableSampler(train_set, seed=int(data.get("seed", 0)), **sampler_kwargs)
