@@ -322,6 +322,36 @@ def test_strategy_tables_are_the_registered_names():
             assert entry["init_params"] == shown, (name, entry["init_params"], shown)
 
 
+COMPARISON_HEADER = "| what | disttrain | Lightning's own strategies | torchtitan | accelerate | DeepSpeed |"
+
+
+def comparison_problems(path: Path) -> list[str]:
+    """Each disttrain cell of the comparison table names a test (a link to its file, the test's name as the link
+    text) that exists."""
+    problems = []
+    for row in table_rows(path, COMPARISON_HEADER):
+        claim = row[1]
+        found = re.search(r"\[`?(test_\w+)`?\]\(\.\./(tests/test_\w+\.py)\)", claim)
+        if found is None:
+            problems.append(f"{row[0]!r}: the disttrain cell names no test ([`test_name`](../tests/test_file.py))")
+            continue
+        name, file = found.groups()
+        tests = {n.name for n in ast.walk(ast.parse((ROOT / file).read_text())) if isinstance(n, ast.FunctionDef)}
+        if name not in tests:
+            problems.append(f"{row[0]!r}: {file} has no {name}")
+    return problems
+
+
+def test_the_comparison_names_a_test_for_every_disttrain_claim(tmp_path):
+    assert len(table_rows(DOCS / "comparison.md", COMPARISON_HEADER)) >= 6
+    assert comparison_problems(DOCS / "comparison.md") == []
+    broken = tmp_path / "comparison.md"
+    broken.write_text(f"{COMPARISON_HEADER}\n|---|---|---|---|---|---|\n"
+                      "| a | yes ([`test_nothing_here`](../tests/test_docs.py)) | | | | |\n| b | yes | | | | |\n")
+    assert comparison_problems(broken) == ["'a': tests/test_docs.py has no test_nothing_here",
+                                           "'b': the disttrain cell names no test ([`test_name`](../tests/test_file.py))"]
+
+
 def test_make_demo_runs_the_documented_command():
     """The README says what `make demo` runs; the dialogue page shows that command (with fewer steps), run by this
     test or by the test its marker names."""
