@@ -119,3 +119,31 @@ def test_the_guides_choices_are_the_tools():
     wrong = [f"`{command}`: the guide says {choice}, the tool recommends {recommendation(plan(command))}"
              for command, choice in rows if recommendation(plan(command)) != choice]
     assert not wrong, "\n".join(wrong)
+
+
+# The 7B/8B configs: config -> (the machine in its header, the strategy and options its launch command uses).
+SEVEN_B = {
+    "configs/nlp/dialogue_8b.yaml": ("--gpus 8 --gpu A100-80GB", "disttrain_fsdp"),
+    "configs/nlp/dialogue_8b_32k.yaml": ("--gpus 8 --gpu A100-80GB",
+                                         "disttrain_megatron tp=1 pp=1 dp=1 cp=8  {'context_parallel_size': 8}"),
+}
+
+
+@pytest.mark.parametrize("config", SEVEN_B)
+def test_the_7b_configs_are_what_the_planner_chooses_and_fit(config):
+    """Each 8B config's launch command (its header) uses the strategy the planner recommends for the machine the
+    header names, and that plan fits the GPU."""
+    machine, expected = SEVEN_B[config]
+    header = (ROOT / config).read_text().split("\nmodel:")[0]
+    assert f"disttrain plan --model {config} {machine}" in header.replace("\n# ", " ")
+    output = plan(f"disttrain plan --model {config} {machine}")
+    line = next(l for l in output.splitlines() if l.startswith("recommendation: "))
+    assert line.removeprefix("recommendation: ") == expected, output
+    strategy, *sizes = expected.split("  ")[0].split()
+    assert f"--strategy {strategy} " in header
+    for size in sizes:
+        name, value = size.split("=")
+        if name == "cp" and value != "1":
+            assert f"--context-parallel-size {value}" in header
+    fits = re.search(r"fits \(([\d.]+) of ([\d.]+) GiB per rank\)", output)
+    assert fits and float(fits[1]) < float(fits[2]), output
