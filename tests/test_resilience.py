@@ -5,10 +5,12 @@ run: one line, nothing half-written where a reader would take it, ``current`` un
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_launched, run_torchrun
+from conftest import DIST, ROOT, run_launched, run_torchrun
 from test_recsys import RECIPE, published, records, run_daily, the_error  # noqa: F401 (a fixture)
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.checkpoint.integrity import verify_checkpoint
@@ -334,3 +336,37 @@ def test_recipe_ends_on_every_live_rank_when_a_rank_stops(tmp_path):
                            timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed at step 2" in resumed.stdout and (out / "hf").is_dir()
+
+
+def twin_host(*command: str) -> list[str]:
+    """``command`` in a new pid, UTS and mount namespace with /proc of its own and the host name "twin": another host
+    cloned from the same image, as far as host names and pid numbers go."""
+    return ["unshare", "--pid", "--uts", "--mount", "--fork", "--mount-proc", "sh", "-c",
+            'hostname twin && exec "$@"', "twin", *command]
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs root and unshare (util-linux) for pid and UTS namespaces")
+def test_watchdog_never_signals_a_twin_on_another_host():
+    """Two "hosts" with the same host name and their own pid numbering: a rank of the other host announces itself and
+    stops; on this host a decoy process has that very pid. The watchdog reports the rank and signals nothing (the
+    rule of matching host name and pid would have killed the decoy), while the decoy's own identity is accepted."""
+    from disttrain.parallel.guards.watchdog import is_this_process
+
+    python = sys.executable
+    # The other host: sh is pid 1, `hostname` 2 and the rank 3.
+    other = subprocess.run(twin_host("sh", "-c", f"{python} -c 'import json; from disttrain.parallel.guards.watchdog"
+                                     " import process_identity; print(json.dumps(process_identity()))'; true"),
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+    announced = json.loads(other.stdout.strip().splitlines()[-1])
+    assert announced["host"] == "twin" and not is_this_process(announced)  # not this test's namespace either
+    # This host: numbered as the other was, so the decoy (started third) gets the announced pid.
+    local = subprocess.run(twin_host("sh", "-c", f'sleep 60 & exec {python} {DIST / "watchdog_twin.py"} "$0" $!',
+                                     json.dumps(announced)), capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr[-2000:]
+    result = json.loads(local.stdout.strip().splitlines()[-1])
+    assert result["same_host_and_pid"], (announced, result)  # the hazard is real: same name, same pid
+    assert not result["accepted"] and result["decoy_accepted"]
+    assert result["decoy_state"] in ("S", "R"), result  # alive, never signalled
+    assert len(result["lines"]) == 1 and f"rank 1 (pid {announced['pid']} on twin) has not answered" in result["lines"][0]

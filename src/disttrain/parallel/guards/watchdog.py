@@ -16,11 +16,19 @@ little above the watchdog's (:func:`collective_timeout`), ends that case with to
 
 Each rank marks itself done when it stops its watchdog (the end of the run, or interpreter exit), so a rank that
 finishes early is not taken for a stopped one.
+
+A stopped peer is also sent SIGKILL, so that the whole run ends now, but only when it is provably the same process on
+this machine (:func:`is_this_process`): the same kernel boot and pid namespace (two containers, or two hosts cloned
+from one image, share a hostname and number their processes independently), the same start time of that pid (a pid
+reused by another process starts later) and the same launcher run (each rank announces itself under its run's keys
+and with its run id). Anything less is left alone: the run still ends, through this rank's own exit and the
+launcher.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import signal
@@ -31,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -142,17 +151,16 @@ class Watchdog:
         except Exception:  # the store may be gone at exit: the peers are ending too
             pass
 
-    def _where(self, rank: int) -> tuple[str, int]:
-        """(host, pid) of a rank, as it announced them (("?", 0) when unknown)."""
+    def _where(self, rank: int) -> dict[str, Any]:
+        """What a rank announced of itself (:func:`process_identity`; host "?" and pid 0 when unknown)."""
         try:
-            host, pid = self.store.get(f"{self.prefix}/pid/{rank}").decode().rsplit(":", 1)
-            return host, int(pid)
+            return {"host": "?", "pid": 0, **json.loads(self.store.get(f"{self.prefix}/pid/{rank}").decode())}
         except Exception:
-            return "?", 0
+            return {"host": "?", "pid": 0}
 
     def _loop(self) -> None:
         try:
-            self.store.set(f"{self.prefix}/pid/{self.rank}", f"{socket.gethostname()}:{os.getpid()}")
+            self.store.set(f"{self.prefix}/pid/{self.rank}", json.dumps(process_identity()))
         except Exception:
             pass
         peers = [r for r in range(self.world_size) if r != self.rank]
@@ -193,15 +201,15 @@ class Watchdog:
                 return
             if silent:
                 where = {r: self._where(r) for r in silent}
-                ranks = ", ".join(f"{r} (pid {pid} on {host})" for r, (host, pid) in where.items())
+                ranks = ", ".join(f"{r} (pid {w['pid']} on {w['host']})" for r, w in where.items())
                 line = (f"rank{'s' if len(silent) > 1 else ''} {ranks} {'have' if len(silent) > 1 else 'has'} not"
                         f" answered for {now - max(changed[r] for r in silent):.0f} s")
-                # A stopped process on this machine is ended too (SIGKILL reaches a stopped process; a launcher's
-                # SIGTERM waits 30 s for it before it kills), so the whole run ends now.
-                for host, pid in where.values():
-                    if host == socket.gethostname() and pid > 0 and pid != os.getpid():
+                # A stopped process of this run on this machine is ended too (SIGKILL reaches a stopped process; a
+                # launcher's SIGTERM waits 30 s for it before it kills), so the whole run ends now.
+                for announced in where.values():
+                    if is_this_process(announced):
                         try:
-                            os.kill(pid, signal.SIGKILL)
+                            os.kill(int(announced["pid"]), signal.SIGKILL)
                         except OSError:
                             pass
                 self._stalled(line)
@@ -212,6 +220,49 @@ class Watchdog:
                 " process stopped, hung or was killed; ending the run"
                 f"{'; ' + self.advice if self.advice else ''}")
         self.on_stall(line)
+
+
+def _machine() -> Optional[str]:
+    """This kernel boot and pid namespace: where a pid names one process (None where /proc cannot tell)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> Optional[str]:
+    """When ``pid`` started, in clock ticks since boot (field 22 of /proc/PID/stat; None when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[19]  # the fields after the command name, which may hold spaces
+
+
+def _run() -> str:
+    """The launcher's run this process belongs to (torchrun's run id and restart count; empty under others)."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def process_identity() -> dict[str, Any]:
+    """What a rank announces of itself: its host name (for the line), its pid, the machine it runs on, when its
+    process started and the launcher's run it belongs to (what :func:`is_this_process` checks)."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "machine": _machine(), "started": _started(pid), "run": _run()}
+
+
+def is_this_process(announced: dict[str, Any]) -> bool:
+    """Whether a peer's announcement names a live process this rank may signal: another process of the same machine
+    (kernel boot and pid namespace), still the one that made the announcement (its pid started when the announcement
+    says: a reused pid starts later) and of this launcher run. A host name and a pid alone prove nothing: hosts cloned
+    from one image, or containers, share names and number their pids independently."""
+    pid = announced.get("pid")
+    if not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
+        return False
+    machine = _machine()
+    return (machine is not None and announced.get("machine") == machine and announced.get("run") == _run()
+            and announced.get("started") is not None and _started(pid) == announced.get("started"))
 
 
 def _store_host() -> str:
