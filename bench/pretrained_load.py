@@ -138,6 +138,7 @@ def child(args) -> None:
 def load_variant(args, variant: str, result: str) -> None:
     import lightning as L
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     import disttrain
 
@@ -156,7 +157,9 @@ def load_variant(args, variant: str, result: str) -> None:
         model = fabric.setup_module(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
         built = time.perf_counter()
     else:
-        with fabric.init_module(empty_init=True):
+        # no_init_weights: the load overwrites every weight, so none is initialised (under zero.Init that would
+        # gather each module whole in turn)
+        with fabric.init_module(empty_init=True), no_init_weights():
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
         model = fabric.setup_module(model)
         fabric.barrier()
@@ -207,9 +210,8 @@ def main() -> None:
              "RSS peak - baseline: the kernel's peak resident set (ru_maxrss), which also counts the pages of the"
              " safetensors file the process mapped and read (its own slices, in bfloat16: about half its float32"
              " share; page cache, shared and reclaimable)",
-             "build + set-up: the empty model built and set up by the strategy (its weights initialised, which the"
-             " load then replaces; under disttrain_zero3 that initialisation gathers each module on rank 0, as"
-             " transformers does); load: strategy.load_pretrained",
+             "build + set-up: the empty model built (under transformers' no_init_weights: the load replaces every"
+             " weight) and set up by the strategy; load: strategy.load_pretrained",
              "whole: from_pretrained on every rank (the whole model once per process), then FSDP shards it"]
     if skipped:
         notes.append(f"not run (the whole model per process would not fit this machine's memory): {', '.join(skipped)}")

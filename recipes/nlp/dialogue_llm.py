@@ -33,6 +33,7 @@ the launcher's --strategy, --devices, --accelerator and --precision are the ones
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import tempfile
@@ -45,6 +46,7 @@ from typing import Any
 import lightning as L
 import torch
 from safetensors.torch import load_file
+from transformers.initialization import no_init_weights
 
 import disttrain  # noqa: F401  (registers the disttrain_* names)
 from disttrain.callbacks import GradientAccumulation, Throughput, apply_fast_attention
@@ -248,7 +250,10 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
                         warmup_steps=int(train.get("warmup_steps", 0)), max_steps=steps,
                         lora=cfg["lora"].as_dict() if cfg["lora"].enabled else None)
     lora: LoraSettings = cfg["lora"]
-    with fabric.init_module(empty_init=builds_empty(fabric.strategy)):  # meta device / zero.Init: shards only, for any model size
+    # Meta device / zero.Init: shards only, for any model size. A --pretrained folder fills every weight after set-up,
+    # so none is initialised here (under zero.Init that would gather each module whole in turn).
+    with fabric.init_module(empty_init=builds_empty(fabric.strategy)), \
+            no_init_weights() if args.pretrained else contextlib.nullcontext():
         module.configure_model()
     if train.get("activation_checkpointing"):  # the model's own, so every strategy recomputes the same blocks
         module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -127,7 +128,13 @@ class DialogueLM(L.LightningModule):
             return
         attn = self.hparams.attn_implementation
         if self.pretrained is None or self._loads_sharded():
-            self.model = build_model(self.config, attn)  # a pretrained folder's weights follow in on_fit_start
+            # A pretrained folder's weights follow in on_fit_start and fill every parameter: none is initialised
+            # before (under deepspeed.zero.Init that would gather each module whole in turn).
+            from transformers.initialization import no_init_weights
+
+            with no_init_weights() if self.pretrained is not None else nullcontext():
+                self.model = build_model(self.config, attn)
+            self.model.tie_weights()  # as post_init does when it initialises (skipped above for a folder)
         else:
             from transformers import AutoModelForCausalLM
 
