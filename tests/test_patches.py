@@ -260,3 +260,24 @@ def test_zero_init_drops_class_decorators_of_classes_defined_inside_unless_kept(
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["inside"] and seen["partitioned"] and seen["whole"]
     assert seen["after"] is (kept == "kept")
+
+
+def test_weights_left_uninitialised_is_what_transformers_no_init_weights_does():
+    """no_broadcast_of_uninitialised_weights (parallel/engines/deepspeed.py) recognises transformers' no_init_weights by
+    the no-op it puts in place of torch's init functions; transformers' own init guard (which does initialise) and
+    plain torch are not taken for it. DeepSpeed's zero.Init still broadcasts each new parameter from rank 0 before
+    partitioning it (the step skipped for weights a load fills): a release that stops doing so lets the patch go."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+    from transformers.initialization import guard_torch_init_functions, no_init_weights
+
+    from disttrain.parallel.engines.deepspeed import weights_left_uninitialised
+
+    assert not weights_left_uninitialised()
+    with no_init_weights():
+        assert weights_left_uninitialised()
+    with guard_torch_init_functions():
+        assert not weights_left_uninitialised()
+    assert not weights_left_uninitialised()
+    source = inspect.getsource(Init._zero_init_param)
+    assert "self._convert_to_deepspeed_param(param)" in source and "dist.broadcast(" in source
+    assert source.rstrip().endswith("param.partition()")

@@ -32,6 +32,7 @@ from disttrain.parallel.engines.deepspeed import (
     hf_init_after_partitioning,
     import_dynamo_before_zero_init,
     keep_decorated_inits,
+    no_broadcast_of_uninitialised_weights,
     trim_while_partitioning,
 )
 from disttrain.parallel.guards import watchdog
@@ -240,8 +241,9 @@ class DeepSpeedPlumbing(EngineAdapter):
 
     # Where modules are built. ZeRO-3: Lightning's zero.Init contexts (Fabric's module_sharded_context, the Trainer's
     # model_sharded_context), with Hugging Face models initialised as transformers does under ZeRO-3, memory freed by
-    # partitioning given back as it goes, torch._dynamo imported before (a first import inside fails), and classes
-    # first defined inside keep their decorators (parallel/engines/deepspeed.py explains all four). Below stage 3
+    # partitioning given back as it goes, no broadcast of weights left uninitialised for a load, torch._dynamo
+    # imported before (a first import inside fails), and classes first defined inside keep their decorators
+    # (parallel/engines/deepspeed.py explains all five). Below stage 3
     # modules are built as usual, initialised: ``empty_init=True`` (which disttrain recipes pass for every disttrain
     # strategy) would leave Lightning's uninitialised memory there.
     def module_sharded_context(self) -> AbstractContextManager:
@@ -252,6 +254,7 @@ class DeepSpeedPlumbing(EngineAdapter):
         stack.enter_context(keep_decorated_inits())  # restored after zero.Init has closed
         stack.enter_context(hf_init_after_partitioning())  # initialises after zero.Init has closed
         stack.enter_context(trim_while_partitioning())
+        stack.enter_context(no_broadcast_of_uninitialised_weights())
         stack.enter_context(super().module_sharded_context())  # type: ignore[misc]
         return stack
 
@@ -263,7 +266,7 @@ class DeepSpeedPlumbing(EngineAdapter):
             return
         import_dynamo_before_zero_init()
         with keep_decorated_inits(), hf_init_after_partitioning(), trim_while_partitioning(), \
-                super().model_sharded_context():  # type: ignore[misc]
+                no_broadcast_of_uninitialised_weights(), super().model_sharded_context():  # type: ignore[misc]
             yield
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:  # Fabric's

@@ -125,9 +125,12 @@ def lora_reference() -> tuple[list[float], torch.Tensor]:
 
 
 def lora_model(fabric: L.Fabric):
+    """Built uninitialised (transformers' no_init_weights: the base is read from the folder and the adapters get their
+    first values, so nothing is initialised or, under zero.Init, broadcast)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
-    with fabric.init_module(empty_init=True):
+    with fabric.init_module(empty_init=True), no_init_weights():
         model = add_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder_of("llama")),
                                                           dtype=torch.float32), LORA)
     model = fabric.setup_module(model)
