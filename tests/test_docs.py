@@ -348,8 +348,9 @@ def test_the_comparison_names_a_test_for_every_disttrain_claim(tmp_path):
     broken = tmp_path / "comparison.md"
     broken.write_text(f"{COMPARISON_HEADER}\n|---|---|---|---|---|---|\n"
                       "| a | yes ([`test_nothing_here`](../tests/test_docs.py)) | | | | |\n| b | yes | | | | |\n")
-    assert comparison_problems(broken) == ["'a': tests/test_docs.py has no test_nothing_here",
-                                           "'b': the disttrain cell names no test ([`test_name`](../tests/test_file.py))"]
+    assert comparison_problems(broken) == [
+        "'a': tests/test_docs.py has no test_nothing_here",
+        "'b': the disttrain cell names no test ([`test_name`](../tests/test_file.py))"]
 
 
 def test_make_demo_runs_the_documented_command():

@@ -369,4 +369,5 @@ def test_watchdog_never_signals_a_twin_on_another_host():
     assert result["same_host_and_pid"], (announced, result)  # the hazard is real: same name, same pid
     assert not result["accepted"] and result["decoy_accepted"]
     assert result["decoy_state"] in ("S", "R"), result  # alive, never signalled
-    assert len(result["lines"]) == 1 and f"rank 1 (pid {announced['pid']} on twin) has not answered" in result["lines"][0]
+    assert len(result["lines"]) == 1
+    assert f"rank 1 (pid {announced['pid']} on twin) has not answered" in result["lines"][0]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from disttrain.parallel.guards.watchdog import Watchdog, is_this_process, process_identity
+from disttrain.parallel.guards.watchdog import Watchdog, _started, is_this_process, process_identity
 
 
 def state(pid: int) -> str:
@@ -27,8 +27,7 @@ def state(pid: int) -> str:
 
 announced, decoy = json.loads(sys.argv[1]), int(sys.argv[2])
 mine = process_identity()
-stat = Path(f"/proc/{decoy}/stat").read_text()
-decoy_identity = {**mine, "pid": decoy, "started": stat[stat.rindex(")") + 2:].split()[19]}
+decoy_identity = {**mine, "pid": decoy, "started": _started(decoy)}
 store, lines, fired = dist.HashStore(), [], threading.Event()
 dog = Watchdog(store, 0, 2, timeout=2.0, label="twin", on_stall=lambda line: (lines.append(line), fired.set()))
 store.set(f"{dog.prefix}/pid/1", json.dumps(announced))  # rank 1 announced itself from the other host, then stopped

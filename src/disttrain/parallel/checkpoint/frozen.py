@@ -28,7 +28,8 @@ from torch import nn
 
 from disttrain.parallel.checkpoint.integrity import CheckpointError
 
-FROZEN_KEY = "disttrain_frozen_base"  # in meta.pt: {state key: {"folder", "fingerprint", "left_out": [keys]}}
+# In meta.pt: {state key: {"folder", "fingerprint", "left_out": {model key: the folder's tensor name}}}.
+FROZEN_KEY = "disttrain_frozen_base"
 _RECORD = "_disttrain_pretrained_base"  # the attribute load_pretrained leaves on the module it filled
 _BLOCKS, _BLOCK = 16, 1 << 16
 
@@ -68,11 +69,10 @@ def remember_base(module: nn.Module, folder: str | os.PathLike, names: Mapping[s
     """After ``load_pretrained`` filled ``module``'s state keys ``names`` (key -> the folder's tensor name) from
     ``folder`` (a whole load, not a partial one), and ``tied`` parameters share a filled one's tensor: checkpoints of
     ``module`` may leave those keys out while they stay frozen."""
-    by_tensor: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(param), []).append(name)
+    from disttrain.parallel.checkpoint.pretrained import shared_names
+
     filled = dict(names)
-    for group in by_tensor.values():
+    for group in shared_names(module):
         source = next((names[n] for n in group if n in names), None)
         filled.update({n: source for n in group if n in tied and source is not None})
     object.__setattr__(module, _RECORD, Base(str(Path(folder).resolve()), fingerprint(folder), filled))
@@ -174,5 +174,5 @@ def pop_record(metadata: dict[str, Any]) -> None:
     metadata.pop(FROZEN_KEY, None)
 
 
-__all__ = ["FROZEN_KEY", "Base", "add_base", "base_of", "fingerprint", "frozen_keys", "leave_out_frozen_base", "left_out",
-           "pop_record", "remember_base"]
+__all__ = ["FROZEN_KEY", "Base", "add_base", "base_of", "fingerprint", "frozen_keys", "leave_out_frozen_base",
+           "left_out", "pop_record", "remember_base"]

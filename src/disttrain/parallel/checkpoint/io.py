@@ -451,10 +451,9 @@ def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = 
 
 def _tied_aliases(module: nn.Module, loaded: set[str]) -> set[str]:
     """Names of parameters that share their tensor with a loaded one under another name (tied weights)."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return {name for names in by_id.values() if loaded & set(names) for name in names if name not in loaded}
+    from disttrain.parallel.checkpoint.pretrained import shared_names
+
+    return {name for names in shared_names(module) if loaded & set(names) for name in names if name not in loaded}
 
 
 def load_full(path: str | os.PathLike, targets: dict[str, Any], model: nn.Module,

@@ -123,6 +123,14 @@ def is_adapter(name: str) -> bool:
                                                   "lora_magnitude_vector"))
 
 
+def shared_names(module: Any) -> list[list[str]]:
+    """The module's parameter names grouped by the tensor they name (a group of several: tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return list(by_id.values())
+
+
 def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], prefix: str,
                      tied: Callable[[set[str]], set[str]], partial: bool = False,
                      exclude: Collection[str] = ()) -> tuple[dict[str, str], list[str]]:
@@ -154,4 +162,4 @@ def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], pref
 
 
 __all__ = ["MODEL_KEY", "PretrainedReader", "check_pretrained", "is_adapter", "pretrained_names", "safetensors_files",
-           "stored_name", "stored_names"]
+           "shared_names", "stored_name", "stored_names"]

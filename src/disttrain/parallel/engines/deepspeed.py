@@ -379,7 +379,8 @@ def weights_left_uninitialised() -> bool:
     torch's init functions no-ops because a load will fill every weight (anything else, transformers' own guarded
     init functions included, initialises)."""
     init = torch.nn.init.normal_
-    return getattr(init, "__name__", "") == "empty_func" and getattr(init, "__module__", "") == "transformers.initialization"
+    return (getattr(init, "__name__", "") == "empty_func"
+            and getattr(init, "__module__", "") == "transformers.initialization")
 
 
 @contextmanager
