@@ -15,8 +15,7 @@ MODELS = {"tp": ["phi3", "neox", "gemma2", "qwen2-moe", "deit", "eva02"],
           "pp": ["gemma2", "gemma2-untied", "phi3", "qwen2-moe", "deit", "eva02"]}
 EVA = "timm Eva is not split: EVA-02's blocks apply rotary embeddings .* train it with disttrain_fsdp or"
 REFUSED = {"tp": {"eva02": EVA},
-           "pp": {"gemma2": "cannot split a model with tie_word_embeddings=True .* set tie_word_embeddings=False",
-                  "eva02": EVA,
+           "pp": {"eva02": EVA,
                   "deit": "does not split VisionTransformerDistilled \\(DeiT's distillation token and second head\\)"}}
 
 

@@ -8,6 +8,13 @@ MODE "schedules" (with pipeline_parallel_size=2): for each pipeline schedule and
     Fabric trains a 4-layer Llama 2 SGD steps on 4-sample batches; writes the stage bounds, the losses, the largest
     difference of this rank's gradients (step 1) and parameters (after step 1) from one process, and an evaluation
     loss; and the refusal of a ViT under "zbv". Modes join with "+" to run in one launch ("train+schedules").
+MODE "tied" (with pipeline_parallel_size=2): a Qwen2 whose LM head is tied to its embedding, under 1F1B (the
+    embedding on rank 0, the head on rank 1) and ZBV (both on rank 0), built on the meta device, loaded from an HF
+    folder that has no ``lm_head.weight`` (HF leaves tied weights out), trained 3 SGD steps (momentum) with
+    ``fabric.clip_gradients``; writes the losses and norms next to one process's, whether the head equals the
+    embedding after set-up (before the load) and after training, and the trained state's largest difference. Then
+    the 1F1B checkpoint after step 2 resumes under disttrain_fsdp, which saves it again (one optimizer state for
+    the tied weight), and that resumes under 1F1B: the third step's loss and norm in each.
 MODE "grads-llama" / "grads-vit": one forward and backward of a tiny Llama / timm ViT; writes the largest
     difference of logits and of every parameter's gradient from the same model run whole in this process.
 """
@@ -15,6 +22,7 @@ MODE "grads-llama" / "grads-vit": one forward and backward of a tiny Llama / tim
 import copy
 import os
 import sys
+from typing import Any
 
 import lightning as L
 import torch
@@ -219,10 +227,97 @@ def schedules(_: L.Fabric) -> dict:
     return out
 
 
+def tied_qwen2(seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=True, attn_implementation="eager", use_cache=False))
+
+
+TIED_CASES = {"tied-1f1b": "1f1b", "tied-zbv": "zbv"}
+TIED_MAX_NORM = 0.5  # below every step's gradient norm: clipping is active, by the norm that counts the tie once
+
+
+def tied(_: L.Fabric) -> dict:
+    from safetensors.torch import load_file
+
+    ids = dataset().tensors[0]
+    batches = [ids[4 * i: 4 * i + 4] for i in range(3)]
+    reference = tied_qwen2()
+    folder = os.path.join(tmpdir(), "qwen2-tied")
+    if int(os.environ["RANK"]) == 0:
+        reference.save_pretrained(folder)
+    torch.distributed.barrier()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    ref_losses, ref_norms = [], []
+    for batch in batches:
+        loss = reference(input_ids=batch, labels=batch).loss
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), TIED_MAX_NORM).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref_state = reference.state_dict()
+    out: dict = {"ref_losses": ref_losses, "ref_norms": ref_norms, "max_norm": TIED_MAX_NORM,
+                 "folder_has_head": "lm_head.weight" in load_file(os.path.join(folder, "model.safetensors"))}
+    def set_up(strategy: Any) -> tuple[L.Fabric, Any, Any]:
+        fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy)
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            model = tied_qwen2(seed=3)
+        return fabric, *fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+
+    def step(fabric: L.Fabric, model: Any, optimizer: Any, batch: torch.Tensor) -> tuple[float, float]:
+        loss = model(input_ids=batch, labels=batch).loss  # under FSDP every rank reads the whole batch
+        fabric.backward(loss)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=TIED_MAX_NORM).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item(), norm
+
+    pipeline = lambda schedule: disttrain.fabric.MegatronStrategy(  # noqa: E731
+        pipeline_parallel_size=2, microbatches=4, pipeline_schedule=schedule)
+    saved = os.path.join(tmpdir(), "tied-1f1b-step2")
+    for name, schedule in TIED_CASES.items():
+        fabric, model, optimizer = set_up(pipeline(schedule))
+        path = os.path.join(tmpdir(), f"{name}.safetensors")
+
+        def head_is_embedding() -> bool:
+            fabric.strategy.export_full(model, path)
+            state = load_file(path) if fabric.global_rank == 0 else {}
+            return fabric.global_rank != 0 or torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+
+        initialised_equal = head_is_embedding()  # each rank initialised its own copy on the meta device
+        fabric.strategy.load_pretrained(model, folder)
+        losses, norms = [], []
+        for i, batch in enumerate(batches):
+            if i == 2 and name == "tied-1f1b":
+                fabric.save(saved, {"model": model, "optimizer": optimizer})
+            loss, norm = step(fabric, model, optimizer, batch)
+            losses.append(loss)
+            norms.append(norm)
+        trained_equal = head_is_embedding()
+        state = load_file(path) if fabric.global_rank == 0 else ref_state
+        out[name] = {"losses": losses, "norms": norms, "initialised_equal": initialised_equal,
+                     "trained_equal": trained_equal, "stages": fabric.strategy.engine.pipeline.stage_ids,
+                     "state_diff": max((state[k] - v).abs().max().item() for k, v in ref_state.items())}
+    # across layouts: the pipeline's checkpoint (a head copy with its own momentum) into FSDP, FSDP's (one state
+    # for the tied weight) into the pipeline
+    fabric, model, optimizer = set_up(disttrain.fabric.FSDPStrategy())
+    fabric.load(saved, {"model": model, "optimizer": optimizer})
+    fabric.save(f"{saved}-fsdp", {"model": model, "optimizer": optimizer})
+    out["pp-to-fsdp"] = step(fabric, model, optimizer, batches[2])
+    fabric, model, optimizer = set_up(pipeline("1f1b"))
+    fabric.load(f"{saved}-fsdp", {"model": model, "optimizer": optimizer})
+    out["fsdp-to-pp"] = step(fabric, model, optimizer, batches[2])
+    return {"tied": out}
+
+
 fabric = make_fabric()
 result = {}
 for part in mode.split("+"):
-    result.update({"train": train, "clip": clip, "schedules": schedules}[part](fabric) if part in ("train", "clip",
-                                                                                                   "schedules")
-                  else grads_check(fabric, part.split("-")[1]))
+    modes = {"train": train, "clip": clip, "schedules": schedules, "tied": tied}
+    result.update(modes[part](fabric) if part in modes else grads_check(fabric, part.split("-")[1]))
 write_result(result)

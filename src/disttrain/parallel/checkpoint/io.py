@@ -413,7 +413,11 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
                      if isinstance(obj, nn.Module) else optimizer_state(model, obj))
                for key, obj in targets.items()}
     layout.before_load(tensors)
+    renamed = _read_copies_as_their_sources(path, tensors, targets, model) if source is None else {}
     load_into(path, tensors, strict=strict, weights_only=weights_only, reader=reader)
+    for key, names in renamed.items():
+        for alias, entry in names.items():
+            tensors[key][entry] = tensors[key].pop(alias)
     layout.after_load(tensors)
     for key, obj in targets.items():
         if isinstance(obj, nn.Module):  # what the checkpoint left out is the base already loaded (frozen.py)
@@ -421,6 +425,32 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
         else:
             set_optimizer_state_dict(model, obj, tensors[key], options=_FLAT)
     return metadata
+
+
+def _read_copies_as_their_sources(path: Path, tensors: dict[str, Any], targets: dict[str, Any],
+                                  model: nn.Module) -> dict[str, dict[str, str]]:
+    """A pipeline's last stage keeps a tied LM head as a copy of the embedding, with optimizer state of its own; a
+    checkpoint written without pipeline stages holds one state for the tied weight, under the embedding's name.
+    Such entries of ``tensors`` are renamed in place to read the embedding's; returns ``{key: {read name: own
+    name}}`` to rename them back after the load."""
+    from disttrain.parallel.checkpoint.pretrained import tied_copies
+
+    copies = tied_copies(model)
+    if not copies:
+        return {}
+    stored = stored_entries(path)
+    renamed: dict[str, dict[str, str]] = {}
+    for key, obj in targets.items():
+        if isinstance(obj, nn.Module):
+            continue
+        for entry in list(tensors[key]):
+            for head, source in copies.items():
+                kind, _, rest = entry.partition(f"{head}.")  # "state." + "exp_avg", "param_groups." + "lr"
+                if kind in ("state.", "param_groups.") and f"{key}.{entry}" not in stored \
+                        and f"{key}.{kind}{source}.{rest}" in stored:
+                    tensors[key][f"{kind}{source}.{rest}"] = tensors[key].pop(entry)
+                    renamed.setdefault(key, {})[f"{kind}{source}.{rest}"] = entry
+    return renamed
 
 
 def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = "",
@@ -433,12 +463,12 @@ def load_pretrained(folder: str | os.PathLike, module: nn.Module, prefix: str = 
     fine-tuned for another class count. ``folder`` may also be one safetensors file. Returns the parameters the
     folder has no tensor for that are tied to one it has (an LM head sharing the embedding); any other missing
     tensor is one error naming them."""
-    from disttrain.parallel.checkpoint.pretrained import MODEL_KEY, PretrainedReader, pretrained_names
+    from disttrain.parallel.checkpoint.pretrained import MODEL_KEY, PretrainedReader, pretrained_names, tied_copies
 
     layout = layout or StorageLayout()
     state = model_state(module)
     names, tied = pretrained_names(folder, state, prefix, lambda loaded: _tied_aliases(module, loaded), partial,
-                                   exclude)
+                                   exclude, copies=tied_copies(module))
     tensors = {MODEL_KEY: {k: state[k] for k in names}}
     layout.before_load(tensors)
     load_into(folder, tensors, reader=PretrainedReader(folder, {f"{MODEL_KEY}.{k}": s for k, s in names.items()}))

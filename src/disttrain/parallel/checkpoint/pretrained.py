@@ -131,21 +131,44 @@ def shared_names(module: Any) -> list[list[str]]:
     return list(by_id.values())
 
 
+# The attribute of a split model naming its heads that copy a tied weight, {head: embedding}
+# (:func:`disttrain.parallel.split.pipeline.untie_head` sets it).
+TIED_COPIES = "_disttrain_tied_copies"
+
+
+def tied_copies(module: Any) -> dict[str, str]:
+    """``{parameter name: name of the weight it copies}`` in ``module``: the LM heads that pipeline parallelism gave
+    a copy of the tied input embedding. The pretrained loader fills such a head from the embedding's tensor (HF
+    leaves tied weights out of its files), and a checkpoint written without pipeline stages gives it the
+    embedding's optimizer state."""
+    copies = {}
+    for path, sub in module.named_modules():
+        prefix = f"{path}." if path else ""
+        copies.update({prefix + head: prefix + source for head, source in getattr(sub, TIED_COPIES, {}).items()})
+    return copies
+
+
 def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], prefix: str,
                      tied: Callable[[set[str]], set[str]], partial: bool = False,
-                     exclude: Collection[str] = ()) -> tuple[dict[str, str], list[str]]:
+                     exclude: Collection[str] = (), copies: Mapping[str, str] | None = None,
+                     ) -> tuple[dict[str, str], list[str]]:
     """Which of the model's parameters (``model_names``, with ``prefix``) the folder fills, and from which of its
     tensors: ``({model name: folder tensor name}, tied names)``. Every parameter under ``prefix`` must be in the
     folder, except LoRA adapters, parameters tied to a loaded one (``tied(loaded)`` returns those) and ``exclude``
     (folder names left at their initialisation: a classifier head for a new class count); with ``partial`` only the
-    folder's tensors are loaded, and each must be a parameter of the model. A mismatch is one error naming the first
-    names and the fix."""
+    folder's tensors are loaded, and each must be a parameter of the model. ``copies`` (:func:`tied_copies`): a
+    head the folder has no tensor for reads the one of the weight it copies. A mismatch is one error naming the
+    first names and the fix."""
     from disttrain.parallel.checkpoint.integrity import CheckpointError
 
     stored = stored_names(folder) - set(exclude)
     mine = [k for k in model_names if k.startswith(prefix) and stored_name(k[len(prefix):]) not in exclude]
     names = {k: stored_name(k[len(prefix):]) for k in mine}
     loaded = {k: s for k, s in names.items() if s in stored}
+    for head, source in (copies or {}).items():
+        if head in names and head not in loaded and source.startswith(prefix):
+            if (copied := stored_name(source[len(prefix):])) in stored:
+                loaded[head] = copied
     if partial:
         unknown = sorted(stored - set(loaded.values()))
         if unknown:
@@ -162,4 +185,4 @@ def pretrained_names(folder: str | os.PathLike, model_names: Iterable[str], pref
 
 
 __all__ = ["MODEL_KEY", "PretrainedReader", "check_pretrained", "is_adapter", "pretrained_names", "safetensors_files",
-           "shared_names", "stored_name", "stored_names"]
+           "shared_names", "stored_name", "stored_names", "tied_copies"]

@@ -12,7 +12,7 @@ stages; the scaling itself is torch's ``clip_grads_with_norm_``-rule on each gra
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,13 +20,16 @@ from torch.distributed.tensor import DTensor
 
 
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    pp_group: dist.ProcessGroup | None = None,
+                    uncounted: Collection[torch.Tensor] = ()) -> torch.Tensor:
     """The ``norm_type``-norm of all gradients of the whole model, equal on every rank (a plain tensor).
-    ``pp_group``: the pipeline group, whose ranks hold disjoint parts of the model."""
+    ``pp_group``: the pipeline group, whose ranks hold disjoint parts of the model; ``uncounted``: copies of a
+    weight whose gradient another rank counts (the last stage's copy of a tied embedding)."""
     norm_type = float(norm_type)
+    skip = {id(p) for p in uncounted}
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in skip:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     norms = []
     for grads in by_mesh.values():
@@ -47,10 +50,11 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = True, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    error_if_nonfinite: bool = True, pp_group: dist.ProcessGroup | None = None,
+                    uncounted: Collection[torch.Tensor] = ()) -> torch.Tensor:
     """Scale every gradient by ``min(1, max_norm / (total + 1e-6))`` as torch does; returns the total norm."""
     parameters = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(parameters, norm_type, pp_group)
+    total = total_grad_norm(parameters, norm_type, pp_group, uncounted)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}: some gradient "
                            "is nan or inf; pass error_if_nonfinite=False to clip anyway")

@@ -123,7 +123,9 @@ class FSDPEngine(Engine):
         before (even on meta parameters) at the shards, so users can create them before or after set-up as with
         DDP (parameters that left this rank, other pipeline stages, leave them too)."""
         module = self._convert_batchnorm_once(module, sync_batchnorm, convert)
-        before = {id(p): name for name, p in _named_parameters(module)}
+        before: dict[int, list[str]] = {}  # every name of a parameter: a tied one may stay under either
+        for name, param in _named_parameters(module, remove_duplicate=False):
+            before.setdefault(id(param), []).append(name)
         self.parallelize(module, device, precision, forward_methods)
         after = dict(_named_parameters(module))
         for optimizer in optimizers:
@@ -134,7 +136,9 @@ class FSDPEngine(Engine):
                 names = [before.get(id(p)) for p in group["params"]]
                 if None in names:
                     raise RuntimeError("the optimizer holds a parameter that is not in the model given to setup")
-                group["params"] = [after[n] for n in names if n in after]
+                # a pipeline's last stage keeps a tied head as a copy of its own: the same entry, another name
+                group["params"] = list({id(after[n]): after[n] for found in names for n in found if n in after}
+                                       .values())
         self.settle_buffers(module, device, training)
         return module, list(optimizers)
 
@@ -260,6 +264,7 @@ def reshard(module: nn.Module) -> None:
             sub.reshard()
 
 
-def _named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def _named_parameters(module: nn.Module, remove_duplicate: bool = True) -> list[tuple[str, nn.Parameter]]:
     """Parameter names without the activation-checkpoint wrapper's part, so they match before and after."""
-    return [(name.replace("_checkpoint_wrapped_module.", ""), p) for name, p in module.named_parameters()]
+    return [(name.replace("_checkpoint_wrapped_module.", ""), p)
+            for name, p in module.named_parameters(remove_duplicate=remove_duplicate)]

@@ -11,7 +11,7 @@ import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from torch import nn
 
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import refuse_user_sharding
+from disttrain.parallel.engines.clip import clip_grad_norm_
 from disttrain.parallel.engines.fsdp import FSDPEngine, register_forward_methods
 from disttrain.parallel.engines.init import materialize
 from disttrain.parallel.engines.layout import Accumulation, Layout, Units
@@ -249,7 +250,16 @@ class MegatronEngine(FSDPEngine):
             materialize(module, device)
             if dims.pp == 1:  # under PP each stage module is a root of its own, called by the schedule
                 claim_root(module)
+            else:
+                self.pipeline.sync_tied()  # a tied head's copy starts as the embedding (each rank initialised its own)
         return module
+
+    def clip_grad_norm_(self, module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """As every engine clips, with a tied weight split over the first and last stage counted once."""
+        copies = self.pipeline.tied_copies() if self.pipeline is not None else []
+        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pp_group=self.pipeline_group(),
+                               uncounted=copies)
 
     def full_model(self, model: nn.Module) -> AbstractContextManager[nn.Module]:
         """As :meth:`FSDPEngine.full_model` when only the data dimension is sharded. Tensor-parallel layers compute

@@ -151,10 +151,6 @@ class GPT2Family(HFFamily):
         if not (hasattr(model, "transformer") and isinstance(getattr(model, "lm_head", None), nn.Module)):
             raise ValueError(f"pipeline parallelism splits GPT2LMHeadModel (a causal LM that computes its loss from"
                              f" labels), not {type(model).__name__}; use tensor parallelism or disttrain_fsdp for it")
-        tied = model.lm_head.weight is model.transformer.wte.weight
-        if tied or getattr(model.config, "tie_word_embeddings", False):
-            raise ValueError("pipeline parallelism cannot split a model with tie_word_embeddings=True (the embedding"
-                             " and the LM head live on different stages); set tie_word_embeddings=False")
 
     def pipeline_sizes(self, model: nn.Module) -> tuple[list[int], int, int]:
         self._check_pp(model)

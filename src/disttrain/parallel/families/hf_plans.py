@@ -321,9 +321,6 @@ class HFPlansFamily(HFFamily):
             raise ValueError(f"pipeline schedules with several stages per rank (interleaved_1f1b,"
                              f" interleaved_zero_bubble, zbv, dualpipev) split the Llama family, GPT-2, BERT and"
                              f" ViT; for {type(model).__name__} use pipeline_schedule='1f1b' or 'gpipe'")
-        if getattr(model.config, "tie_word_embeddings", False):
-            raise ValueError("pipeline parallelism cannot split a model with tie_word_embeddings=True (the embedding"
-                             " and the LM head live on different stages); set tie_word_embeddings=False")
         stages, keep, first, last = keep_blocks(plan, pp_rank)
         embed, layers_name, norm = names
         base = getattr(model, model.base_model_prefix)

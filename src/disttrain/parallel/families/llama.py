@@ -144,9 +144,6 @@ class LlamaFamily(HFFamily):
 
     def split(self, model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
         self._check_pp(model)
-        if getattr(model.config, "tie_word_embeddings", False):
-            raise ValueError("pipeline parallelism cannot split a model with tie_word_embeddings=True (the embedding"
-                             " and the LM head live on different stages); set tie_word_embeddings=False")
         stages, keep, first, last = keep_blocks(plan, pp_rank)
         base = model.model
         base.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers) if i in keep})

@@ -12,6 +12,9 @@ loss comes from ``labels`` as in HF), BERT-style encoders for sequence classific
 labels=...)``, HF's classification loss), and timm's VisionTransformer (the loss function comes from the caller:
 ``model(images, target=labels)``, or deferred through :meth:`Pipeline.defer_loss`, which is how a LightningModule's
 ``loss_fn`` hook is wired). Encoder-decoder models (T5, BART) are refused.
+
+An LM head tied to the input embedding (Gemma-2, GPT-2, most small Llama-3.2/Qwen2 checkpoints) is kept as Megatron
+keeps it: the first stage holds the embedding, the last stage a copy as its head (:class:`TiedHead`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from disttrain.parallel.checkpoint.pretrained import TIED_COPIES
 from disttrain.parallel.families import Family, family_of, unsupported_reason
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -73,6 +77,58 @@ class StagePlan:
 
     def stages_of(self, pp_rank: int) -> list[int]:
         return [s for s in range(self.num_stages) if self.rank_of(s) == pp_rank]
+
+
+@dataclass(frozen=True)
+class TiedHead:
+    """An output head that shares the input embedding's weight, split over the first and the last stage.
+
+    The last stage's head gets a weight of its own, equal to the embedding's at set-up (:meth:`Pipeline.sync_tied`);
+    after each step's backward both copies get the sum of their two gradients, which is the tied weight's gradient
+    (:meth:`Pipeline.reduce_tied_gradients`), so they take identical optimizer steps and stay equal. Gradient
+    clipping counts the weight once, and checkpoints keep both names, as one process's ``state_dict`` does.
+    Names are the model's own (``model.embed_tokens.weight``, ``lm_head.weight``)."""
+
+    embedding: str
+    head: str
+
+
+def tied_head(model: nn.Module) -> Optional[TiedHead]:
+    """The names of an HF model's input embedding and output head if they share one weight, else None."""
+    get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not (callable(get_input) and callable(get_output)):
+        return None
+    embedding, head = get_input(), get_output()
+    weight = getattr(embedding, "weight", None)
+    if weight is None or getattr(head, "weight", None) is not weight:
+        return None
+    module_names = {id(module): name for name, module in model.named_modules()}
+    return TiedHead(f"{module_names[id(embedding)]}.weight", f"{module_names[id(head)]}.weight")
+
+
+def untie_head(model: nn.Module, keeps_both: bool) -> Optional[TiedHead]:
+    """Give an HF model's output head its own weight if it shares the input embedding's (before the split);
+    ``keeps_both``: this rank runs the first and the last stage (a V-shaped schedule), so both stay here and the
+    head needs its own copy of the values."""
+    tied = tied_head(model)
+    if tied is None:
+        return None
+    weight = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    others = [names for names in shared.values() if len(names) > 1 and set(names) != {tied.embedding, tied.head}]
+    if others:
+        raise ValueError(f"pipeline parallelism keeps a tied input embedding and LM head in step across stages, not"
+                         f" other shared parameters ({', '.join(others[0])}); give them weights of their own")
+    data = weight.detach().clone() if keeps_both else weight.detach()
+    head.weight = nn.Parameter(data, requires_grad=weight.requires_grad)
+    # transformers ties them again whenever tie_weights() runs (its init does): not on a split model
+    model._tied_weights_keys = None
+    model.all_tied_weights_keys = {}
+    setattr(model, TIED_COPIES, {tied.head: tied.embedding})
+    return tied
 
 
 def plan_stages(block_costs: Sequence[float], pp: int, virtual_stages: int = 1, first_extra: float = 0,
@@ -261,7 +317,8 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, stage_modules: list[nn.Module], plan: StagePlan, pp_mesh: DeviceMesh,
                  device: torch.device, schedule: str, microbatches: int,
-                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                 tied: Optional[TiedHead] = None) -> None:
         self.model = model
         self.family = pipeline_family(model)
         self.plan = plan
@@ -279,6 +336,7 @@ class Pipeline:
         self.last_rank = plan.rank_of(plan.num_stages - 1)
         self._schedules: dict[tuple[bool, tuple[int, ...]], Any] = {}  # (with loss, batch shape): its schedule
         self._gradients: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.tied = tied
 
     # -- what runs where -------------------------------------------------------------------------------------
     @property
@@ -299,6 +357,79 @@ class Pipeline:
         averaged over data parallel by :meth:`reduce_stray_gradients`."""
         owned = {id(p) for m in self.stage_modules for p in m.parameters()}
         return [p for p in self.model.parameters() if id(p) not in owned]
+
+    # -- a tied embedding and head -----------------------------------------------------------------------------
+    def _tied_pair(self) -> tuple[Optional[nn.Parameter], Optional[nn.Parameter]]:
+        """(embedding, head) weights of a :class:`TiedHead` that live on this rank (the parameters FSDP put there)."""
+        assert self.tied is not None
+        params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in self.model.named_parameters()}
+        return params.get(self.tied.embedding), params.get(self.tied.head)
+
+    def _other_end(self) -> int:
+        """The global rank of the other end of this pipeline: the last stage's for the first stage's, and back."""
+        return dist.get_global_rank(self.group, self.last_rank if self.has_first else self.plan.rank_of(0))
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """The head copies of tied weights on this rank: left out of the gradient norm, which counts the embedding."""
+        return [] if self.tied is None or self._tied_pair()[1] is None else [self._tied_pair()[1]]
+
+    @torch.no_grad()
+    def sync_tied(self) -> None:
+        """Make the head's copy equal to the embedding (after initialisation, which each rank ran on its own).
+        Collective over the two ends of the pipeline; refuses shards that do not line up (a head split otherwise
+        than the embedding)."""
+        if self.tied is None or not (self.has_first or self.has_last):
+            return
+        embedding, head = (_local(p) if p is not None else None for p in self._tied_pair())
+        if embedding is not None and head is not None:  # both ends on this rank
+            head.copy_(embedding)
+            return
+        peer = self._other_end()
+        mine = embedding if embedding is not None else head
+        assert mine is not None
+        theirs: list[Any] = [None]
+        if self.has_first:
+            dist.send_object_list([tuple(mine.shape)], dst=peer, group=self.group)
+            dist.recv_object_list(theirs, src=peer, group=self.group)
+        else:
+            dist.recv_object_list(theirs, src=peer, group=self.group)
+            dist.send_object_list([tuple(mine.shape)], dst=peer, group=self.group)
+        if theirs[0] != tuple(mine.shape):
+            raise ValueError(f"the tied {self.tied.embedding} and {self.tied.head} are split differently ("
+                             f"{tuple(embedding.shape) if embedding is not None else theirs[0]} against"
+                             f" {tuple(head.shape) if head is not None else theirs[0]} per rank); untie them"
+                             " (tie_word_embeddings=False) or shard the head as the embedding")
+        if self.has_first:
+            dist.send(mine.contiguous(), dst=peer, group=self.group)
+        else:
+            received = torch.empty_like(mine)
+            dist.recv(received, src=peer, group=self.group)
+            mine.copy_(received)
+
+    @torch.no_grad()
+    def reduce_tied_gradients(self) -> None:
+        """Both copies get the sum of the two gradients (the embedding's from the lookup, the head's from the
+        logits): the tied weight's gradient, in the same order of addition on both ends, so the copies stay
+        bitwise equal. A frozen tied weight (LoRA) has none to add."""
+        if self.tied is None or not (self.has_first or self.has_last):
+            return
+        pair = self._tied_pair()
+        if not any(p is not None and p.requires_grad for p in pair):
+            return
+        embedding, head = (_local_grad(p) if p is not None else None for p in pair)
+        if embedding is not None and head is not None:
+            embedding.add_(head)
+            head.copy_(embedding)
+            return
+        mine = embedding if embedding is not None else head
+        assert mine is not None
+        theirs = torch.empty_like(mine)
+        peer = self._other_end()
+        ops = [dist.P2POp(dist.isend, mine.contiguous(), peer, self.group),
+               dist.P2POp(dist.irecv, theirs, peer, self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        mine.add_(theirs)
 
     def _schedule(self, with_loss: bool, batch_shape: tuple[int, ...]) -> Any:
         """The schedule for batches of ``batch_shape``. torch's stages infer their activations' shapes on their first
@@ -356,6 +487,7 @@ class Pipeline:
             if target is None:
                 raise ValueError("training through a pipeline needs labels/target: the last stage computes the loss")
             self._schedule(True, inputs.shape).step(*args, losses=losses, **kwargs)
+            self.reduce_tied_gradients()
             self.reduce_stray_gradients()
             self._gradients = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
             outputs = None
@@ -475,6 +607,20 @@ class Pipeline:
         return pipelined_loss
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (sharded) tensor, sharing its storage."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_grad(param: nn.Parameter) -> torch.Tensor:
+    """This rank's part of ``param``'s gradient, created as zeros if the step left it none."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return _local(param.grad)
+
+
 def _is_trivial(key: str, value: torch.Tensor) -> bool:
     if key == "attention_mask":
         return bool(value.bool().all())
@@ -529,8 +675,10 @@ def pipeline_model(model: nn.Module, pp_mesh: DeviceMesh, device: torch.device, 
     costs, first_extra, last_extra = block_costs(model) if split_points is None else (block_sizes(model)[0], 0, 0)
     style = "v" if schedule in V_SHAPED else "loop"
     plan = plan_stages(costs, pp, virtual_stages, first_extra, last_extra, split_points, style)
-    stage_modules = split_model(model, plan, pp_mesh.get_local_rank())
-    pipe = Pipeline(model, stage_modules, plan, pp_mesh, device, schedule, microbatches, loss_fn)
+    pp_rank = pp_mesh.get_local_rank()
+    tied = untie_head(model, keeps_both={0, plan.num_stages - 1} <= set(plan.stages_of(pp_rank)))
+    stage_modules = split_model(model, plan, pp_rank)
+    pipe = Pipeline(model, stage_modules, plan, pp_mesh, device, schedule, microbatches, loss_fn, tied)
     if schedule in SPLIT_BACKWARD and (stray := pipe.stray_parameters()):
         raise ValueError(f"pipeline_schedule={schedule!r} computes weight gradients of the stage modules only, and"
                          f" {type(model).__name__} has {len(stray)} parameters outside them (e.g. timm's cls_token/"
