@@ -124,6 +124,7 @@ def test_the_guides_choices_are_the_tools():
 # The 7B/8B configs: config -> (the machine in its header, the strategy and options its launch command uses).
 SEVEN_B = {
     "configs/nlp/dialogue_8b.yaml": ("--gpus 8 --gpu A100-80GB", "disttrain_fsdp"),
+    "configs/nlp/dialogue_8b_lora.yaml": ("--gpus 8 --gpu A100-80GB", "disttrain_ddp"),
     "configs/nlp/dialogue_8b_32k.yaml": ("--gpus 8 --gpu A100-80GB",
                                          "disttrain_megatron tp=1 pp=1 dp=1 cp=8  {'context_parallel_size': 8}"),
 }

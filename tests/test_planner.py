@@ -1,6 +1,7 @@
 """The planner on one process: structure read from configs (checked against models built on the meta device),
 memory arithmetic, the three reference cases (docs/choosing.md), bad input, and `disttrain plan`."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -310,13 +311,14 @@ def test_hf_configs_of_other_families_are_planned_from_their_own_fields(tmp_path
     t5 = model_spec(tiny_hf("t5").to_dict())  # the Llama formulas' keys would be wrong: d_model, num_layers
     assert t5.family == "t5" and t5.hidden == 64 and t5.layers == 4  # encoder and decoder blocks
     assert model_spec(tiny_hf("bert")).layers == 2  # BertLayer x 2 (BertEmbeddings is not a block)
-    # GPT-2 has a tensor-parallel plan and pipeline stages (untied); T5 neither: never a megatron candidate
+    # GPT-2 has a tensor-parallel plan and pipeline stages; T5 neither: never a megatron candidate
     assert estimate(gpt2, "disttrain_megatron", 2, tensor_parallel_size=2).activations < \
         estimate(gpt2, "disttrain_ddp", 2).activations
-    with pytest.raises(ValueError, match="no pipeline stages"):
-        estimate(gpt2, "disttrain_megatron", 2, pipeline_parallel_size=2)  # tied embeddings
-    assert estimate(dict(gpt2.to_dict(), tie_word_embeddings=False), "disttrain_megatron", 2,
-                    pipeline_parallel_size=2).activations > 0
+    # tied (GPT-2's default): each end of the pipeline holds the tied weight, the last stage's head a copy of it
+    tied = estimate(gpt2, "disttrain_megatron", 2, pipeline_parallel_size=2)
+    untied = estimate(dict(gpt2.to_dict(), tie_word_embeddings=False), "disttrain_megatron", 2,
+                      pipeline_parallel_size=2)
+    assert tied.activations > 0 and tied.params >= untied.params  # the tie saves nothing per rank there
     with pytest.raises(ValueError, match="a t5 model has none"):
         estimate(t5, "disttrain_megatron", 2, tensor_parallel_size=2)
 
@@ -458,3 +460,30 @@ def test_cli_plan_lists_hsdp_with_its_traffic_across_nodes(capsys):
     # On 80 GB GPUs a node's copy of the states fits without recomputation, and HSDP is estimated fastest
     assert "recommendation: disttrain_fsdp hsdp shard=8 x 4  {'hybrid_shard': True, 'shard_size': 8}" in out
     assert "dp 71.1 GB, dp_replicate 7.62 GB; across nodes 7.62 GB (dp_replicate))" in out
+
+
+def test_lora_is_planned_as_adapters_on_a_frozen_model():
+    """``lora_rank``: the adapters peft adds (all-linear) are what the planner counts; only they have gradients and
+    optimizer state and reduce gradients; the frozen base is still held (and gathered) and skips its weight
+    gradients in the step time. A table model refuses it."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from disttrain.planner.estimate import lora_elements
+    from disttrain.planner.steptime import breakdown
+
+    model = peft.get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)),
+                                peft.LoraConfig(r=4, target_modules="all-linear"))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = sum(p.numel() for p in model.parameters()) - adapters
+    assert lora_elements(model_spec(TINY_LLAMA), 4) == adapters
+    for strategy, shards in (("disttrain_ddp", 1), ("disttrain_fsdp", 2)):
+        full = estimate(TINY_LLAMA, strategy, 2, seq_len=64)
+        lora = estimate(TINY_LLAMA, strategy, 2, seq_len=64, lora_rank=4)
+        assert lora.grads == math.ceil(adapters / shards) * full.grads // math.ceil(params / shards)
+        assert lora.optimizer == math.ceil(adapters / shards) * full.optimizer // math.ceil(params / shards)
+        assert lora.params > full.params and lora.comm["dp"] < full.comm["dp"]
+        hw = hardware("A100-80GB")
+        assert breakdown(model_spec(TINY_LLAMA), lora, hw).compute < breakdown(model_spec(TINY_LLAMA), full, hw).compute
+    with pytest.raises(ValueError, match="lora_rank=4: disttrain_recsys places embedding tables"):
+        estimate(DEEPFM_5B, "disttrain_recsys", 2, lora_rank=4)

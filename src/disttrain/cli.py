@@ -327,6 +327,8 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--precision", default=None, help="default: the recipe's train.precision, else bf16-mixed")
     parser.add_argument("--activation-checkpointing", default=None, choices=("on", "off"),
                         help="default: the recipe's train.activation_checkpointing, else both are estimated")
+    parser.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on a frozen"
+                        " model (default: the recipe's lora.rank, else 0: the whole model trains)")
     parser.add_argument("--trial", action="store_true", help="run a few steps of each of the best --trial-top plans"
                         " on this machine's devices (--gpus processes) and recommend the fastest measured")
     parser.add_argument("--trial-top", type=int, default=3, metavar="K", help="plans to try (default 3)")
@@ -358,7 +360,8 @@ def _plan(argv: list[str]) -> int:
         hw = hardware(args.gpu, args.gpu_mem, **overrides)
     ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
     plan = choose(args.model, args.gpus, hw, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                  precision=args.precision, headroom=args.headroom, activation_checkpointing=ac)
+                  precision=args.precision, headroom=args.headroom, activation_checkpointing=ac,
+                  lora_rank=args.lora_rank)
     if args.trial:
         from disttrain.planner.trial import trial
 

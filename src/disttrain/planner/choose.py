@@ -239,7 +239,7 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
            device_memory: str | int | None = None, micro_batch: int | None = None, seq_len: int | None = None,
            precision: str | None = None, headroom: float = 0.1, available: Iterable[str] | None = None,
            optimizer: str | None = None, activation_checkpointing: bool | None = None,
-           max_micro_batch: int = MAX_MICRO_BATCH, loader_batch: bool = False) -> Plan:
+           max_micro_batch: int = MAX_MICRO_BATCH, loader_batch: bool = False, lora_rank: int | None = None) -> Plan:
     """The set-up with the highest estimated throughput among those that fit ``device_memory`` (minus ``headroom``
     and the runtime's reserve) on ``world_size`` devices of ``hardware`` (a :class:`Hardware`, a preset name such as
     "A100-40GB", or None for an A100-class node). ``available`` limits the choice to these strategy names (e.g. the
@@ -248,7 +248,8 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
     ``micro_batch``, ``precision``, ``activation_checkpointing`` and ``seq_len``: given here, else what the recipe
     YAML sets (``train.micro_batch_size`` / ``data.batch_size``, ``train.precision``,
     ``train.activation_checkpointing``, ``data.seq_len``), else searched: the largest micro-batch that fits (powers
-    of two up to ``max_micro_batch``), checkpointing on and off; precision ``bf16-mixed``.
+    of two up to ``max_micro_batch``), checkpointing on and off; precision ``bf16-mixed``. ``lora_rank`` (else the
+    recipe's ``lora.rank``, else 0): only LoRA adapters of that rank train, the base model frozen.
 
     ``loader_batch``: each rank's DataLoader gives ``micro_batch`` samples whatever the strategy (``disttrain_auto``
     at run time), so a pipeline splits those samples; otherwise it gets ``micro_batch x tp x pp x cp`` (the same
@@ -266,13 +267,15 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
     recipe = spec.extra.get("recipe", {})
     settings = {}
     for key, given in (("micro_batch", micro_batch), ("precision", precision),
-                       ("activation_checkpointing", activation_checkpointing), ("seq_len", seq_len)):
+                       ("activation_checkpointing", activation_checkpointing), ("seq_len", seq_len),
+                       ("lora_rank", lora_rank)):
         if given is not None:
             settings[key] = (given, "given")
         elif key in recipe:
             settings[key] = (recipe[key], "recipe")
     precision_ = planned_precision(settings["precision"][0]) if "precision" in settings else "bf16-mixed"
     seq_len = settings["seq_len"][0] if "seq_len" in settings else None
+    lora = int(settings["lora_rank"][0]) if "lora_rank" in settings else 0
     usable = int(hw.memory * (1 - headroom)) - hw.reserved
     allowed = set(planned() if available is None else available)
     ranks_per_node = min(world_size, hw.gpus_per_node)
@@ -298,7 +301,7 @@ def choose(model_or_config: ModelLike, world_size: int, hardware: Hardware | str
                 if split is None:
                     continue
                 e = estimate(spec, row.name, world_size, micro_batch=b, seq_len=seq_len, precision=precision_,
-                             optimizer=optimizer, model_recomputes=by_model, **options, **split,
+                             optimizer=optimizer, model_recomputes=by_model, lora_rank=lora, **options, **split,
                              **({"activation_checkpointing": True} if ac else {}))
                 host_ok = e.host * ranks_per_node <= hw.host_memory * (1 - headroom)
                 fits = e.device <= usable and host_ok

@@ -69,6 +69,7 @@ class Estimate:
     notes: list = field(default_factory=list)
     model_recomputes: bool = False  # the model checkpoints its own blocks (a recipe's train.activation_checkpointing)
     layout: Layout | None = field(default=None, repr=False, compare=False)
+    lora_rank: int = 0  # LoRA adapters of this rank train; the base model is frozen (0: the whole model trains)
 
     @property
     def world_size(self) -> int:
@@ -139,15 +140,22 @@ class Setup:
     sizes: Sizes
     layout: Layout
     model_recomputes: bool = False
+    lora_rank: int = 0
 
     @property
     def activation_checkpointing(self) -> bool:
         return self.model_recomputes or bool(getattr(self.options, "activation_checkpointing", False))
 
+    @property
+    def adapters(self) -> int:
+        """Elements of the LoRA adapters (0 without LoRA)."""
+        return lora_elements(self.spec, self.lora_rank)
+
     def estimate(self, **bytes_: Any) -> Estimate:
         return Estimate(strategy=self.row.name, dims=self.dims, micro_batch=self.micro_batch, seq_len=self.seq_len,
                         precision=self.precision, options=self.row.given(self.options),
-                        model_recomputes=self.model_recomputes, layout=self.layout, **bytes_)
+                        model_recomputes=self.model_recomputes, layout=self.layout, lora_rank=self.lora_rank,
+                        **bytes_)
 
     def activations(self) -> int:
         """What one micro-batch's forward saves for backward on one rank (16-bit compute saves 16-bit tensors)."""
@@ -191,9 +199,23 @@ def flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
     return 6.0 * spec.params * max(1, seq_len)
 
 
+def lora_elements(spec: ModelSpec, rank: int) -> int:
+    """Elements of rank-``rank`` LoRA adapters on every Linear of every block ("all-linear", the recipes' default):
+    each adds ``rank x (inputs + outputs)``; a block's Linears are attention's q, k, v, o and a gated MLP's gate, up
+    and down (``7 h + 2 a d + 2 kv d + 3 f`` inputs and outputs)."""
+    if not rank:
+        return 0
+    if not (spec.layers and spec.hidden and spec.heads):
+        raise ValueError(f"lora_rank={rank}: LoRA is planned for transformer decoders (attention and MLP blocks), not"
+                         f" a {spec.family} model; plan it without lora_rank")
+    h, f, a, kv = spec.hidden, spec.ffn or 4 * spec.hidden, spec.heads, spec.kv_heads or spec.heads
+    d = spec.extra.get("head_dim") or spec.head_dim
+    return rank * spec.layers * (7 * h + 2 * a * d + 2 * kv * d + 3 * f)
+
+
 def estimate(model_or_config: ModelLike, strategy: str, world_size: int, *, micro_batch: int = 1,
              seq_len: int | None = None, precision: str = "bf16-mixed", optimizer: str | None = None,
-             model_recomputes: bool = False, **options: Any) -> Estimate:
+             model_recomputes: bool = False, lora_rank: int = 0, **options: Any) -> Estimate:
     """Per-rank bytes of ``model_or_config`` trained with ``strategy`` (a registered name) on ``world_size`` ranks.
 
     ``options`` are the strategy's own options (``tensor_parallel_size=2`` for ``disttrain_megatron``,
@@ -201,7 +223,9 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, *, micr
     strategy's own rule, as they would in a run. ``seq_len`` defaults to the model's (ViT: its patch count + 1;
     Llama: ``max_position_embeddings``). ``optimizer`` is "adamw" (default) or "adagrad"/"sgd"/"rowwise_adagrad"
     (DeepFM's tables default to Adagrad). ``model_recomputes``: the model checkpoints its own blocks (timm's
-    ``set_grad_checkpointing``, HF's ``gradient_checkpointing_enable``), under any strategy.
+    ``set_grad_checkpointing``, HF's ``gradient_checkpointing_enable``), under any strategy. ``lora_rank``: only
+    LoRA adapters of this rank train (a recipe's ``lora.rank``): the frozen base has no gradients or optimizer
+    state and its gradients are not reduced; its parameters are held and gathered as usual.
     """
     spec = model_spec(model_or_config)
     row = registry.lookup(strategy)
@@ -217,8 +241,14 @@ def estimate(model_or_config: ModelLike, strategy: str, world_size: int, *, micr
     # Tables default to the recipe's sparse optimizer (Adagrad) where torchrec places them.
     sparse = spec.extra.get("recsys", {}).get("sparse_optimizer") or "adagrad"
     opt = optimizer or (sparse if spec.table_rows and layout.tables else "adamw")
+    if not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank={lora_rank!r} must be a non-negative integer (0: the whole model trains)")
     setup = Setup(spec, row, opts, dims, micro_batch, int(seq_len or spec.tokens or 1), precision, opt,
-                  Sizes.of(layout, precision, opt), layout, model_recomputes)
+                  Sizes.of(layout, precision, opt), layout, model_recomputes, lora_rank)
+    if lora_rank and layout.tables:
+        raise ValueError(f"lora_rank={lora_rank}: {strategy} places embedding tables, which LoRA does not adapt;"
+                         " plan it without lora_rank")
+    setup.adapters  # a model LoRA is not planned for is refused here
     return formula(layout)(setup)
 
 
@@ -267,31 +297,35 @@ def _data_parallel(s: Setup) -> Estimate:
     layout, spec, z = s.layout, s.spec, s.sizes
     P = spec.params
     elements = [shard_elements(s, state) for state in layout.states]
+    if s.lora_rank:  # the adapters are parameters too; only they have gradients and optimizer state
+        adapters = [math.ceil(s.adapters / state.shards(s.dims)) for state in layout.states]
+        elements = [elements[0] + adapters[0], adapters[1], adapters[2]]
     per_element = (z.param, z.grad, z.optimizer)
     states = [e * b for e, b in zip(elements, per_element)]
+    trained = s.adapters if s.lora_rank else P  # the elements whose gradients are reduced
 
     grads, buffers = layout.grads, layout.buffers
     unit = spec.largest_unit if layout.params.units is Units.SUBMODULES else (spec.layer_params or spec.largest_unit)
     root = spec.root_params if spec.layers and buffers.root_gathered else 0
-    extra = ((P * z.grad if buffers.gradient_copy else 0) + root * z.compute
-             + buffers.gathered_units * unit * z.compute + buffers.unit_gradients * unit * z.reduce
+    extra = ((trained * z.grad if buffers.gradient_copy else 0) + root * z.compute
+             + buffers.gathered_units * unit * z.compute + buffers.unit_gradients * unit * z.reduce * trained / P
              + buffers.reduce_bucket * z.reduce)
 
     # Gathers per unit run over the parameters' shard group, which is the optimizer's (FSDP2, ZeRO-3).
     gathers = layout.params.gather.per_step if layout.params.gather is Gather.PER_UNIT else 0
     if grads.reduce is Reduce.ALL_REDUCE:  # over every data-parallel rank
         n = s.dims.dp
-        comm = {"dp": 2 * (n - 1) / n * P * z.reduce}
+        comm = {"dp": 2 * (n - 1) / n * trained * z.reduce}
     else:  # over the ranks sharing the partitions the optimizer updates, then across the replicas of a partition
         n = layout.optimizer.shards(s.dims)
-        comm = {"dp": (n - 1) / n * P * (gathers * z.compute + z.reduce)}
+        comm = {"dp": (n - 1) / n * (P * gathers * z.compute + trained * z.reduce)}
         replicas = math.prod(getattr(s.dims, d) for d in ("dp_replicate", "dp_shard")
                              if d not in layout.optimizer.sharded_over)
         if replicas > 1:
             comm["dp_replicate"] = 2 * (replicas - 1) / replicas * elements[1] * z.reduce
     if layout.params.gather is Gather.AFTER_STEP:  # the updated partitions, once the optimizer step is done
         n = layout.optimizer.shards(s.dims)
-        comm["after_step"] = (n - 1) / n * P * z.compute
+        comm["after_step"] = (n - 1) / n * trained * z.compute
 
     device = [b if state.where is Where.DEVICE else 0 for b, state in zip(states, layout.states)]
     host = sum(b for b, state in zip(states, layout.states) if state.where is Where.HOST)
@@ -350,9 +384,11 @@ def _model_parallel(s: Setup) -> Estimate:
     expert = experts.get("params", 0) // p if e > 1 else 0
     # The busiest stage: its share of the blocks, split across the tensor-parallel ranks (column/row-split
     # layers), plus (pipeline) the bigger end or (no pipeline) both ends, which stay whole on every tensor-parallel
-    # rank (the plans split blocks only; embeddings, final norm and head are replicated, then FSDP-sharded).
+    # rank (the plans split blocks only; embeddings, final norm and head are replicated, then FSDP-sharded). A tied
+    # embedding is held by both ends of a pipeline (the last stage's head is a copy).
     root = spec.root_params
-    local = math.ceil((spec.layers // p * spec.layer_params - expert) / t) + (root if p == 1 else math.ceil(root / 2))
+    ends = root if p == 1 or spec.extra.get("tied") else math.ceil(root / 2)
+    local = math.ceil((spec.layers // p * spec.layer_params - expert) / t) + ends
     exact = fsdp_rank_elements(spec, dims.shard, t) if p == 1 and not expert else None
     shard = exact if exact is not None else math.ceil(local / dims.shard)  # FSDP on the data dimension
     expert_fsdp = dims.dp_shard // e
@@ -371,8 +407,11 @@ def _model_parallel(s: Setup) -> Estimate:
     if dims.shard > 1:  # one block's share gathered and the next prefetched, one block's gradients to reduce
         buffers += held.gathered_units * block * z.compute + held.unit_gradients * block * z.reduce
     n, gathers = dims.shard, s.layout.params.gather.per_step
+    # LoRA: this rank's adapters (split as the layers they adapt), the only gradients and optimizer state
+    adapters = math.ceil(s.adapters // p / t / dims.shard)
+    trained = adapters / shard if s.lora_rank else 1.0  # the fraction of the shard whose gradients are reduced
     comm = {"dp": ((n - 1) / n * local + (expert_fsdp - 1) / expert_fsdp * expert / e)
-            * (gathers * z.compute + z.reduce) if n > 1 else 0.0,
+            * (gathers * z.compute + z.reduce * trained) if n > 1 else 0.0,
             # two all-reduces forward and two backward per block (attention and MLP), ring: 2(t-1)/t of the tensor
             "tp": 4 * (spec.layers // p) * 2 * (t - 1) / t * width * micro_steps if t > 1 else 0.0,
             "pp": 2 * width * micro_steps if p > 1 else 0.0,
@@ -385,6 +424,9 @@ def _model_parallel(s: Setup) -> Estimate:
             "ep": 4 * (spec.layers // p) * experts.get("top_k", 1) * (e - 1) / e * width * micro_steps
             if e > 1 else 0.0,
             "bubble": (p - 1) / (micro_steps + p - 1)}
+    if s.lora_rank:
+        return s.estimate(params=(shard + adapters) * z.param, grads=adapters * z.grad,
+                          optimizer=adapters * z.optimizer, activations=acts, buffers=buffers, comm=comm)
     return s.estimate(params=shard * z.param, grads=shard * z.grad, optimizer=shard * z.optimizer, activations=acts,
                       buffers=buffers, comm=comm)
 

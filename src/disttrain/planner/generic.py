@@ -23,6 +23,7 @@ from disttrain.parallel.families.hf_plans import expert_counts
 from disttrain.parallel.families.spec import ModelSpec, count_params
 from disttrain.parallel.split.blocks import find_blocks
 from disttrain.parallel.split.fsdp import unit_count
+from disttrain.parallel.split.pipeline import tied_head
 from disttrain.planner.measured import Inputs, MeasuredModel
 
 
@@ -133,6 +134,7 @@ def hf_spec(config: Any, model: Optional[nn.Module] = None) -> ModelSpec:
     extra = {"activations": measured, "lm_logits": lm, "model_type": config.model_type,
              "tensor_parallel": family is not None and _splits(family, model),
              "pipeline": family is not None and can_pipeline(family, model),
+             "tied": tied_head(model) is not None,  # under a pipeline both ends hold the tied weight
              "experts": {"params": experts, "count": per_layer, "top_k": top_k} if experts else {},
              "fsdp_units": unit_count(model), "tensors": sum(1 for _ in model.parameters())}
     attention = "eager" if getattr(config, "_attn_implementation", None) == "eager" else "sdpa"
@@ -154,7 +156,7 @@ def _splits(family: Any, model: nn.Module) -> bool:
 def can_pipeline(family: Any, model: nn.Module) -> bool:
     """Whether ``family`` splits ``model`` into pipeline stages (its own check, the one the engine runs)."""
     try:
-        family.pipeline_sizes(model)  # the family refuses what its stages cannot split (heads, tied embeddings)
+        family.pipeline_sizes(model)  # the family refuses what its stages cannot split (an encoder-decoder)
     except ValueError:
         return False
     return True

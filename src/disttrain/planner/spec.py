@@ -102,8 +102,8 @@ def _from_yaml(path: Path) -> ModelSpec:
 def recipe_settings(recipe: dict) -> dict:
     """What a recipe fixes that the planner would otherwise choose: ``micro_batch`` (``train.micro_batch_size``,
     else ``data.batch_size`` or ``train.batch_size``: samples per process per step), ``precision``
-    (``train.precision``), ``activation_checkpointing`` (``train.activation_checkpointing``) and ``seq_len``
-    (``data.seq_len``); only the keys the recipe sets."""
+    (``train.precision``), ``activation_checkpointing`` (``train.activation_checkpointing``), ``seq_len``
+    (``data.seq_len``) and ``lora_rank`` (``lora.rank``, when LoRA is on); only the keys the recipe sets."""
     train, data = recipe.get("train") or {}, recipe.get("data") or {}
     out: dict = {}
     batch = train.get("micro_batch_size") or data.get("batch_size") or train.get("batch_size")
@@ -112,6 +112,8 @@ def recipe_settings(recipe: dict) -> dict:
     for key, section in (("precision", train), ("activation_checkpointing", train), ("seq_len", data)):
         if section.get(key) is not None:
             out[key] = section[key]
+    if (recipe.get("lora") or {}).get("rank"):
+        out["lora_rank"] = int(recipe["lora"]["rank"])
     return out
 
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from disttrain.parallel import registry
 from disttrain.parallel.engines.layout import Gather, Layout, Reduce, Steps, Units, Work
 from disttrain.parallel.mesh import ParallelDims
-from disttrain.planner.estimate import Estimate, activation_bytes, flops_per_sample
+from disttrain.planner.estimate import Estimate, activation_bytes, flops_per_sample, lora_elements
 from disttrain.planner.hardware import Hardware, Overheads
 from disttrain.planner.spec import ModelSpec
 
@@ -277,7 +277,11 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
     layout = layout_of(e)
     d, c = e.dims, e.comm
     factor = model_factor(spec, hw) if factor is None else factor
-    flops = flops_per_sample(spec, e.seq_len) * e.micro_batch * (4 / 3 if e.activation_checkpointing else 1)
+    # forward 1, backward 2 (input and weight gradients), a recomputed forward 1 more; a frozen base under LoRA
+    # skips its weight gradients, leaving the adapters' (their share of the parameters)
+    weight_grads = lora_elements(spec, e.lora_rank) / spec.params if e.lora_rank else 1.0
+    passes = 2 + weight_grads + (1 if e.activation_checkpointing else 0)
+    flops = flops_per_sample(spec, e.seq_len) * e.micro_batch * passes / 3
     saved = activation_bytes(spec, e.micro_batch, e.seq_len, _compute_bytes(e.precision), False, d)
     elementwise = 3 * saved * (4 / 3 if e.activation_checkpointing else 1) / hw.memory_bw
     compute = (flops / _matmul_rate(spec, e, hw) + elementwise) * factor
