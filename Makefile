@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 # torchrec's kernels: the CUDA wheel fails to load without the NVIDIA driver, so CPU machines get the CPU build.
 FBGEMM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo fbgemm-gpu==1.9.0 || echo fbgemm-gpu-cpu==1.9.0)
 
-.PHONY: install demo test test-fast durations bench docs clean gpu-wheels gpu-check
+.PHONY: install demo test test-fast durations bench docs clean gpu-wheels gpu-check multi-host
 
 install: $(STAMP)
 
@@ -36,6 +36,13 @@ test-fast: $(STAMP)
 
 durations: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --record-durations tests/durations.json
+
+# The demo on 2 hosts made of network namespaces on this machine (tools/hosts.py; needs root): traffic between them
+# crosses their interfaces, and each host's bytes sent are printed.
+multi-host: $(STAMP)
+	$(PY) tools/hosts.py --hosts 2 -- $(CURDIR)/.venv/bin/disttrain run --num-nodes {hosts} --node-rank {rank} \
+	    --main-address {main} --accelerator cpu --devices 1 --strategy disttrain_fsdp \
+	    recipes/demo/tiny_llama.py --steps 20 --logger none --out runs/hosts-demo-{rank}
 
 bench: $(STAMP)
 	$(PY) bench/fsdp_overhead.py

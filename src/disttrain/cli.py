@@ -183,24 +183,15 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
     return 0
 
 
-# The folder where a launched process leaves its one-line failure for the launcher.
-REPORT_ENV = "DISTTRAIN_LAUNCH_REPORTS"
-
-
 def leave_report(error: BaseException) -> bool:
     """In a launched process (the bootstrap), for a failure of the user's script: leave its one line
     (``parallel.guards.failures.describe``) in the launcher's folder as ``rank<N>.txt``; whether it did (not for a
     failure with no one-line description, nor under ``DISTTRAIN_VERBOSE=1``)."""
+    from disttrain.parallel.guards import reports
     from disttrain.parallel.guards.failures import describe, verbose
 
-    folder = os.environ.get(REPORT_ENV)
-    line = None if verbose() or not folder else describe(error)
-    if line is None:
-        return False
-    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt"
-    path.with_suffix(".part").write_text(line)
-    path.with_suffix(".part").replace(path)  # whole or absent when the launcher reads it
-    return True
+    line = None if verbose() or not os.environ.get(reports.REPORT_ENV) else describe(error)
+    return line is not None and reports.leave(line)
 
 
 class Reports:
@@ -235,6 +226,8 @@ TORCHRUN_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.dist
 def one_line_reports() -> Iterator[Reports]:
     """A fresh folder for the processes' one-line failures (``$DISTTRAIN_LAUNCH_REPORTS``) and torchrun's failure
     records quiet after one arrives, for the duration of a launch."""
+    from disttrain.parallel.guards.reports import REPORT_ENV
+
     with tempfile.TemporaryDirectory(prefix="disttrain-run-") as folder:
         reports = Reports(Path(folder))
         quiet = AfterReport(reports)

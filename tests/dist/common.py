@@ -120,6 +120,21 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
+def data_parallel_step(fabric, model, optimizer, step: int, dp_mesh) -> float:
+    """One optimizer step on this data-parallel rank's share of global batch ``step`` (the ranks of one tensor- or
+    pipeline-parallel group read the same samples); returns the global batch's loss (the mean over the
+    data-parallel ranks)."""
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    ids = global_batch(step, dp_size)[dp_rank::dp_size]
+    loss = model(input_ids=ids, labels=ids).loss
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    value = loss.detach().clone()
+    dist.all_reduce(value, group=dp_mesh.get_group())
+    return value.item() / dp_size
+
+
 def write_result(result: dict) -> None:
     """Rank r writes <out>.<r>.json (the test reads rank 0's, and others' where it compares ranks)."""
     out = sys.argv[1]

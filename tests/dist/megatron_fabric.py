@@ -30,7 +30,8 @@ import torch
 import disttrain  # noqa: F401  (registers the strategy names)
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import dataset, global_batch, probe_input, strategy_from_spec, tiny_llama, tmpdir, write_result  # noqa: E402
+from common import (  # noqa: E402
+    data_parallel_step, dataset, global_batch, probe_input, strategy_from_spec, tiny_llama, tmpdir, write_result)
 
 spec, mode = sys.argv[2], sys.argv[3]
 layers = int(sys.argv[4]) if len(sys.argv) > 4 else 2
@@ -91,7 +92,6 @@ def grads_check(fabric: L.Fabric, family: str) -> dict:
 def train(fabric: L.Fabric) -> dict:
     engine = fabric.strategy.engine
     dp_mesh = engine.meshes.dp
-    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     model = tiny_llama(layers=layers)
     total_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -100,14 +100,7 @@ def train(fabric: L.Fabric) -> dict:
     ckpt = os.path.join(tmpdir(), "megatron-step2")
 
     def step(i: int) -> float:
-        ids = global_batch(i, dp_size)[dp_rank::dp_size]
-        loss = model(input_ids=ids, labels=ids).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        value = loss.detach().clone()  # the global batch's loss: the mean over the data-parallel ranks
-        torch.distributed.all_reduce(value, group=dp_mesh.get_group())
-        return value.item() / dp_size
+        return data_parallel_step(fabric, model, optimizer, i, dp_mesh)
 
     losses = [step(i) for i in range(2)]
     fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": 2})

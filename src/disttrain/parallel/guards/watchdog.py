@@ -146,10 +146,8 @@ class Watchdog:
             self._thread.join(timeout=self.interval + 10.0)  # a store call gives up after its own short timeout
         if self._thread.is_alive():
             return
-        try:
-            self.store.set(f"{self.prefix}/done/{self.rank}", "1")
-        except Exception:  # the store may be gone at exit: the peers are ending too
-            pass
+        # bounded: the store may be gone or cut off at exit (the peers are ending too)
+        _Bounded(lambda: self.store.set(f"{self.prefix}/done/{self.rank}", "1")).wait(self._store_timeout)
 
     def _where(self, rank: int) -> dict[str, Any]:
         """What a rank announced of itself (:func:`process_identity`; host "?" and pid 0 when unknown)."""
@@ -157,6 +155,25 @@ class Watchdog:
             return {"host": "?", "pid": 0, **json.loads(self.store.get(f"{self.prefix}/pid/{rank}").decode())}
         except Exception:
             return {"host": "?", "pid": 0}
+
+    @property
+    def _store_timeout(self) -> float:
+        return max(2.0, 2 * self.interval)
+
+    def _exchange(self, peers: list[int], seen: dict[int, int], changed: dict[int, float], now: float) -> bool:
+        """One heartbeat: this rank's beat, then each peer's (a peer that finished leaves ``peers``); True when the
+        store answered every call."""
+        self.store.add(f"{self.prefix}/beat/{self.rank}", 1)
+        for r in list(peers):
+            if self._stop.is_set():
+                return False
+            if self.store.check([f"{self.prefix}/done/{r}"]):
+                peers.remove(r)
+                continue
+            value = self.store.add(f"{self.prefix}/beat/{r}", 0)  # reads without waiting for the key
+            if value != seen[r]:
+                seen[r], changed[r] = value, now
+        return True
 
     def _loop(self) -> None:
         try:
@@ -167,25 +184,19 @@ class Watchdog:
         seen = {r: -1 for r in peers}
         changed = {r: time.monotonic() for r in peers}
         store_ok = time.monotonic()
+        exchange: Optional[_Bounded] = None
         while not self._stop.wait(self.interval):
             if self.group is not None and (not dist.is_initialized() or dist.group.WORLD is not self.group):
                 self._stop.set()  # the process group this watchdog was started for is gone
                 return
             now = time.monotonic()
-            try:
-                self.store.add(f"{self.prefix}/beat/{self.rank}", 1)
-                for r in list(peers):
-                    if self._stop.is_set():
-                        return
-                    if self.store.check([f"{self.prefix}/done/{r}"]):
-                        peers.remove(r)
-                        continue
-                    value = self.store.add(f"{self.prefix}/beat/{r}", 0)  # reads without waiting for the key
-                    if value != seen[r]:
-                        seen[r], changed[r] = value, now
+            # A store call can block for good when the store's host is cut off (a TCP request whose answer never
+            # comes; the client's timeout does not cover it): the calls run in a thread of their own, and one
+            # that has not returned leaves the store judged silent.
+            if exchange is None or exchange.finished():
+                exchange = _Bounded(lambda: self._exchange(peers, seen, changed, now))
+            if exchange.wait(self._store_timeout) is True:
                 store_ok = now
-            except Exception:  # the store's host stopped or is gone: judged by how long it has been silent
-                pass
             if self._stop.is_set():
                 return
             if not peers:
@@ -272,12 +283,40 @@ def _store_host() -> str:
     return f"rank 0's process at {where}"
 
 
+class _Bounded:
+    """``fn()`` in a daemon thread of its own, waited for a bounded time: its result, or None while it runs or
+    after it raised (the store's host stopped or is gone)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="disttrain-watchdog-store", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._result = fn()
+        except Exception:
+            self._result = None
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float) -> Any:
+        return self._result if self._done.wait(timeout) else None
+
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+
 def _end_process(line: str) -> None:
+    from disttrain.parallel.guards import reports
+
     try:
         sys.stdout.flush()
     except Exception:
         pass
-    os.write(2, (line + "\n").encode())
+    if not reports.leave(line):  # `disttrain run` prints a line it is left, instead of torchrun's report
+        os.write(2, (line + "\n").encode())
     os._exit(STALL_EXIT)
 
 

@@ -1,0 +1,155 @@
+"""Runs across hosts that are really separate network stacks: tools/hosts.py's network namespaces (each host its own
+eth0, address and hostname, cabled to a bridge), one torchrun agent per host with its c10d rendezvous on host 0's
+address and GLOO_SOCKET_IFNAME=eth0, as docs/multi-node.md prescribes. Traffic between hosts crosses their
+interfaces, and a fault is the link's: a host cut off. Needs root (CI runs as root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, child_env
+
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests" / "dist"))
+from hosts import Hosts, namespaces  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+NAME = "dttest"  # this file's hosts: dttest-h0, dttest-h1 and the switch dttest-sw
+PORT = 29500  # free on every host: each has a network stack of its own
+
+
+def torchrun(hosts: Hosts, out: Path, spec: str, steps: int, nproc: int = 1, env: dict | None = None,
+             ) -> list[subprocess.Popen]:
+    """tests/dist/multi_node.py on every host: one torchrun agent each, ``nproc`` processes per host."""
+    procs = []
+    for i in range(hosts.count):
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts.count}", f"--node-rank={i}",
+                f"--nproc_per_node={nproc}", f"--master_addr={hosts.main}", f"--master_port={PORT}",
+                "tests/dist/multi_node.py", str(out), spec, str(steps)]
+        procs.append(hosts.popen(i, argv, env={**child_env(), **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
+    """Every agent's output, each asserted to have succeeded."""
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-4000:]
+    return outputs
+
+
+def results(out: Path, world_size: int) -> list[dict]:
+    return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
+
+
+@pytest.fixture
+def hosts():
+    with Hosts(2, name=NAME) as made:
+        yield made
+    assert not [ns for ns in namespaces() if ns.startswith(NAME)]  # removed, also when the test failed
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_across_two_hosts_shards_within_a_host_and_matches_one_process(hosts, tmp_path):
+    """HSDP on 2 hosts x 2 processes: sharded within a host, replicated across; only the replicas' gradient
+    all-reduce crosses the link (each host sends about one copy of the gradients per step)."""
+    from common import reference_losses
+
+    out, steps = tmp_path / "hsdp", 3
+    finish(torchrun(hosts, out, "disttrain_fsdp:hybrid_shard=true", steps, nproc=2))
+    ranks = results(out, 4)
+    assert [(r["node"], r["hostname"]) for r in ranks] == [(0, "host0"), (0, "host0"), (1, "host1"), (1, "host1")]
+    assert ranks[0]["mesh"] == ["dp_replicate", "dp_shard"] and ranks[0]["shape"] == [2, 2]
+    assert all(abs(r["local"] - r["total"] / 2) <= r["total"] * 0.01 for r in ranks)
+    assert close(ranks[0]["losses"], reference_losses(steps, world_size=4))
+    gradients = steps * ranks[0]["total"] * 4  # fp32 gradients of the whole model, per step
+    for i in range(2):  # the all-gathers stayed inside the host: one gradient copy crossed, not several
+        assert 0.8 * gradients < hosts.sent_bytes(i) < 2 * gradients, (i, hosts.sent_bytes(i), gradients)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_within_a_host_and_data_parallel_across_matches_one_process(hosts, tmp_path):
+    """disttrain_megatron tp=2 on each host's 2 processes, dp=2 across the hosts: the tensor-parallel all-reduces
+    (every block, forward and backward) stay on a host, FSDP's traffic crosses."""
+    from common import reference_losses
+
+    out, steps = tmp_path / "tp_dp", 3
+    finish(torchrun(hosts, out, "disttrain_megatron:tensor_parallel_size=2", steps, nproc=2))
+    ranks = results(out, 4)
+    assert [r["hostname"] for r in ranks] == ["host0", "host0", "host1", "host1"]
+    assert ranks[0]["mesh"] == ["dp_shard", "tp"] and ranks[0]["shape"] == [2, 2]
+    assert close(ranks[0]["losses"], reference_losses(steps, world_size=2))
+
+
+@pytest.mark.slow
+def test_a_partitioned_host_ends_every_rank_within_the_timeout_naming_what_was_lost(hosts, tmp_path):
+    """The demo under `disttrain run --timeout 10` on 2 hosts; host 1's cable is pulled mid-run. Host 0 names the
+    silent rank and its host, host 1 the store it cannot reach (host 0's address), each in one line without a
+    traceback, and both end within the timeout plus the watchdog's margin. (A store call to a cut-off host never
+    returns: the watchdog bounds its own, or host 1 would end only when a collective gave up, later and without
+    naming anything.)"""
+    timeout = 10
+    procs = [hosts.popen(i, [str(ROOT / ".venv/bin/disttrain"), "run", "--num-nodes", "2", "--node-rank", str(i),
+                             "--main-address", hosts.main, "--accelerator", "cpu", "--devices", "1",
+                             "--strategy", "disttrain_fsdp", "--timeout", str(timeout), "recipes/demo/tiny_llama.py",
+                             "--steps", "100000", "--eval-every", "5", "--logger", "none", "--out",
+                             str(tmp_path / f"host{i}")],
+                         env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs: list[list[str]] = [[], []]
+    readers = [threading.Thread(target=lambda i=i: outputs[i].extend(procs[i].stdout), daemon=True)
+               for i in range(2)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 240
+    while not any(line.startswith("step  10 ") for line in outputs[0]):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "".join(outputs[0])[-3000:]
+        time.sleep(0.1)
+    hosts.isolate(1)
+    cut, ended = time.monotonic(), {}
+    while len(ended) < 2 and time.monotonic() - cut < 6 * timeout:
+        ended.update({i: time.monotonic() - cut for i, p in enumerate(procs) if i not in ended and p.poll() is not None})
+        time.sleep(0.1)
+    for reader in readers:
+        reader.join(timeout=10)
+    text = ["".join(lines) for lines in outputs]
+    assert sorted(ended) == [0, 1] and max(ended.values()) <= 2 * timeout, (ended, text[1][-2000:])
+    assert [p.returncode for p in procs] == [1, 1]
+    assert re.search(r"disttrain run: error: disttrain_fsdp: rank 0: rank 1 \(pid \d+ on host1\) has not answered"
+                     r" for \d+ s \(timeout 10 s\) while training", text[0]), text[0][-3000:]
+    assert re.search(r"disttrain run: error: disttrain_fsdp: rank 1: the process group's store \(torchrun's agent"
+                     r" at 10\.213\.0\.1:\d+\) has not answered for \d+ s \(timeout 10 s\)", text[1]), text[1][-3000:]
+    assert "Traceback" not in text[0] + text[1]
+
+
+def test_the_harness_removes_what_an_earlier_killed_run_left(tmp_path):
+    """A namespace left by a harness that was SIGKILLed is removed before new hosts are made; the hosts run under
+    their own hostnames, route to their link only, and a host's sending rate can be limited."""
+    subprocess.run(["ip", "netns", "add", f"{NAME}-h7"], check=True)
+    with Hosts(2, name=NAME) as made:
+        assert f"{NAME}-h7" not in namespaces()
+        probe = "import socket; print(socket.gethostname())"
+        names = [subprocess.run(made.command(i, [sys.executable, "-c", probe]), capture_output=True, text=True,
+                                env=made.env(i)).stdout.strip() for i in range(2)]
+        assert names == ["host0", "host1"]
+        routes = subprocess.run(["ip", "-n", made.host(1), "-j", "route"], capture_output=True, text=True).stdout
+        assert [r["dst"] for r in json.loads(routes)] == ["10.213.0.0/24"]  # no default route: nowhere else
+        made.shape(1, rate_mbit=100)  # a slow link: a token bucket on what host 1 sends
+        qdisc = subprocess.run(["ip", "netns", "exec", made.host(1), "tc", "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
+    assert not [ns for ns in namespaces() if ns.startswith(NAME)]
