@@ -428,13 +428,15 @@ def load_sharded(path: str | os.PathLike, targets: dict[str, Any], model: nn.Mod
 
 
 def _read_copies_as_their_sources(path: Path, tensors: dict[str, Any], targets: dict[str, Any],
-                                  model: nn.Module) -> dict[str, dict[str, str]]:
+                                  model: nn.Module | None) -> dict[str, dict[str, str]]:
     """A pipeline's last stage keeps a tied LM head as a copy of the embedding, with optimizer state of its own; a
     checkpoint written without pipeline stages holds one state for the tied weight, under the embedding's name.
     Such entries of ``tensors`` are renamed in place to read the embedding's; returns ``{key: {read name: own
     name}}`` to rename them back after the load."""
     from disttrain.parallel.checkpoint.pretrained import tied_copies
 
+    if model is None or all(isinstance(obj, nn.Module) for obj in targets.values()):
+        return {}  # no optimizer to read
     copies = tied_copies(model)
     if not copies:
         return {}
