@@ -1,7 +1,8 @@
 """Runs across hosts that are really separate network stacks: tools/hosts.py's network namespaces (each host its own
 eth0, address and hostname, cabled to a bridge), one torchrun agent per host with its c10d rendezvous on host 0's
 address and GLOO_SOCKET_IFNAME=eth0, as docs/multi-node.md prescribes. Traffic between hosts crosses their
-interfaces, and a fault is the link's: a host cut off. Needs root (CI runs as root)."""
+interfaces, and the faults are the link's: a host cut off, a slow and lossy link. Needs root (CI runs as
+root)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from conftest import ROOT, child_env
 
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
-from hosts import Hosts, namespaces  # noqa: E402
+from hosts import Hosts, HostsError, namespaces  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
@@ -96,6 +97,21 @@ def test_tensor_parallel_within_a_host_and_data_parallel_across_matches_one_proc
 
 
 @pytest.mark.slow
+def test_a_slow_lossy_link_gives_the_same_losses(hosts, tmp_path):
+    """50 ms +- 10 ms of delay and 1% loss on what each host sends (about 100 ms between hosts, retransmissions):
+    the run is slower, its losses those of one process."""
+    from common import reference_losses
+
+    for i in range(2):
+        hosts.shape(i, delay_ms=50, jitter_ms=10, loss_percent=1)
+    out, steps = tmp_path / "lossy", 3
+    start = time.monotonic()
+    finish(torchrun(hosts, out, "disttrain_fsdp", steps))
+    assert close(results(out, 2)[0]["losses"], reference_losses(steps, world_size=2))
+    assert time.monotonic() - start > 5  # the delay was there: hundreds of round trips of 100 ms
+
+
+@pytest.mark.slow
 def test_a_partitioned_host_ends_every_rank_within_the_timeout_naming_what_was_lost(hosts, tmp_path):
     """The demo under `disttrain run --timeout 10` on 2 hosts; host 1's cable is pulled mid-run. Host 0 names the
     silent rank and its host, host 1 the store it cannot reach (host 0's address), each in one line without a
@@ -137,11 +153,14 @@ def test_a_partitioned_host_ends_every_rank_within_the_timeout_naming_what_was_l
 
 
 def test_the_harness_removes_what_an_earlier_killed_run_left(tmp_path):
-    """A namespace left by a harness that was SIGKILLed is removed before new hosts are made; the hosts run under
-    their own hostnames, route to their link only, and a host's sending rate can be limited."""
+    """A namespace left by a harness that was SIGKILLed is removed before new hosts are made, those of a live
+    harness are not; the hosts run under their own hostnames, route to their link only, and a host's sending rate
+    can be limited."""
     subprocess.run(["ip", "netns", "add", f"{NAME}-h7"], check=True)
     with Hosts(2, name=NAME) as made:
         assert f"{NAME}-h7" not in namespaces()
+        with pytest.raises(HostsError, match=f"hosts named '{NAME}' are in use by another run"):
+            Hosts(2, name=NAME).__enter__()  # a second harness of the name leaves these alone
         probe = "import socket; print(socket.gethostname())"
         names = [subprocess.run(made.command(i, [sys.executable, "-c", probe]), capture_output=True, text=True,
                                 env=made.env(i)).stdout.strip() for i in range(2)]

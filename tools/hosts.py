@@ -9,11 +9,12 @@ namespace), as on separate machines; they share the file system, as nodes share 
 
 Faults and links: :meth:`Hosts.isolate` takes a host's cable out (a partition: no traffic to or from it) and
 :meth:`Hosts.reconnect` puts it back; :meth:`Hosts.shape` limits the rate of what a host sends (``tc tbf``) and
-adds delay, jitter and loss where the kernel has ``tc netem``; :meth:`Hosts.kill` SIGKILLs every process of a host;
-:meth:`Hosts.sent_bytes` reads the interface's own counter.
+delays and drops its frames (a forwarder in the switch, :func:`hub`, in place of the bridge); :meth:`Hosts.kill`
+SIGKILLs every process of a host; :meth:`Hosts.sent_bytes` reads the interface's own counter.
 
 Everything it creates is removed on exit, also after an error or a signal (SIGTERM, SIGINT); namespaces left by an
-earlier run that was killed outright (SIGKILL) are removed before it creates its own. It needs root (``ip netns``).
+earlier run that was killed outright (SIGKILL) are removed before it creates its own, and a run whose hosts of the
+same name are in use is refused. It needs root (``ip netns``).
 
 From the command line, one command per host, ``{rank}``, ``{main}`` (host 0's address) and ``{hosts}`` filled in::
 
@@ -24,17 +25,19 @@ From the command line, one command per host, ``{rank}``, ``{main}`` (host 0's ad
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Optional
+from typing import IO, Optional
 
 IFNAME = "eth0"  # each host's interface: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name it
 # The environment docs/multi-node.md prescribes for a node: the interface collectives use.
@@ -103,6 +106,9 @@ class Hosts:
         self.switch = f"{name}-sw"
         self.procs: list[subprocess.Popen] = []
         self._previous: dict[int, object] = {}
+        self._impairments = [(0.0, 0.0, 0.0)] * count  # per host: delay ms, jitter ms, loss % of what it sends
+        self._hub: Optional[subprocess.Popen] = None
+        self._lock: Optional[IO[str]] = None
 
     def host(self, i: int) -> str:
         """The namespace of host ``i``."""
@@ -119,6 +125,15 @@ class Hosts:
     def __enter__(self) -> Hosts:
         if os.geteuid() != 0 or shutil.which("ip") is None:
             raise HostsError("the host harness needs root and iproute2's `ip` (network namespaces)")
+        # One harness per name at a time: a lock the kernel drops when its holder dies, so namespaces of this name
+        # whose lock is free are an earlier, killed run's leftovers, and one that is held belongs to a live run.
+        self._lock = open(os.path.join(tempfile.gettempdir(), f"disttrain-hosts-{self.name}.lock"), "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise HostsError(f"hosts named {self.name!r} are in use by another run on this machine; wait for it or"
+                             " pass another name") from None
         remove(self.name)  # what an earlier, killed run left behind
         for sig in (signal.SIGTERM, signal.SIGINT):  # removed also when the harness is stopped
             if threading.current_thread() is threading.main_thread():
@@ -166,13 +181,17 @@ class Hosts:
 
     def close(self) -> None:
         """End every process the hosts run and remove the namespaces (idempotent)."""
-        for proc in self.procs:
+        for proc in [*self.procs, *([self._hub] if self._hub is not None else [])]:
             if proc.poll() is None:
                 proc.kill()
+        self._hub = None
         remove(self.name)
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous = {}
+        if self._lock is not None:
+            self._lock.close()  # releases the lock
+            self._lock = None
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -213,29 +232,32 @@ class Hosts:
 
     def shape(self, i: int, delay_ms: float = 0, jitter_ms: float = 0, loss_percent: float = 0,
               rate_mbit: float = 0) -> None:
-        """What host ``i`` sends is limited to ``rate_mbit`` (a token bucket, ``tc tbf``), and delayed (``delay_ms``
-        +- ``jitter_ms``) and dropped (``loss_percent``) by ``tc netem`` where the kernel has it. Replaces an earlier
-        shape; all zero removes it."""
+        """What host ``i`` sends is limited to ``rate_mbit`` (a token bucket on its interface, ``tc tbf``), delayed by
+        ``delay_ms`` +- ``jitter_ms`` (uniform) and dropped with probability ``loss_percent`` (the switch: see
+        :func:`hub`). Replaces host ``i``'s earlier shape; all zero removes it."""
         ns = self.host(i)
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", IFNAME, "root"], capture_output=True)
-        netem = []
-        if delay_ms or jitter_ms:
-            netem += ["delay", f"{delay_ms}ms", *([f"{jitter_ms}ms"] if jitter_ms else [])]
-        if loss_percent:
-            netem += ["loss", f"{loss_percent}%"]
-        if netem:
-            if rate_mbit:
-                netem += ["rate", f"{rate_mbit}mbit"]
-            try:  # a queue with room for what a rate holds back (netem's default of 1000 packets drops it)
-                _tc(ns, "qdisc", "add", "dev", IFNAME, "root", "netem", *netem, "limit", "100000")
-            except HostsError as e:
-                if "unknown" not in str(e):
-                    raise
-                raise HostsError("this kernel has no netem queueing discipline (sch_netem): delay and loss cannot"
-                                 " be added to the link here; a rate limit alone works (tbf)") from e
-        elif rate_mbit:
+        if rate_mbit:
             _tc(ns, "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", "64kb",
                 "latency", "1s")
+        self._impairments[i] = (float(delay_ms), float(jitter_ms), float(loss_percent))
+        self._rewire()
+
+    def _rewire(self) -> None:
+        """The bridge while no link is delayed or lossy, else :func:`hub` forwarding between the switch ports."""
+        if self._hub is not None:
+            self._hub.kill()
+            self._hub.wait()
+            self._hub = None
+        impaired = any(any(x) for x in self._impairments)
+        for i in range(self.count):
+            _ip("link", "set", f"p{i}", *(["nomaster"] if impaired else ["master", "br0"]), namespace=self.switch)
+        if impaired:
+            spec = json.dumps({"ports": [f"p{i}" for i in range(self.count)], "impairments": self._impairments})
+            self._hub = subprocess.Popen(["ip", "netns", "exec", self.switch, sys.executable, os.path.abspath(__file__),
+                                          "--hub", spec], stdout=subprocess.PIPE, text=True)
+            if self._hub.stdout is None or self._hub.stdout.readline().strip() != "ready":
+                raise HostsError("the switch's forwarder did not start (it needs AF_PACKET sockets: root)")
 
     def kill(self, i: int) -> list[int]:
         """SIGKILL every process running on host ``i`` (the whole host fails); returns their pids."""
@@ -253,6 +275,59 @@ class Hosts:
         return int(json.loads(proc.stdout)[0]["stats64"]["tx"]["bytes"])
 
 
+def hub(ports: Sequence[str], impairments: Sequence[Sequence[float]], seed: int = 0) -> None:
+    """The switch when a link is delayed or lossy (run in the switch namespace; never returns): every frame that
+    arrives on port ``i`` is dropped with probability ``impairments[i][2]`` percent, else sent out of every other
+    port ``impairments[i][0] +- impairments[i][1]`` ms later (uniform jitter: frames may overtake each other). A hub,
+    not a learning switch: each host's interface ignores frames for other addresses.
+
+    Userspace, because ``tc netem`` is a kernel module that many kernels (containers, CI machines) do not have. The
+    frames are read and written with their virtio-net header (``PACKET_VNET_HDR``), so the large segments the
+    interfaces hand over (TSO/GSO) go out whole and the kernel cuts them as a wire would."""
+    import heapq
+    import random
+    import select
+    import socket
+
+    eth_p_all, sol_packet, packet_vnet_hdr = 0x0003, 263, 15
+    sockets = []
+    for port in ports:
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(eth_p_all))
+        sock.setsockopt(sol_packet, packet_vnet_hdr, 1)
+        sock.bind((port, 0))
+        sock.setblocking(False)
+        sockets.append(sock)
+    rng = random.Random(seed)
+    queue: list[tuple[float, int, int, bytes]] = []  # (when, order, out port, frame)
+    order = 0
+    print("ready", flush=True)
+    while True:
+        wait = max(0.0, queue[0][0] - time.monotonic()) if queue else None
+        readable, _, _ = select.select(sockets, [], [], wait)
+        for sock in readable:
+            i = sockets.index(sock)
+            delay, jitter, loss = impairments[i]
+            while True:
+                try:
+                    frame, address = sock.recvfrom(1 << 17)
+                except (BlockingIOError, OSError):
+                    break
+                if address[2] == socket.PACKET_OUTGOING or (loss and rng.random() * 100 < loss):
+                    continue  # what this forwarder sent out of the port, or a lost frame
+                when = time.monotonic() + max(0.0, delay + rng.uniform(-jitter, jitter)) / 1000
+                for j in range(len(sockets)):
+                    if j != i:
+                        heapq.heappush(queue, (when, order, j, frame))
+                        order += 1
+        now = time.monotonic()
+        while queue and queue[0][0] <= now:
+            _, _, j, frame = heapq.heappop(queue)
+            try:
+                sockets[j].send(frame)
+            except OSError:  # the port is down (a pulled cable): the frame is lost
+                pass
+
+
 @contextmanager
 def hosts(count: int, name: str = "dthost", net: int = 213) -> Iterator[Hosts]:
     with Hosts(count, name, net) as made:
@@ -266,17 +341,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     " and N. Removes the hosts afterwards.")
     parser.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
     parser.add_argument("--delay-ms", type=float, default=0, help="delay on what every host sends")
+    parser.add_argument("--jitter-ms", type=float, default=0, help="+- this much on each frame's delay")
     parser.add_argument("--loss", type=float, default=0, help="percent of packets every host's link drops")
     parser.add_argument("--rate-mbit", type=float, default=0, help="every host's sending rate limit, Mbit/s")
+    parser.add_argument("--hub", default=None, help=argparse.SUPPRESS)  # the switch's forwarder (see hub())
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ... run on every host")
     args = parser.parse_args(argv)
+    if args.hub is not None:
+        spec = json.loads(args.hub)
+        hub(spec["ports"], spec["impairments"])
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run on every host after --")
     try:
         with Hosts(args.hosts) as made:
             for i in range(made.count):
-                made.shape(i, args.delay_ms, loss_percent=args.loss, rate_mbit=args.rate_mbit)
+                made.shape(i, args.delay_ms, args.jitter_ms, args.loss, args.rate_mbit)
             fill = {"main": made.main, "hosts": str(made.count)}
             procs = [made.popen(i, [part.format(rank=i, **fill) for part in command]) for i in range(made.count)]
             codes = [proc.wait() for proc in procs]
