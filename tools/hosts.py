@@ -4,8 +4,9 @@ joined by a bridge, for trying and testing multi-node runs where traffic really 
 Host ``i`` is the namespace ``<name>-h<i>`` with one interface, ``eth0``, at ``10.<net>.0.<i+1>/24``, cabled (a veth
 pair) to a port of a bridge that lives in a namespace of its own (``<name>-sw``, the switch), so nothing is added to
 the machine's own network: a program in a host reaches the other hosts' addresses and nothing else. Programs run in
-a host under a hostname of their own (``host<i>``, a UTS namespace) and with process ids of their own (a pid
-namespace), as on separate machines; they share the file system, as nodes share a network volume.
+a host under a hostname of their own (``host<i>``, a UTS namespace; every host's name resolves to its address) and
+with process ids of their own (a pid namespace), as on separate machines; they share the file system, as nodes share
+a network volume.
 
 Faults and links: :meth:`Hosts.isolate` takes a host's cable out (a partition: no traffic to or from it) and
 :meth:`Hosts.reconnect` puts it back; :meth:`Hosts.shape` limits the rate of what a host sends (``tc tbf``) and
@@ -109,6 +110,8 @@ class Hosts:
         self._impairments = [(0.0, 0.0, 0.0)] * count  # per host: delay ms, jitter ms, loss % of what it sends
         self._hub: Optional[subprocess.Popen] = None
         self._lock: Optional[IO[str]] = None
+        # the hosts' /etc/hosts: every host's name and address (each host sees it in place of the machine's)
+        self._names = os.path.join(tempfile.gettempdir(), f"disttrain-hosts-{name}.hosts")
 
     def host(self, i: int) -> str:
         """The namespace of host ``i``."""
@@ -135,6 +138,8 @@ class Hosts:
             raise HostsError(f"hosts named {self.name!r} are in use by another run on this machine; wait for it or"
                              " pass another name") from None
         remove(self.name)  # what an earlier, killed run left behind
+        with open(self._names, "w") as f:
+            f.write("127.0.0.1 localhost\n" + "".join(f"{a} host{i}\n" for i, a in enumerate(self.addresses)))
         for sig in (signal.SIGTERM, signal.SIGINT):  # removed also when the harness is stopped
             if threading.current_thread() is threading.main_thread():
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -186,6 +191,8 @@ class Hosts:
                 proc.kill()
         self._hub = None
         remove(self.name)
+        if self._lock is not None and os.path.exists(self._names):
+            os.remove(self._names)
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous = {}
@@ -206,11 +213,14 @@ class Hosts:
         return env
 
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` as run on host ``i``: in its network namespace, under its own hostname ``host<i>`` and with process
-        ids of its own (a pid namespace, its own ``/proc``), so that no host mistakes another's processes for its
-        own (they share the boot id); it ends with the harness's process that started it."""
+        """``argv`` as run on host ``i``: in its network namespace, under its own hostname ``host<i>``, which resolves to
+        its address as the other hosts' names do (its own ``/etc/hosts``, in a mount namespace: torchrun's c10d
+        rendezvous looks its hostname up), and with process ids of its own (a pid namespace, its own ``/proc``), so
+        that no host mistakes another's processes for its own (they share the boot id); it ends with the harness's
+        process that started it."""
         return ["ip", "netns", "exec", self.host(i), "unshare", "--uts", "--pid", "--fork", "--mount-proc",
-                "--kill-child", "sh", "-c", f'hostname host{i} && exec "$@"', "sh", *argv]
+                "--kill-child", "sh", "-c", f'hostname host{i} && mount --bind {self._names} /etc/hosts && exec "$@"',
+                "sh", *argv]
 
     def popen(self, i: int, argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
               **kwargs: object) -> subprocess.Popen:
@@ -252,7 +262,9 @@ class Hosts:
         impaired = any(any(x) for x in self._impairments)
         for i in range(self.count):
             _ip("link", "set", f"p{i}", *(["nomaster"] if impaired else ["master", "br0"]), namespace=self.switch)
-        if impaired:
+        if not impaired:
+            self._wait_for_links()
+        else:
             spec = json.dumps({"ports": [f"p{i}" for i in range(self.count)], "impairments": self._impairments})
             self._hub = subprocess.Popen(["ip", "netns", "exec", self.switch, sys.executable, os.path.abspath(__file__),
                                           "--hub", spec], stdout=subprocess.PIPE, text=True)
