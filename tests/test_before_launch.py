@@ -133,10 +133,10 @@ def test_launched_processes_hand_the_line_to_the_launcher(tmp_path):
         assert proc.returncode == 1 and "Traceback" not in proc.stderr and "reached" not in proc.stdout, proc.stderr
         # the rank that fails first leaves its line; the other may be ended by the launcher's SIGTERM before it
         # writes its own (as under torchrun), and a line it did write is the same one
-        lines = {path.name: path.read_text() for path in reports.glob("rank*.txt")}
-        assert lines and set(lines) <= {"rank0.txt", "rank1.txt"}
+        lines = {path.name: path.read_text() for path in reports.glob("*.txt")}
+        assert lines and set(lines) <= {"attempt0.rank0.txt", "attempt0.rank1.txt"}
         assert all(re.match(SIZES, line) for line in lines.values()), lines
-        for path in reports.glob("rank*.txt"):
+        for path in reports.glob("*.txt"):
             path.unlink()
 
 

@@ -152,6 +152,41 @@ def test_a_partitioned_host_ends_every_rank_within_the_timeout_naming_what_was_l
     assert "Traceback" not in text[0] + text[1]
 
 
+@pytest.mark.slow
+def test_a_lost_host_comes_back_and_the_run_resumes_from_the_last_checkpoint(hosts, tmp_path):
+    """`disttrain run --max-restarts 1` on 2 hosts, a checkpoint after every step (on storage both hosts share); every
+    process of host 1, its torchrun agent too, is SIGKILLed mid-run, and host 1's command is started again. Host 0's
+    agent restarts its process, the new agent of host 1 joins it (a lost node replaced), both resume from the newest
+    complete checkpoint, and the steps after it equal an uninterrupted run's. Host 0 says it restarted, and why."""
+    from common import reference_losses
+
+    out, ckpts, steps = tmp_path / "resumed", tmp_path / "ckpts", 6
+
+    def start(i: int) -> subprocess.Popen:
+        return hosts.popen(i, [str(ROOT / ".venv/bin/disttrain"), "run", "--num-nodes", "2", "--node-rank", str(i),
+                               "--main-address", hosts.main, "--accelerator", "cpu", "--devices", "1",
+                               "--strategy", "disttrain_fsdp", "--max-restarts", "1", "--timeout", "20",
+                               "tests/dist/elastic_resume.py", str(out), str(ckpts), str(steps), "0", "0.5"],
+                           env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first, lost = start(0), start(1)
+    deadline = time.monotonic() + 240
+    while not (ckpts / "step-000002").exists():
+        assert time.monotonic() < deadline and first.poll() is None and lost.poll() is None, lost.communicate()[0]
+        time.sleep(0.05)
+    assert len(hosts.kill(1)) >= 2  # the agent and its process
+    lost.wait(timeout=30)
+    back = time.monotonic()
+    text = finish([first, start(1)], timeout=240)
+    took = time.monotonic() - back
+    ranks = results(out, 2)
+    assert ranks[0]["start"] == ranks[1]["start"] >= 2, ranks  # resumed, not started over
+    assert (ranks[0]["attempt"], ranks[1]["attempt"]) == (1, 0)  # host 0's agent restarted, host 1's is new
+    assert close(ranks[0]["losses"], reference_losses(steps, world_size=2)[ranks[0]["start"]:])
+    assert re.search(r"disttrain run: restart 1 of 1, after: ", text[0]), text[0][-3000:]
+    assert took < 120, took
+
+
 def test_the_harness_removes_what_an_earlier_killed_run_left(tmp_path):
     """A namespace left by a harness that was SIGKILLed is removed before new hosts are made, those of a live
     harness are not; the hosts run under their own hostnames, route to their link only, and a host's sending rate

@@ -40,7 +40,22 @@ def _fresh_store_after_restart() -> None:
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
 
 
+def _say_restart() -> None:
+    """On a restarted attempt, one line from the node's first process: which restart this is and the failure it
+    follows (the line a process of the failed attempt left; torchrun itself says nothing at its default log level)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    from disttrain.parallel.guards import reports
+
+    line = reports.left(attempt - 1)
+    cause = line or "a process ended without a line (killed, or its node was lost)"
+    print(f"disttrain run: restart {attempt} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}, after: {cause}",
+          file=sys.stderr, flush=True)
+
+
 _fresh_store_after_restart()
+_say_restart()
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, str(Path(script).resolve().parent))

@@ -161,7 +161,11 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
         os.environ[VERBOSE_ENV] = "1"  # the processes let their tracebacks through too
     if args.max_restarts > 0:
         # Restarts need a rendezvous that every node's agent can join again after a failure: c10d (the static one
-        # only fits a fixed set of processes). The bootstrap gives each restarted attempt a fresh store.
+        # only fits a fixed set of processes). Each attempt's processes get a store of their own, hosted by their
+        # rank 0 on a free port the rendezvous announces: the store torchrun's agents share otherwise outlives the
+        # failed attempt's keys, and an agent that replaces a lost node never learns its address (torchrun's rank-0
+        # agent announces it in the first round only, so the newcomer's rendezvous fails reading it).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.main_address}:{port}",
                       f"--rdzv-id=disttrain-{port}", f"--max-restarts={args.max_restarts}"]
     else:
@@ -185,7 +189,7 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
 
 def leave_report(error: BaseException) -> bool:
     """In a launched process (the bootstrap), for a failure of the user's script: leave its one line
-    (``parallel.guards.failures.describe``) in the launcher's folder as ``rank<N>.txt``; whether it did (not for a
+    (``parallel.guards.failures.describe``) in the launcher's folder (``attempt<A>.rank<N>.txt``); whether it did (not for a
     failure with no one-line description, nor under ``DISTTRAIN_VERBOSE=1``)."""
     from disttrain.parallel.guards import reports
     from disttrain.parallel.guards.failures import describe, verbose
@@ -202,8 +206,9 @@ class Reports:
 
     def first(self) -> str | None:
         """The line of the lowest rank that left one (None: no process did)."""
-        found = sorted(self.folder.glob("rank*.txt"), key=lambda p: int(p.stem.removeprefix("rank")))
-        return found[0].read_text() if found else None
+        from disttrain.parallel.guards import reports
+
+        return reports.first(self.folder)
 
 
 class AfterReport(logging.Filter):

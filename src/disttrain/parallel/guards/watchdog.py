@@ -122,7 +122,7 @@ class Watchdog:
         self.timeout, self.interval = timeout, heartbeat_interval(timeout)
         self.label, self.advice = label, advice
         self.on_stall = on_stall or _end_process
-        self.prefix = f"{_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.prefix = f"{_KEY}/{_run()}"
         self.group = dist.group.WORLD if dist.is_initialized() else None
         self._stop, self._stopped = threading.Event(), False
         self._thread = threading.Thread(target=self._loop, name="disttrain-watchdog", daemon=True)
@@ -252,8 +252,11 @@ def _started(pid: int) -> Optional[str]:
 
 
 def _run() -> str:
-    """The launcher's run this process belongs to (torchrun's run id and restart count; empty under others)."""
-    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    """The launcher's run and attempt this process belongs to, as every rank of the attempt names it: torchrun's run
+    id and the address of the attempt's store (each restarted attempt gets a fresh one). Not torchrun's restart
+    count: after a lost node is replaced, the surviving agents count one restart and the newcomer none."""
+    return (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('MASTER_ADDR', '')}:"
+            f"{os.environ.get('MASTER_PORT', '')}")
 
 
 def process_identity() -> dict[str, Any]:
