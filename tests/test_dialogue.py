@@ -182,8 +182,33 @@ def test_sampler_resumes_mid_epoch():
     later.load_state_dict(resumed.state_dict())  # a checkpoint in epoch 1
     later.set_epoch(0)  # Fabric's DataLoader wrapper counts from 0 after a resume: ignored
     assert list(later) == epoch1[5:]
-    with pytest.raises(ValueError, match="same number of data-parallel ranks"):
-        ResumableSampler(data, num_replicas=4, rank=1, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"resume with data.seed 3"):
+        ResumableSampler(data, num_replicas=2, rank=1, seed=4).load_state_dict(state)
+
+
+def test_the_sampler_resumes_on_another_number_of_ranks_with_the_same_global_batches():
+    """Saved by 2 ranks after 3 steps of 4 rows each, resumed by 1 and by 4: each later global batch (what every
+    rank takes next, together) holds the samples the 2 ranks would have taken; 5 ranks cannot split 12 evenly."""
+    data, step = list(range(50)), 4
+
+    def batches(replicas: int, state: dict | None, count: int) -> list[set[int]]:
+        samplers = [ResumableSampler(data, num_replicas=replicas, rank=r, seed=3) for r in range(replicas)]
+        if state is not None:
+            for sampler in samplers:
+                sampler.load_state_dict(state)
+        orders = [list(sampler) for sampler in samplers]
+        share = step // replicas
+        return [set().union(*(order[i * share:(i + 1) * share] for order in orders)) for i in range(count)]
+
+    saved = ResumableSampler(data, num_replicas=2, rank=0, seed=3)
+    saved.advance(3 * step // 2)
+    unchanged = batches(2, None, 6)[3:]
+    assert batches(1, saved.state_dict(), 3) == batches(4, saved.state_dict(), 3) == unchanged
+    assert batches(2, saved.state_dict(), 3) == unchanged
+    with pytest.raises(ValueError, match=r"saved after 12 samples of epoch 0 on 2 data-parallel rank\(s\), which 5"
+                                         r" ranks cannot split evenly; resume with a number of data-parallel ranks"
+                                         r" that divides 12"):
+        ResumableSampler(data, num_replicas=5, rank=1, seed=3).load_state_dict(saved.state_dict())
 
 
 def test_hf_export_loads_and_generates(tmp_path, tokenizer):

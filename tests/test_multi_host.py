@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, free_port
 
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
@@ -185,6 +185,104 @@ def test_a_lost_host_comes_back_and_the_run_resumes_from_the_last_checkpoint(hos
     assert close(ranks[0]["losses"], reference_losses(steps, world_size=2)[ranks[0]["start"]:])
     assert re.search(r"disttrain run: restart 1 of 1, after: ", text[0]), text[0][-3000:]
     assert took < 120, took
+
+
+@pytest.mark.slow
+def test_zero3_across_two_hosts_matches_one_process(hosts, tmp_path):
+    """disttrain_zero3 (DeepSpeed's engine) on 2 hosts x 1 process: each holds half of every parameter, the
+    all-gathers and reduce-scatters cross the link, the losses are one process's."""
+    from common import reference_losses
+
+    out, steps = tmp_path / "zero3", 3
+    finish(torchrun(hosts, out, "disttrain_zero3", steps))
+    ranks = results(out, 2)
+    assert [r["hostname"] for r in ranks] == ["host0", "host1"]
+    assert all(abs(r["local"] - r["total"] / 2) <= r["total"] * 0.01 for r in ranks)
+    assert close(ranks[0]["losses"], reference_losses(steps, world_size=2))
+    parameters = steps * ranks[0]["total"] * 4  # fp32: each step gathers the half it lacks twice, reduces once
+    assert all(hosts.sent_bytes(i) > parameters for i in range(2)), [hosts.sent_bytes(i) for i in range(2)]
+
+
+@pytest.mark.slow
+def test_the_daily_job_on_two_hosts_shards_its_tables_across_them(hosts, tmp_path):
+    """The daily DeepFM job under torchrun on 2 hosts (one process each): torchrec shards the tables across the
+    hosts, the job publishes one version holding both hosts' shards, with the metrics of the same job and layout on
+    one machine (2 processes that each count as a node); the next day's run in one process warm-starts from it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_recsys import RECIPE, records
+
+    from disttrain.recsys.synthetic import make_days
+
+    data = tmp_path / "data"
+    make_days(data, 1, 6000)
+    args = [str(RECIPE.relative_to(ROOT)), "--data-root", str(data), "--accelerator", "cpu"]
+    procs = [hosts.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}",
+                             "--nproc_per_node=1", f"--master_addr={hosts.main}", f"--master_port={PORT}", *args,
+                             "--model-root", str(tmp_path / "hosts")],
+                         env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    text = finish(procs)
+    assert "published version 000001" in text[0], text[0][-3000:]
+    version = tmp_path / "hosts" / "versions" / "000001"
+    assert sorted(p.name for p in version.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert all(hosts.sent_bytes(i) > 1_000_000 for i in range(2))  # the ids' all-to-alls crossed the link
+    # The same layout on one network stack: 2 processes that each see a node of their own (torchrec's planner lays
+    # the tables out for the links between nodes, and a different plan initialises the tables differently).
+    port, one_host = free_port(), []
+    for rank in range(2):
+        env = {**child_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        one_host.append(subprocess.Popen([sys.executable, *args, "--model-root", str(tmp_path / "one")], env=env,
+                                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    finish(one_host)
+    day = "2026-11-01"
+    assert records(tmp_path / "hosts")[day]["metrics"] == records(tmp_path / "one")[day]["metrics"]
+    make_days(data, 1, 6000, start=__import__("datetime").date(2026, 11, 2), first_index=1)
+    next_day = subprocess.run([sys.executable, *args, "--model-root", str(tmp_path / "hosts")], env=child_env(),
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert next_day.returncode == 0, next_day.stderr[-3000:]
+    assert "current model 000001" in next_day.stdout and "published version 000002" in next_day.stdout
+
+
+@pytest.mark.slow
+def test_the_dialogue_recipe_trained_on_two_hosts_resumes_on_one_and_on_four(tmp_path):
+    """recipes/nlp/dialogue_llm.py under `disttrain run` on 2 hosts, a checkpoint at step 2, resumed on 1 host and on
+    4 (1 process each): the later steps see the same samples (the data position is carried over as the samples all
+    ranks consumed) and give the uninterrupted run's losses and held-out loss. One row per micro-batch keeps the
+    loss, a mean over micro-batches, the same however the global batch is split."""
+    from disttrain.nlp.corpus import demo_data
+
+    demo = tmp_path / "demo"
+    demo_data(demo)
+
+    def run(hosts: Hosts, count: int, out: Path, *extra: str) -> str:
+        procs = [hosts.popen(i, [str(ROOT / ".venv/bin/disttrain"), "run", "--num-nodes", str(count), "--node-rank",
+                                 str(i), "--main-address", hosts.main, "--accelerator", "cpu", "--devices", "1",
+                                 "--strategy", "disttrain_fsdp", "recipes/nlp/dialogue_llm.py", "--demo-root",
+                                 str(demo), "--out", str(out), "--config", "configs/nlp/dialogue_demo.yaml", "--steps",
+                                 "4", "--global-batch", "4", "--micro-batch", "1", "--log-every", "1",
+                                 "--eval-every", "100", "--no-report", *extra],
+                             env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(count)]
+        return finish(procs)[0]
+
+    def losses(text: str) -> dict[str, str]:
+        found = dict(re.findall(r"^step +(\d+)  train loss (\d+\.\d{6})$", text, re.M))
+        found["held-out"] = re.findall(r"held-out loss (\d+\.\d+)  held-out perplexity (\S+)", text)[-1]
+        return found
+
+    with Hosts(4, name=NAME) as hosts:
+        whole = losses(run(hosts, 2, tmp_path / "two", "--save-every", "2"))
+        checkpoint = tmp_path / "two" / "checkpoints" / "step-000002"
+        for count in (1, 4):
+            text = run(hosts, count, tmp_path / f"on{count}", "--resume", str(checkpoint))
+            assert f"resumed at step 2 (epoch 0, sample {8 // count} of this rank's share)" in text, text[-3000:]
+            resumed = losses(text)
+            assert sorted(resumed) == ["3", "4", "held-out"]
+            assert resumed["held-out"] == whole["held-out"], (count, resumed, whole)
+            for step in ("3", "4"):
+                assert float(resumed[step]) == pytest.approx(float(whole[step]), abs=2e-6), (count, resumed, whole)
+    assert not [ns for ns in namespaces() if ns.startswith(NAME)]
 
 
 def test_the_harness_removes_what_an_earlier_killed_run_left(tmp_path):

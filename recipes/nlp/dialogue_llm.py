@@ -56,7 +56,7 @@ from disttrain.launch import Default, add_recipe_flags, build_strategy, fabric_k
 from disttrain.nlp import DataError, DialogueLM, ResumableSampler, build_datasets, export_hf, load_tokenizer, \
     read_jsonl, read_recipe_config, reply_from_export
 from disttrain.nlp.corpus import DEFAULT_DEMO_ROOT, demo_data
-from disttrain.nlp.data import collate
+from disttrain.nlp.data import HeldOutRows, collate
 from disttrain.nlp.module import lr_factor
 from disttrain.nlp.replies import Sampling, sample_replies, side_by_side
 from disttrain.parallel.checkpoint.io import export_safetensors, write_safetensors
@@ -276,10 +276,11 @@ def setup(args: argparse.Namespace) -> tuple[L.Fabric, dict[str, Any], dict[str,
 
     sampler_kwargs = _sampler_kwargs(fabric)
     sampler = ResumableSampler(train_set, seed=int(data.get("seed", 0)), **sampler_kwargs)
-    val_sampler = ResumableSampler(val_set, shuffle=False, drop_last=False, **sampler_kwargs)
+    val_rows = HeldOutRows(val_set, sampler_kwargs["num_replicas"])
+    val_sampler = ResumableSampler(val_rows, shuffle=False, **sampler_kwargs)
     train_loader, val_loader = fabric.setup_dataloaders(
         torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=True),
-        torch.utils.data.DataLoader(val_set, batch_size=micro, sampler=val_sampler, collate_fn=collate),
+        torch.utils.data.DataLoader(val_rows, batch_size=micro, sampler=val_sampler, collate_fn=collate),
         use_distributed_sampler=False)
     if len(train_loader) == 0:
         raise DataError(f"{len(train_set)} packed rows make no batch of {micro} per rank on {dp} ranks; use more"

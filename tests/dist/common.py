@@ -123,15 +123,18 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 def data_parallel_step(fabric, model, optimizer, step: int, dp_mesh) -> float:
     """One optimizer step on this data-parallel rank's share of global batch ``step`` (the ranks of one tensor- or
     pipeline-parallel group read the same samples); returns the global batch's loss (the mean over the
-    data-parallel ranks)."""
-    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    data-parallel ranks). ``dp_mesh`` None: every rank is a data-parallel rank (DeepSpeed's engines)."""
+    if dp_mesh is None:
+        dp_rank, dp_size, group = dist.get_rank(), dist.get_world_size(), None
+    else:
+        dp_rank, dp_size, group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
     ids = global_batch(step, dp_size)[dp_rank::dp_size]
     loss = model(input_ids=ids, labels=ids).loss
     fabric.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
     value = loss.detach().clone()
-    dist.all_reduce(value, group=dp_mesh.get_group())
+    dist.all_reduce(value, group=group)
     return value.item() / dp_size
 
 

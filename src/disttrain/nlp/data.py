@@ -215,6 +215,28 @@ def build_datasets(tokenizer: Any, dialogues: list[Dialogue], seq_len: int, val_
     return out[0], out[1], stats
 
 
+class HeldOutRows(Dataset):
+    """Held-out rows for ``num_replicas`` data-parallel ranks, each row evaluated once over all of them: the rows
+    are padded to a multiple of ``num_replicas`` with copies whose labels are all ignored, so every rank runs the same
+    number of forward passes (sharded models need every rank in each one) and a padding row adds no loss token.
+    (``DistributedSampler`` pads with repeated real rows instead: held-out loss would count them twice, and differ
+    with the number of ranks.) Shares: ``ResumableSampler(rows, shuffle=False, ...)``."""
+
+    def __init__(self, rows: Dataset, num_replicas: int = 1) -> None:
+        self.rows = rows
+        self.size = -(-len(rows) // num_replicas) * num_replicas
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if i < len(self.rows):
+            return self.rows[i]
+        row = dict(self.rows[i % len(self.rows)])
+        row["labels"] = torch.full_like(row["labels"], IGNORE_INDEX)
+        return row
+
+
 class ResumableSampler(DistributedSampler):
     """``DistributedSampler`` (seeded shuffle per epoch, one share per data-parallel rank) that can resume
     mid-epoch: ``state_dict()`` holds the epoch and how many samples of it this rank has consumed, and a resumed
@@ -254,11 +276,20 @@ class ResumableSampler(DistributedSampler):
                 "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["num_replicas"] != self.num_replicas or state["seed"] != self.seed:
-            raise ValueError(f"the data position was saved with {state['num_replicas']} data-parallel ranks and "
-                             f"seed {state['seed']}, this run has {self.num_replicas} and {self.seed}; resume with "
-                             "the same number of data-parallel ranks and seed")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        """Resume at the saved position, also with another number of data-parallel ranks: the ranks take turns
+        through one seeded order of the epoch (rank r its samples r, r + N, ...), so the samples all ranks consumed
+        are its first ``position x N``, whatever N was, and with the same global batch the next steps see the
+        batches an unchanged run would have."""
+        if state["seed"] != self.seed:
+            raise ValueError(f"the data position was saved with seed {state['seed']}, this run has seed {self.seed};"
+                             f" resume with data.seed {state['seed']}")
+        consumed = int(state["position"]) * int(state["num_replicas"])
+        if consumed % self.num_replicas:
+            raise ValueError(f"the data position was saved after {consumed} samples of epoch {state['epoch']} on"
+                             f" {state['num_replicas']} data-parallel rank(s), which {self.num_replicas} ranks cannot"
+                             f" split evenly; resume with a number of data-parallel ranks that divides {consumed}"
+                             " (the same global batch size keeps every later step's samples)")
+        self.epoch, self.position = int(state["epoch"]), consumed // self.num_replicas
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -281,6 +312,6 @@ def loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "DataError", "IGNORE_INDEX", "Packed", "PackedDialogues", "ResumableSampler",
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "DataError", "HeldOutRows", "IGNORE_INDEX", "Packed", "PackedDialogues", "ResumableSampler",
            "build_datasets", "collate", "encode_dialogue", "ensure_chat_template", "load_tokenizer", "loss_tokens",
            "pack", "read_jsonl", "split_dialogues"]

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import lightning as L
 from torch.utils.data import DataLoader
 
-from disttrain.nlp.data import ResumableSampler, build_datasets, collate, load_tokenizer, read_jsonl
+from disttrain.nlp.data import HeldOutRows, ResumableSampler, build_datasets, collate, load_tokenizer, read_jsonl
 
 class DialogueData(L.LightningDataModule):
     """Chat JSONL -> packed, assistant-masked rows; a resumable distributed sampler for training.
@@ -53,7 +53,8 @@ class DialogueData(L.LightningDataModule):
         kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer is not None else None
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}
         self.train_sampler = ResumableSampler(self.train_set, seed=self.seed, **kwargs)
-        self.val_sampler = ResumableSampler(self.val_set, shuffle=False, drop_last=False, **kwargs)
+        self.val_rows = HeldOutRows(self.val_set, kwargs["num_replicas"])
+        self.val_sampler = ResumableSampler(self.val_rows, shuffle=False, **kwargs)
         if self._pending_state is not None:
             self.train_sampler.load_state_dict(self._pending_state)
 
@@ -62,7 +63,7 @@ class DialogueData(L.LightningDataModule):
                           collate_fn=collate, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.micro_batch_size, sampler=self.val_sampler,
+        return DataLoader(self.val_rows, batch_size=self.micro_batch_size, sampler=self.val_sampler,
                           collate_fn=collate)
 
     def state_dict(self) -> dict[str, Any]:

@@ -180,8 +180,10 @@ class DialogueLM(L.LightningModule):
         loss = self._forward(batch)
         tokens = loss_tokens(batch)
         # The model's loss is a mean over this batch's loss tokens; weigh it back to a sum so that held-out loss
-        # is the mean over all held-out tokens, however they fall into batches and ranks.
-        self._val_loss_sum = self._val_loss_sum.to(loss.device) + loss.detach().float() * tokens
+        # is the mean over all held-out tokens, however they fall into batches and ranks. A batch of padding rows
+        # only (HeldOutRows) has no loss token, and the model's mean over none is NaN: it adds nothing.
+        weighted = torch.where(tokens > 0, loss.detach().float() * tokens, torch.zeros((), device=loss.device))
+        self._val_loss_sum = self._val_loss_sum.to(loss.device) + weighted
         self._val_tokens = self._val_tokens.to(loss.device) + tokens
         return loss
 
