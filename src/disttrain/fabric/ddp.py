@@ -59,7 +59,7 @@ class DDPStrategy(EngineStrategy):
             gradient_compression: None, "fp16", "bf16" (halve all-reduce bytes), "int8" (a quarter: a scale per chunk of
                 256 elements, error feedback) or "powersgd" (low-rank, error feedback).
             powersgd_rank: rank of PowerSGD's approximation (higher: closer to exact, more bytes).
-            powersgd_start_iter: plain all-reduce for this many steps before PowerSGD starts (warm-up).
+            powersgd_start_iter: plain all-reduce for this many steps (at least 2) before PowerSGD starts (warm-up).
             find_unused_parameters: passed to DistributedDataParallel.
             static_graph: passed to DistributedDataParallel.
             activation_checkpointing: recompute each block's activations in backward (blocks found as disttrain_fsdp

@@ -43,7 +43,7 @@ class DDPOptions:
     gradient_compression: None, "fp16", "bf16" (halve all-reduce bytes), "int8" (a quarter: a scale per chunk of
         256 elements, error feedback) or "powersgd" (low-rank, error feedback).
     powersgd_rank: rank of PowerSGD's approximation (higher: closer to exact, more bytes).
-    powersgd_start_iter: plain all-reduce for this many steps before PowerSGD starts (warm-up).
+    powersgd_start_iter: plain all-reduce for this many steps (at least 2) before PowerSGD starts (warm-up).
     find_unused_parameters, static_graph: passed to DistributedDataParallel.
     activation_checkpointing: recompute each block's activations in backward (blocks found as disttrain_fsdp finds
         them).
@@ -69,6 +69,9 @@ class DDPOptions:
                              f" of {', '.join(COMPRESSIONS)}")
         if self.powersgd_rank < 1:
             raise ValueError(f"powersgd_rank={self.powersgd_rank} must be at least 1")
+        if self.powersgd_start_iter < 2:  # torch's PowerSGD (error feedback) needs DDP's first two steps plain
+            raise ValueError(f"powersgd_start_iter={self.powersgd_start_iter} must be at least 2: PowerSGD starts after"
+                             " DDP's first two steps, which reduce the gradients uncompressed")
         for name, default in (("powersgd_rank", 1), ("powersgd_start_iter", 10)):
             if getattr(self, name) != default and self.gradient_compression != "powersgd":
                 raise ValueError(f"{name}={getattr(self, name)} applies with gradient_compression='powersgd'; set"

@@ -95,6 +95,13 @@ def int8_reduce_scatter(chunks: torch.Tensor, residual: torch.Tensor, group: Opt
     return dequantize(*unpack(received)).sum(0)  # the ranks' parts summed in fp32
 
 
+def reduce_scatter_factor(group: dist.ProcessGroup, tensor: torch.Tensor) -> int:
+    """What a reduce-scatter sends, in units of the minimum ((N - 1) / N of the input): 2 for a CPU tensor on gloo,
+    which reduce-scatters through an all-reduce (read on the interface: a 4 MB reduce-scatter between 2 hosts sends
+    4 MB, as the all-reduce does, not 2 MB), 1 for the backends that reduce-scatter directly (NCCL)."""
+    return 2 if tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group)) else 1
+
+
 class CountedReduceScatter(ReduceScatter):
     """FSDP2's own reduce-scatter (``reduce_scatter_single`` in the reduce dtype: fp32, or bf16 under
     ``gradient_compression="bf16"``), counting the bytes it sends."""
@@ -108,7 +115,8 @@ class CountedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
         world = group.size()
-        self.traffic.add((world - 1) / world * input_tensor.numel() * input_tensor.element_size())
+        self.traffic.add(reduce_scatter_factor(group, input_tensor) * (world - 1) / world * input_tensor.numel()
+                         * input_tensor.element_size())
         return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
