@@ -13,6 +13,10 @@ link, as it is between nodes whose network is slow next to their devices. Two la
 * 2 processes per host: disttrain_fsdp sharded over all 4 ranks against HSDP (``hybrid_shard``: sharded within a
   host, replicated across, so only the replicas' gradient all-reduce crosses), and HSDP with bf16 gradients.
 
+Each layout also runs ``disttrain calibrate`` on the hosts (the links within and between them, and the model's
+own step), and the planner's step time for each uncompressed plan is printed beside the measured one, with the plan
+it chooses (target: within 5% of the fastest measured; median |error| <= 10%).
+
 Printed per variant: the median step time and its speed-up over the layout's fp32 baseline of the same strategy
 (target: int8 >= 1.5x where the link is the bottleneck), the bytes each host's interface sent per step (read from
 the interface's counter, not computed) and, with 1 process per host, the bytes the strategy expects to cross
@@ -52,6 +56,7 @@ VARIANTS = [
     (1, "fsdp", "disttrain_fsdp", {}),
     (1, "fsdp + bf16", "disttrain_fsdp", {"gradient_compression": "bf16"}),
     (1, "fsdp + int8", "disttrain_fsdp", {"gradient_compression": "int8"}),
+    (2, "ddp", "disttrain_ddp", {}),
     (2, "fsdp", "disttrain_fsdp", {}),
     (2, "HSDP", "disttrain_fsdp", {"hybrid_shard": True}),
     (2, "HSDP + bf16", "disttrain_fsdp", {"hybrid_shard": True, "gradient_compression": "bf16"}),
@@ -213,6 +218,56 @@ def expected_bytes(args, name: str, counted: float | None, per_host: int) -> flo
     return counted
 
 
+def model_mapping(args) -> dict:
+    """The bench's model (harness.build_model) as the planner reads a config."""
+    heads = max(4, args.hidden // 64)
+    return {"model_type": "llama", "vocab_size": 4096, "hidden_size": args.hidden,
+            "intermediate_size": int(args.hidden * 8 / 3) // 64 * 64, "num_hidden_layers": args.layers,
+            "num_attention_heads": heads, "num_key_value_heads": heads // 2, "max_position_embeddings": args.seq,
+            "tie_word_embeddings": False}
+
+
+CALIBRATE = """
+import json, sys
+from disttrain.planner import calibrate
+calibrate.calibrate(**json.loads(sys.argv[1]))
+"""
+
+
+def predictions(hosts, args, per_host: int, folder: Path) -> tuple[dict[str, float], str]:
+    """The planner's step time for the uncompressed plans of a layout, from ``disttrain calibrate`` run on the hosts
+    over the same link (collectives within and between hosts, and the bench model's own step), and the plan it
+    chooses among them (disttrain_ddp and disttrain_fsdp, HSDP included)."""
+    from disttrain.planner import calibrate as cal
+    from disttrain.planner import choose, hardware
+
+    mapping = model_mapping(args)
+    procs = []
+    for i in range(hosts.count):
+        options = {"devices": per_host, "accelerator": "cpu", "num_nodes": hosts.count, "node_rank": i,
+                   "main_address": hosts.main, "main_port": PORT, "quick": True,
+                   "models": [{"model": mapping, "micro_batch": args.batch, "seq_len": args.seq}]}
+        env = {**os.environ, "DISTTRAIN_CACHE": str(folder / f"calibration-{per_host}-{i}")}
+        procs.append(hosts.popen(i, [sys.executable, "-c", CALIBRATE, json.dumps(options)], env=env,
+                                 cwd=str(HERE.parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [proc.communicate(timeout=args.timeout)[0] for proc in procs]
+    if any(proc.returncode for proc in procs):
+        raise SystemExit(f"multi_host: disttrain calibrate on the hosts failed:\n{outputs[0][-3000:]}")
+    [path] = (folder / f"calibration-{per_host}-0" / "calibration").glob("*.json")
+    hw = cal.hardware_from(cal.load(path), hardware("cpu", gpus_per_node=per_host, host_memory=0))
+    plan = choose(mapping, hosts.count * per_host, hw, micro_batch=args.batch, seq_len=args.seq,
+                  precision="32-true", activation_checkpointing=False,
+                  available={"disttrain_ddp", "disttrain_fsdp"})
+
+    def name(candidate) -> str:
+        if candidate.estimate.strategy == "disttrain_ddp":
+            return "ddp"
+        return "HSDP" if candidate.estimate.dims.dp_replicate > 1 else "fsdp"
+
+    found = {name(c): c.step_time for c in plan.candidates if c.fits}
+    return found, name(plan.choice)
+
+
 def main() -> None:
     args = parse_args()
     if args.child is not None:
@@ -228,6 +283,7 @@ def main() -> None:
             hosts.shape(i, rate_mbit=args.rate_mbit)
         for per_host in (1, 2):
             results[per_host] = run_layout(hosts, argv, per_host, Path(tmp), args.timeout)
+            results[per_host]["planned"] = predictions(hosts, args, per_host, Path(tmp))
     rows = []
     for per_host, name, _, _ in VARIANTS:
         run = results[per_host]["timed"][name]
@@ -235,17 +291,29 @@ def main() -> None:
         ms, base_ms = statistics.median(run["seconds"]) * 1e3, statistics.median(base["seconds"]) * 1e3
         wire = statistics.mean(run["wire"])
         expected = expected_bytes(args, name, run["counted"], per_host)
+        predicted = results[per_host]["planned"][0].get(name) if "+" not in name else None
         rows.append([f"2 x {per_host}", name, ms, base_ms / ms, wire / 1e6,
-                     None if expected is None else expected / 1e6, None if expected is None else wire / expected])
+                     None if expected is None else expected / 1e6, None if expected is None else wire / expected,
+                     None if predicted is None else predicted * 1e3,
+                     None if predicted is None else (predicted * 1e3 - ms) / ms * 100])
     setup = (f"2 hosts, link {args.rate_mbit:g} Mbit/s per host, cpu fp32, Llama hidden {args.hidden} x {args.layers}"
              f" layers, seq {args.seq}, batch {args.batch}/rank; {args.steps} steps x {args.rounds} rounds")
     columns = ["hosts x procs", "variant", "ms/step", "speed-up", "MB/step sent (interface)", "MB/step expected",
-               "interface / expected"]
+               "interface / expected", "planner ms", "planner error %"]
     print(f"data parallelism over a slow link ({setup}); targets: int8 >= 1.5x, interface within 10% of expected")
     print(" | ".join(columns))
     for r in rows:
-        expected = "-" if r[5] is None else f"{r[5]:.2f} | {r[6]:.3f}"
-        print(f"{r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.2f}x | {r[4]:.2f} | {expected}")
+        expected = "- | -" if r[5] is None else f"{r[5]:.2f} | {r[6]:.3f}"
+        planned = "- | -" if r[7] is None else f"{r[7]:.0f} | {r[8]:+.0f}%"
+        print(f"{r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.2f}x | {r[4]:.2f} | {expected} | {planned}")
+    errors = sorted(abs(r[8]) for r in rows if r[8] is not None)
+    for per_host in (1, 2):
+        measured = {r[1]: r[2] for r in rows if r[0] == f"2 x {per_host}" and r[7] is not None}
+        chosen = results[per_host]["planned"][1]
+        fastest = min(measured, key=measured.get)
+        print(f"2 x {per_host}: the planner chooses {chosen}, measured {measured[chosen] / measured[fastest] - 1:+.1%}"
+              f" from the fastest ({fastest}); target: within 5%")
+    print(f"planner: median |error| {statistics.median(errors):.0f}% over {len(errors)} plans; target: <= 10%")
     final = {name: statistics.mean(values[-20:]) for name, values in results[1]["losses"].items()}
     base = final["ddp"]
     print(f"loss after {args.loss_steps} steps (mean of the last 20, a bigram chain's text; hidden 64 x 2 layers): "
@@ -253,7 +321,8 @@ def main() -> None:
           + "; target: within 1%")
     write_table("multi_host", "Data parallelism across 2 hosts over a slow link", setup, columns, rows,
                 bars=["speed-up"], fmt={"ms/step": ".0f", "speed-up": ".2f", "MB/step sent (interface)": ".2f",
-                                        "MB/step expected": ".2f", "interface / expected": ".3f"},
+                                        "MB/step expected": ".2f", "interface / expected": ".3f", "planner ms": ".0f",
+                                        "planner error %": "+.0f"},
                 out_dir=args.out_dir)
 
 

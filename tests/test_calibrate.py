@@ -127,8 +127,28 @@ def test_traffic_across_nodes_costs_the_links_measured_between_nodes():
     assert step_time(spec, fsdp, gather_across) > step_time(spec, fsdp, base) + 0.05
     gather_within = cal.hardware_from(replace(two_nodes(), links={**synthetic().links, "all_gather": slow}), cpu)
     assert step_time(spec, hsdp, gather_within) > step_time(spec, hsdp, base) + 0.05
-    assert step_time(spec, fsdp, gather_within) == pytest.approx(step_time(spec, fsdp, base))
+    # FSDP's ring over all 4 ranks also passes the links within each node, with every rank's bytes
+    assert step_time(spec, fsdp, gather_within) > step_time(spec, fsdp, base) + 0.05
     assert "between nodes as measured over 2 nodes" in choose(spec, 4, base, micro_batch=2).report()
+
+
+def test_a_ring_over_every_rank_leaves_a_node_with_one_member_s_bytes():
+    """Measured on 2 hosts x 2 processes (bench/multi_host.py): FSDP over all 4 ranks sends one rank's bytes per
+    host per step, not two; the calibrated figure between nodes is a rank's share with both local ranks' groups busy.
+    So FSDP's crossing traffic costs half its bytes at that figure (while the links within a node are faster), and
+    HSDP's replicas (one member per node) their whole bytes; the presets keep their per-device figure."""
+    from disttrain.planner.steptime import across_nodes, breakdown, node_share
+
+    spec = model_spec(TINY)
+    cpu = replace(hardware("cpu"), gpus_per_node=2)
+    link = cal.Link(0.0, 1e6)  # between nodes: 1 MB/s per rank, no latency; within: 1 GB/s
+    measured = cal.hardware_from(two_nodes(all_gather=link, reduce_scatter=link, all_reduce=link), cpu)
+    hsdp, fsdp = hsdp_and_fsdp(spec, measured)
+    assert (node_share(fsdp, measured), node_share(hsdp, measured), node_share(fsdp, cpu)) == (2, 2, 1)
+    assert across_nodes(fsdp, measured) == pytest.approx(fsdp.comm["dp"] / 2)
+    assert across_nodes(hsdp, measured) == pytest.approx(hsdp.comm["dp_replicate"])
+    assert breakdown(spec, fsdp, measured).dp == pytest.approx(fsdp.comm["dp"] / 2 / 1e6, rel=1e-3)
+    assert breakdown(spec, hsdp, measured).dp == pytest.approx(hsdp.comm["dp_replicate"] / 1e6, rel=2e-2)
 
 
 def test_a_calibration_of_one_node_charges_traffic_across_nodes_at_the_preset_s_figures():

@@ -94,11 +94,13 @@ def _matmul_rate(spec: ModelSpec, e: Estimate, hw: Hardware) -> float:
         hw.calibration.block_efficiency(tokens, hidden / d.tp)
 
 
-def _link(hw: Hardware, op: str, sent: float, calls: float, crosses: bool) -> float:
+def _link(hw: Hardware, op: str, sent: float, calls: float, crosses: bool, together: int = 1) -> float:
     """Seconds of ``calls`` ``op`` collectives sending ``sent`` bytes per rank, within a node or (``crosses``)
-    between nodes."""
+    between nodes; ``together``: the group's ranks on one node (see :func:`node_share`)."""
     if not sent:
         return 0.0
+    if crosses and together > 1:  # the ring's hops inside a node carry every member's bytes at the node's rate
+        return max(_link(hw, op, sent / together, calls, True), _link(hw, op, sent, calls, False))
     calibration = hw.calibration
     measured = None if calibration is None else calibration.inter_links if crosses else calibration.links
     if measured is not None:
@@ -264,10 +266,30 @@ def crosses_nodes(e: Estimate, hw: Hardware) -> dict[str, bool]:
             "tp": d.tp * d.cp > per_node, "cp": d.tp * d.cp > per_node, "ep": d.tp * d.ep > per_node}
 
 
+def node_share(e: Estimate, hw: Hardware) -> int:
+    """How many ranks of one data-parallel group sit on a node: what a reduction or gather over that group sends
+    between nodes per node is one of them's bytes, not all of theirs. A ring (gloo's, NCCL's) over ranks laid out
+    node by node leaves a node once per ring: the node's link carries one member's share (read on the interfaces of
+    2 hosts x 2 processes: FSDP over all 4 sends one rank's bytes per host per step), while the calibrated figure
+    between nodes is each rank's share of the link with every local rank's group busy at once (HSDP's replicas, one
+    member per node). So a group with ``k`` members per node moves its crossing bytes ``k`` times faster per rank.
+
+    Only with links measured between nodes (``disttrain calibrate`` over several nodes): a preset's ``inter_node_bw``
+    is the figure a collective over every rank reaches per device, as the presets were chosen."""
+    if hw.calibration is None or hw.calibration.inter_links is None:
+        return 1
+    d, per_node = e.dims, hw.gpus_per_node
+    inner = d.tp * d.cp  # the mesh's innermost dimensions: a data-parallel group's members are that far apart
+    if inner >= per_node or per_node % inner:
+        return 1
+    return max(1, min(per_node // inner, e.world_size // (inner * d.pp)))
+
+
 def across_nodes(e: Estimate, hw: Hardware) -> float:
-    """Bytes one rank sends over the links between nodes per step."""
-    crossing = crosses_nodes(e, hw)
-    return sum(e.comm.get(kind, 0.0) for kind in NETWORK if crossing[kind])
+    """Bytes one rank sends over the links between nodes per step (on average over a node's ranks)."""
+    crossing, share = crosses_nodes(e, hw), node_share(e, hw)
+    return sum(e.comm.get(kind, 0.0) / (share if kind in ("dp", "after_step") else 1) for kind in NETWORK
+               if crossing[kind])
 
 
 def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False,
@@ -291,14 +313,14 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         compute *= stage_imbalance(spec, e) / (1 - (d.pp - 1) / (m + d.pp - 1))
     optimizer = (0.0 if c.get("host_optimizer") else e.states / hw.optimizer_sweep) + optimizer_overhead(spec, e, hw)
 
-    crossing = crosses_nodes(e, hw)
+    crossing, share = crosses_nodes(e, hw), node_share(e, hw)
     layers = max(1, spec.layers // d.pp)
     params, grads = layout.params, layout.grads
 
     if params.gather is not Gather.PER_UNIT:  # gradients reduced bucket by bucket while backward runs
         calls = max(1, math.ceil(e.grads / grads.bucket_bytes)) if grads.bucket_bytes else 1
         op = "all_reduce" if grads.reduce is Reduce.ALL_REDUCE else "reduce_scatter"
-        dp = _link(hw, op, c.get("dp", 0), calls, crossing["dp"])
+        dp = _link(hw, op, c.get("dp", 0), calls, crossing["dp"], share)
         hidden_behind = compute * 2 / 3  # buckets reduce while backward (two thirds of the compute) runs
         inline = 0.0
     else:
@@ -310,8 +332,8 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
         # Forward and backward all-gathers (2 x compute bytes of every 2 x compute + reduce) and one reduce-scatter;
         # the replicas' all-reduce of each unit's gradient shard (HSDP).
         gathers = params.gather.per_step
-        dp = (_link(hw, "all_gather", sent * gathers / (gathers + 1), gathers * paid, crossing["dp"])
-              + _link(hw, "reduce_scatter", sent / (gathers + 1), paid, crossing["dp"])
+        dp = (_link(hw, "all_gather", sent * gathers / (gathers + 1), gathers * paid, crossing["dp"], share)
+              + _link(hw, "reduce_scatter", sent / (gathers + 1), paid, crossing["dp"], share)
               + _link(hw, "all_reduce", c.get("dp_replicate", 0), units, crossing["dp_replicate"]))
         # FSDP2 and DeepSpeed prefetch on a separate stream; a device without streams (CPU processes) waits for
         # each unit's (submodule's) gather as it enters it: there each of them sits between computations.
@@ -324,7 +346,9 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
     def between(op: str, kind: str, calls: float) -> float:
         """A collective between computations: its link's time and what it costs there beyond it."""
         sent = c.get(kind, 0)
-        return _link(hw, op, sent, calls, crossing[kind]) + (calls * hw.overheads.collective if sent else 0.0)
+        together = share if kind == "after_step" else 1
+        return _link(hw, op, sent, calls, crossing[kind], together) + (calls * hw.overheads.collective if sent
+                                                                         else 0.0)
 
     critical = (between("all_reduce", "tp", per_block)
                 + between("all_to_all", "pp", 2 * m)  # point-to-point sends, per microbatch
