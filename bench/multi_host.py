@@ -61,6 +61,9 @@ VARIANTS = [
     (2, "HSDP", "disttrain_fsdp", {"hybrid_shard": True}),
     (2, "HSDP + bf16", "disttrain_fsdp", {"hybrid_shard": True, "gradient_compression": "bf16"}),
 ]
+# Left out of --smoke runs, which must not fail by chance: torch's PowerSGD hook on gloo ended 2 of 6 smoke runs with
+# gloo's "collective mismatch" (its continuations issue all-reduces from another thread than the next bucket's).
+FULL_RUNS_ONLY = {"ddp + PowerSGD"}
 LOSS_VARIANTS = [("ddp", "disttrain_ddp", {}), ("ddp + int8", "disttrain_ddp", {"gradient_compression": "int8"})]
 
 
@@ -160,7 +163,7 @@ def child(args) -> None:
     results: dict = {"timed": {}, "losses": {}}
     for _ in range(args.rounds):
         for per_host, name, strategy, options in VARIANTS:
-            if per_host == args.per_host:
+            if per_host == args.per_host and not (args.smoke and name in FULL_RUNS_ONLY):
                 got = timed(args, strategy, options)
                 mine = results["timed"].setdefault(name, {"seconds": [], "wire": [], "counted": got["counted"]})
                 mine["seconds"] += got["seconds"]
@@ -197,10 +200,15 @@ def run_layout(hosts, argv: list[str], per_host: int, folder: Path, timeout: flo
         if any(proc.poll() not in (None, 0) for proc in procs):
             break
         time.sleep(0.2)
-    for i, (proc, log) in enumerate(zip(procs, logs)):
-        if proc.poll() != 0:
-            state = "did not finish in time" if proc.poll() is None else f"failed (exit {proc.returncode})"
-            raise SystemExit(f"multi_host: host {i}'s processes {state}:\n{log.read_text()[-4000:]}")
+    failed = [i for i, proc in enumerate(procs) if proc.poll() not in (None, 0)]
+    late = [i for i, proc in enumerate(procs) if proc.poll() is None]
+    if failed or late:  # the host that failed first is the cause; the others' processes lost it
+        shown = failed[0] if failed else late[0]
+        state = f"failed (exit {procs[shown].returncode})" if failed else f"did not finish in {timeout:g} s"
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        raise SystemExit(f"multi_host: host {shown}'s processes {state}:\n{logs[shown].read_text()[-6000:]}")
     return json.loads(result.read_text())
 
 
@@ -286,8 +294,10 @@ def main() -> None:
             results[per_host]["planned"] = predictions(hosts, args, per_host, Path(tmp))
     rows = []
     for per_host, name, _, _ in VARIANTS:
+        if name not in results[per_host]["timed"]:
+            continue
         run = results[per_host]["timed"][name]
-        base = results[per_host]["timed"]["ddp" if per_host == 1 and name.startswith("ddp") else "fsdp"]
+        base = results[per_host]["timed"]["ddp" if name.startswith("ddp") else "fsdp"]  # HSDP against fsdp
         ms, base_ms = statistics.median(run["seconds"]) * 1e3, statistics.median(base["seconds"]) * 1e3
         wire = statistics.mean(run["wire"])
         expected = expected_bytes(args, name, run["counted"], per_host)
