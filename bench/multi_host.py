@@ -21,8 +21,9 @@ Printed per variant: the median step time and its speed-up over the layout's fp3
 (target: int8 >= 1.5x where the link is the bottleneck), the bytes each host's interface sent per step (read from
 the interface's counter, not computed) and, with 1 process per host, the bytes the strategy expects to cross
 (gradients as the strategy counts them, plus FSDP's parameter all-gathers, computed from the model's size), with
-their ratio (target: within 10%; the rest is TCP/IP headers, acknowledgements and the barriers between steps). Last, the loss after ``--loss-steps`` steps of a small
-model with int8 gradients against fp32 (target: within 1%), on the same link.
+their ratio (target: within 10%; the rest is TCP/IP headers, acknowledgements and the barriers between steps).
+Last, the loss after ``--loss-steps`` steps of a small model with int8 gradients against fp32 (target: within 1%),
+on the same link.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="seconds each layout may take")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the result file of a host's processes
     p.add_argument("--per-host", type=int, default=1, help=argparse.SUPPRESS)
-    return parse_smoke(p, argv, hidden=64, layers=2, seq=32, batch=2, steps=2, loss_steps=4, rate_mbit=1000.0, timeout=300)
+    return parse_smoke(p, argv, hidden=64, layers=2, seq=32, batch=2, steps=2, loss_steps=4, rate_mbit=1000.0,
+                       timeout=300)
 
 
 # -- on the hosts ------------------------------------------------------------------------------------------------

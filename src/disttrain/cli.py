@@ -189,8 +189,8 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
 
 def leave_report(error: BaseException) -> bool:
     """In a launched process (the bootstrap), for a failure of the user's script: leave its one line
-    (``parallel.guards.failures.describe``) in the launcher's folder (``attempt<A>.rank<N>.txt``); whether it did (not for a
-    failure with no one-line description, nor under ``DISTTRAIN_VERBOSE=1``)."""
+    (``parallel.guards.failures.describe``) in the launcher's folder (``attempt<A>.rank<N>.txt``); whether it did
+    (not for a failure with no one-line description, nor under ``DISTTRAIN_VERBOSE=1``)."""
     from disttrain.parallel.guards import reports
     from disttrain.parallel.guards.failures import describe, verbose
 

@@ -312,6 +312,6 @@ def loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "DataError", "HeldOutRows", "IGNORE_INDEX", "Packed", "PackedDialogues", "ResumableSampler",
-           "build_datasets", "collate", "encode_dialogue", "ensure_chat_template", "load_tokenizer", "loss_tokens",
-           "pack", "read_jsonl", "split_dialogues"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "DataError", "HeldOutRows", "IGNORE_INDEX", "Packed", "PackedDialogues",
+           "ResumableSampler", "build_datasets", "collate", "encode_dialogue", "ensure_chat_template", "load_tokenizer",
+           "loss_tokens", "pack", "read_jsonl", "split_dialogues"]

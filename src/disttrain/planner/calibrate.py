@@ -341,10 +341,10 @@ def measure_node_links(nodes: list[list[int]], sizes: Iterable[int], device: tor
     group, every local rank's group at once. That is the group HSDP's replicas all-reduce in (its replicate mesh
     dimension: rank i of every node), and with all of them busy at once each rank gets its share of the node's
     network, the per-device figure ``Hardware.inter_node_bw`` means (a data-parallel collective over every rank
-    leaves a node once per ring, its node's link carrying one member's bytes: ``steptime.node_share``). Each point is the slowest group's (every rank's times
-    reduced by their maximum), so every rank fits the same links. With one process per node there is no link within
-    a node to measure, and the planner never uses one (every group of two ranks crosses nodes): the between-node
-    links stand in for them. Call it on every rank."""
+    leaves a node once per ring, its node's link carrying one member's bytes: ``steptime.node_share``). Each point
+    is the slowest group's (every rank's times reduced by their maximum), so every rank fits the same links. With one
+    process per node there is no link within a node to measure, and the planner never uses one (every group of two
+    ranks crosses nodes): the between-node links stand in for them. Call it on every rank."""
     import torch.distributed as dist
 
     rank, sizes = dist.get_rank(), list(sizes)

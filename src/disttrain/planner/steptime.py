@@ -266,6 +266,10 @@ def crosses_nodes(e: Estimate, hw: Hardware) -> dict[str, bool]:
             "tp": d.tp * d.cp > per_node, "cp": d.tp * d.cp > per_node, "ep": d.tp * d.ep > per_node}
 
 
+# The traffic of a data-parallel group over every rank: what node_share divides when it crosses nodes.
+SHARED_KINDS = ("dp", "after_step")
+
+
 def node_share(e: Estimate, hw: Hardware) -> int:
     """How many ranks of one data-parallel group sit on a node: what a reduction or gather over that group sends
     between nodes per node is one of them's bytes, not all of theirs. A ring (gloo's, NCCL's) over ranks laid out
@@ -288,7 +292,7 @@ def node_share(e: Estimate, hw: Hardware) -> int:
 def across_nodes(e: Estimate, hw: Hardware) -> float:
     """Bytes one rank sends over the links between nodes per step (on average over a node's ranks)."""
     crossing, share = crosses_nodes(e, hw), node_share(e, hw)
-    return sum(e.comm.get(kind, 0.0) / (share if kind in ("dp", "after_step") else 1) for kind in NETWORK
+    return sum(e.comm.get(kind, 0.0) / (share if kind in SHARED_KINDS else 1) for kind in NETWORK
                if crossing[kind])
 
 
@@ -346,7 +350,7 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
     def between(op: str, kind: str, calls: float) -> float:
         """A collective between computations: its link's time and what it costs there beyond it."""
         sent = c.get(kind, 0)
-        together = share if kind == "after_step" else 1
+        together = share if kind in SHARED_KINDS else 1
         return _link(hw, op, sent, calls, crossing[kind], together) + (calls * hw.overheads.collective if sent
                                                                          else 0.0)
 
