@@ -101,6 +101,34 @@ def test_one_process_async_save_is_the_synchronous_folder_and_its_full_disk_line
     saver.close()
 
 
+def test_a_stager_that_closes_itself_after_staging_is_replaced(tmp_path, monkeypatch):
+    """Some torch releases (2.11) close DefaultStager after every stage, which empties its copier's dispatch table:
+    the next stage of a state holding a class object (a DTensor's mesh and placements) raised KeyError: <class 'type'>.
+    The saver stages each save after such a close with a new stager."""
+    import numbers
+
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from disttrain.parallel.checkpoint.async_save import stager_closed_itself
+
+    staged = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kwargs):
+        result = staged(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return result
+
+    saver = AsyncSaver()
+    state = {"w": torch.arange(6.0), "kind": numbers.Number}  # its metaclass is ABCMeta, as DeviceMesh's is not type
+    ckpt.save_sharded(tmp_path / "a", {"model": state}, {"step": 1}, saver=saver)
+    assert not stager_closed_itself(saver._stager)  # this torch's stager keeps its buffers
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    for name in ("b", "c"):
+        ckpt.save_sharded(tmp_path / name, {"model": state}, {"step": 1}, saver=saver)
+    saver.close()
+    verify_checkpoint(tmp_path / "c")
+
+
 @pytest.mark.parametrize("name, options, message", [
     ("disttrain_fsdp", {"async_checkpoint": True, "save_distributed_checkpoint": False},
      "async_checkpoint=True writes sharded checkpoints in the background, but save_distributed_checkpoint=False"),

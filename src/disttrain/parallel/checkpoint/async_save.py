@@ -42,6 +42,14 @@ HOLD_ENV = "DISTTRAIN_HOLD_ASYNC_SAVE"
 held = threading.Event()  # TEST ONLY: set when a save stops at HOLD_ENV's point
 
 
+def stager_closed_itself(stager: DefaultStager) -> bool:
+    """Whether ``stager`` closed itself after staging, as DefaultStager does in some torch releases (2.11 among
+    them): that clears its copier's dispatch table, and its next stage of a state holding a class object (a DTensor's
+    mesh and placements do) fails with ``KeyError: <class 'type'>``. Such a stager kept no buffers anyway."""
+    copier = getattr(stager, "_state_dict_stager", None)
+    return copier is not None and not getattr(copier, "_deepcopy_dispatch", True)
+
+
 class AsyncSaver:
     """One per engine: writes the checkpoint folders of ``checkpoint.save_sharded(..., saver=self)`` in the
     background, one at a time. Collective like a synchronous save: every rank calls :meth:`save` and :meth:`wait`
@@ -85,6 +93,8 @@ class AsyncSaver:
             except BaseException:
                 abandon_folder(tmp)
                 raise
+        if stager_closed_itself(self._stager):
+            self._stager = None  # the next save stages with a new one
         self._pending = self._finisher.submit(self._finish, written, Path(path), tmp, writer, meta, hold)
         self._path = Path(path)
         return Path(path)
