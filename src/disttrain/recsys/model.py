@@ -14,6 +14,7 @@ from torch import nn
 from disttrain.config import Recipe, Schema, keys_of
 from disttrain.parallel.engines.recsys import dense_parameters
 from disttrain.parallel.families.deepfm import MODEL_SCHEMA, DeepFMNet, feature_names, to_kjt
+from disttrain.parallel.families.managed_ids import id_space
 
 
 def recipe_schema() -> Schema:
@@ -76,7 +77,7 @@ class DeepFM(L.LightningModule):
     """DeepFM for ``lightning.Trainer`` with ``strategy="disttrain_recsys"``.
 
     Pass the model config (a recipe YAML path or its ``model:`` mapping) and the dense optimizer's ``lr``. Batches
-    are ``(dense (B, 13) float, sparse (B, 26) int64 ids already hashed to the table sizes, labels (B,) float)``.
+    are ``(dense (B, 13) float, sparse (B, 26) int64 ids already hashed to ``table_sizes``, labels (B,) float)``.
     The tables are trained by the fused sparse optimizer inside backward; ``configure_optimizers`` returns Adam
     over the dense parameters only.
     """
@@ -87,7 +88,9 @@ class DeepFM(L.LightningModule):
         self.model_config = load_model_config(config)
         self.save_hyperparameters({"model": self.model_config, "lr": lr})
         self.lr = lr
-        self.table_sizes = list(self.model_config["num_embeddings_per_feature"])  # readable after DMP wraps net
+        # What the data path takes raw ids modulo (readable after DMP wraps net): the table sizes for hashed ids, the
+        # input hash size for managed ones.
+        self.table_sizes = id_space(self.model_config)
         self.net = DeepFMNet(**self.model_config, device=device)
         self.loss_fn = nn.BCEWithLogitsLoss()
         self._dense_optimizer: Optional[torch.optim.Optimizer] = None

@@ -23,6 +23,7 @@ from torch import nn
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import Engine
 from disttrain.parallel.engines.ddp import BUCKET_BYTES
+from disttrain.parallel.engines.managed_ids import managed_sharder, one_bucket_per_process, saved_world_size
 from disttrain.parallel.engines.layout import (
     Buffers,
     Capabilities,
@@ -36,6 +37,7 @@ from disttrain.parallel.engines.layout import (
 )
 # dense_parameters: what the dense optimizer is made from (users reach it here, next to the strategy's engine).
 from disttrain.parallel.engines.tables import dense_parameters, has_torchrec_tables
+from disttrain.parallel.families.managed_ids import is_managed
 
 # Sharding types the planner may choose per table by default. data_parallel is left out: replicating a table
 # would defeat the point of the strategy (torchrec's planner picks it for small tables on one process).
@@ -160,6 +162,9 @@ def shard(module: nn.Module, options: RecsysOptions, device: torch.device) -> nn
         raise RuntimeError("disttrain_recsys shards over a process group: initialise torch.distributed first"
                            " (the Trainer and Fabric strategies do it in setup)")
     module_sharders = sharders(fused_params(options, getattr(module, "sparse_optimizer", None)))
+    if is_managed(module):  # managed-collision tables: their own sharder, over the tables' (row-wise only)
+        module_sharders = [managed_sharder(module_sharders[0]), *module_sharders]
+        one_bucket_per_process(module, dist.get_world_size())
     quiet_planner_logs()
     sharding_plan = plan(module, options, dist.get_world_size(), device, module_sharders, dist.group.WORLD)
     return DistributedModelParallel(module, device=device, plan=sharding_plan, sharders=module_sharders)
@@ -355,6 +360,12 @@ class RecsysEngine(Engine):
         Adagrad's momentum) is stored per column shard, so when the column split differs it is regrouped with
         :func:`regroup_row_state`. Every file read is verified against the checkpoint's manifest."""
         path = ckpt.check_checkpoint(path)
+        moved = saved_world_size(path, root)
+        if moved is not None:
+            raise ckpt.CheckpointError(
+                f"checkpoint {str(path)!r} holds managed-collision tables saved on {moved[0]} process(es); torchrec"
+                f" places each id on the process of its input range, so they load on {moved[0]} only (now"
+                f" {moved[1]}): run with {moved[0]} process(es)")
         metadata = ckpt.read_meta(path)
         saved_columns = metadata.pop(ROW_STATE_KEY, None)
         tensors: dict[str, Any] = {"state_dict": root.state_dict()}

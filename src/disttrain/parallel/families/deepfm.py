@@ -18,6 +18,7 @@ from torch import nn
 
 from disttrain.config import keys_of
 from disttrain.parallel.families.base import Family, Schema
+from disttrain.parallel.families.managed_ids import ManagedCollisions, check_ids, managed_tables
 from disttrain.parallel.families.spec import ModelSpec
 from disttrain.parallel.mesh import ParallelDims
 
@@ -67,6 +68,7 @@ class DeepFMNet(nn.Module):
     def __init__(self, embedding_dim: int, num_embeddings_per_feature: Sequence[int],
                  dense_in_features: int = NUM_DENSE, bottom_mlp: Sequence[int] = (64,),
                  deep_mlp: Sequence[int] = (128, 64), sparse_optimizer: Optional[dict[str, Any]] = None,
+                 ids: str = "hashed", managed_collisions: Optional[dict[str, Any]] = None,
                  device: Optional[Union[str, torch.device]] = None) -> None:
         super().__init__()
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
@@ -83,10 +85,12 @@ class DeepFMNet(nn.Module):
         self.num_embeddings = list(num_embeddings_per_feature)
         self.embedding_dim = embedding_dim
         self.sparse_optimizer = dict(sparse_optimizer or {})
-        self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"t_{key}", embedding_dim=embedding_dim, num_embeddings=size,
-                                       feature_names=[key]) for key, size in zip(self.keys, self.num_embeddings)],
-            device=device)
+        self.ids = check_ids(ids)
+        self.managed_collisions = ManagedCollisions.of(managed_collisions) if ids == "managed" else None
+        tables = [EmbeddingBagConfig(name=f"t_{key}", embedding_dim=embedding_dim, num_embeddings=size,
+                                     feature_names=[key]) for key, size in zip(self.keys, self.num_embeddings)]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=device) if self.managed_collisions is None \
+            else managed_tables(tables, self.managed_collisions, device)
         self.bottom = mlp(dense_in_features, bottom_mlp, device)
         fields = len(self.keys) + 1
         self.deep = nn.Sequential(mlp(fields * embedding_dim, deep_mlp, device),
@@ -95,6 +99,8 @@ class DeepFMNet(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
         pooled = self.ebc(sparse)
+        if isinstance(pooled, tuple):  # managed tables: (pooled, remapped ids when asked for)
+            pooled = pooled[0]
         # Sharded tables return their features grouped by rank (table-wise: cat_0, cat_2, ... on 2 ranks): put them
         # back in self.keys order, or the deep tower would compute another function under every sharding plan.
         if pooled.keys() == self.keys:
@@ -113,7 +119,8 @@ class DeepFMNet(nn.Module):
 # The recipe's ``model:`` section: DeepFMNet's keyword arguments (``device`` aside); sparse_optimizer is the fused
 # optimizer's mapping (fused_params).
 MODEL_SCHEMA: Schema = {**keys_of(DeepFMNet, exclude=["device"]),
-                        "sparse_optimizer": dict.fromkeys(("name", "lr", "eps"))}
+                        "sparse_optimizer": dict.fromkeys(("name", "lr", "eps")),
+                        "managed_collisions": keys_of(ManagedCollisions)}
 # DeepFMNet's defaults for the keys a config may leave out.
 DEFAULTS = {name: p.default for name, p in inspect.signature(DeepFMNet).parameters.items()
             if name in ("dense_in_features", "bottom_mlp", "deep_mlp")}

@@ -1,0 +1,128 @@
+"""Managed-collision tables under ``disttrain_recsys`` (torch and torchrec only): their sharder, a CPU stand-in for
+the eviction kernel fbgemm ships for CUDA only, and what the daily job reads off them (the ids each rank holds,
+the end of a day's pending admissions, the layout a checkpoint was saved in).
+
+torchrec shards managed tables row-wise only: rank r holds rows [r * N / W, (r + 1) * N / W) of a table and admits
+the raw ids of input block r (``id // ceil(input_hash_size / W)``). Which rank holds an id thus depends on the
+number of processes W, and a checkpoint of managed tables loads on the number it was saved on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+EMPTY = torch.iinfo(torch.int64).max  # torchrec's marker of a free slot in _mch_sorted_raw_ids
+MC_BUFFER = "_mch_sorted_raw_ids"
+
+
+def managed_sharder(ebc_sharder: Any) -> Any:
+    """torchrec's ``ManagedCollisionEmbeddingBagCollectionSharder`` over ``ebc_sharder`` (which must offer row-wise
+    sharding, see engines.recsys.sharders), offering the kernels ``ebc_sharder`` offers (torchrec's own list names
+    UVM and key-value kernels, which the planner cannot estimate on CPU) and resetting evicted rows on CPU too."""
+    from torchrec.distributed.mc_embeddingbag import (
+        ManagedCollisionEmbeddingBagCollectionSharder,
+        ShardedManagedCollisionEmbeddingBagCollection,
+    )
+
+    class CpuEvictions(ShardedManagedCollisionEmbeddingBagCollection):
+        def _evict(self, evictions_per_table: dict[str, Any]) -> None:
+            if self._device.type != "cpu":
+                return super()._evict(evictions_per_table)
+            reset_rows(self, evictions_per_table)
+
+    class Sharder(ManagedCollisionEmbeddingBagCollectionSharder):
+        def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+            return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+
+        def shard(self, module: Any, params: Any, env: Any, device: Any = None, module_fqn: Any = None) -> Any:
+            return CpuEvictions(module, params, ebc_sharder=self._e_sharder, mc_sharder=self._mc_sharder, env=env,
+                                device=device or torch.device("cpu"))
+
+    return Sharder(ebc_sharder=ebc_sharder)
+
+
+@torch.no_grad()
+def reset_rows(sharded: Any, evictions_per_table: dict[str, Any]) -> None:
+    """What torchrec's ``_evict`` does, in plain torch: the rows given to new ids start from the table's ``init_fn``
+    and with zero optimizer state (fbgemm's ``reset_weight_momentum`` has no CPU kernel)."""
+    for table, rows in evictions_per_table.items():
+        if rows is None or rows.numel() == 0:
+            continue
+        tbe, index = sharded._table_to_tbe_and_index[table]
+        rows = rows.long()
+        weights = tbe.split_embedding_weights()[int(index)]  # views into the kernel's own storage
+        weights[rows] = sharded._embedding_module._table_name_to_config[table].init_fn(weights[rows])
+        for state in tbe.split_optimizer_states()[int(index)]:
+            state[rows] = 0
+
+
+def sharded_managed(root: nn.Module) -> Iterator[Any]:
+    from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
+
+    for module in root.modules():
+        if isinstance(module, BaseShardedManagedCollisionEmbeddingCollection):
+            yield module
+
+
+def local_modules(root: nn.Module) -> dict[str, Any]:
+    """``{table: this rank's MCHManagedCollisionModule}`` of every sharded managed table in ``root``."""
+    return {table: mcm for sharded in sharded_managed(root)
+            for table, mcm in sharded._managed_collision_collection._managed_collision_modules.items()}
+
+
+@torch.no_grad()
+def held_ids(root: nn.Module) -> dict[str, torch.Tensor]:
+    """``{table: the raw ids this rank's part of the table holds, sorted}`` (a copy)."""
+    held = {}
+    for table, mcm in local_modules(root).items():
+        ids = mcm._mch_sorted_raw_ids
+        held[table] = torch.sort(ids[ids != EMPTY]).values.clone()
+    return held
+
+
+@torch.no_grad()
+def finish_admissions(root: nn.Module) -> None:
+    """Admit the ids seen since the last eviction now and reset their rows, as the next eviction would: called at the
+    end of a day, so that the model saved then holds no pending state that a resumed run (a new process) would lose;
+    the next batch starts a fresh interval, as it does after a load."""
+    for sharded in sharded_managed(root):
+        mcc = sharded._managed_collision_collection
+        for mcm in mcc._managed_collision_modules.values():
+            if getattr(mcm, "_current_history_buffer_offset", 0) > 0:
+                mcm._coalesce_history()
+            mcm._current_iter = -1  # as after a load: the next batch reads the count from _current_iter_tensor
+        evictions = mcc.evict()
+        if any(rows is not None for rows in evictions.values()):
+            sharded._evict(evictions)
+
+
+def saved_world_size(path: str | Path, root: nn.Module) -> tuple[int, int] | None:
+    """(processes a checkpoint's managed tables were saved on, processes now) when they differ, else None."""
+    import torch.distributed as dist
+
+    from disttrain.parallel.checkpoint import io as ckpt
+
+    if not any(True for _ in sharded_managed(root)):
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    stored = ckpt.CheckpointReader(path).metadata.state_dict_metadata
+    for key, meta in stored.items():
+        if key.endswith(MC_BUFFER) and hasattr(meta, "chunks"):
+            saved = len(meta.chunks)
+            return (saved, world) if saved != world else None
+    return None
+
+
+def one_bucket_per_process(module: nn.Module, world_size: int) -> None:
+    """Give every managed table of the unsharded ``module`` one input bucket per process before planning: torchrec's
+    planner refuses a bucket count the processes do not divide (one, by default), and one per process is what the
+    sharded tables are rebuilt with anyway."""
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    for m in module.modules():
+        if isinstance(m, MCHManagedCollisionModule):
+            m._buckets = world_size
