@@ -49,9 +49,10 @@ from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.guards import watchdog
 from disttrain.parallel.guards.diskspace import DiskFullError, ensure_free, remove
 from disttrain.parallel.guards.failures import describe
-from disttrain.recsys.data import BadDataError, Day, DayBatches, cache_size_estimate, cached, convert_day, \
-    day_stats, folder_bytes, list_days, load_day, parse_date, split_rows
-from disttrain.recsys.defaults import DAILY_DEFAULTS, TRAIN_DEFAULTS
+from disttrain.recsys.data import CADENCES, BadDataError, Day, DayBatches, cache_size_estimate, cached, \
+    convert_day, day_stats, folder_bytes, is_hour, list_periods, load_day, parse_period, period_key, period_start, \
+    split_rows
+from disttrain.recsys.defaults import DAILY_DEFAULTS, FULL_EVERY, TRAIN_DEFAULTS
 from disttrain.recsys.metrics import ClickMetrics
 from disttrain.recsys.publish import LockedError, ModelStore, StoreError
 from disttrain.recsys.validate import ValidationBounds, check_day
@@ -85,7 +86,7 @@ class DailyOptions:
     data_root: Path
     model_root: Path
     config: Path = DEFAULT_CONFIG
-    run_date: Optional[dt.date] = None
+    run_date: Optional[dt.date | str] = None  # a day, or an hour (YYYY-MM-DD_HH) with every="1h"
     force: bool = False
     accelerator: str = "auto"
     auc_tolerance: Optional[float] = None
@@ -95,13 +96,15 @@ class DailyOptions:
     skip_missing_days: Optional[bool] = None
     train_late_days: Optional[bool] = None
     skip_validation: bool = False
-    skip_day: list[dt.date] = field(default_factory=list)
+    skip_day: list[dt.date | str] = field(default_factory=list)
     reason: Optional[str] = None
-    release_day: list[dt.date] = field(default_factory=list)
+    release_day: list[dt.date | str] = field(default_factory=list)
     verbose: bool = False
     logger: str = "tensorboard,csv"
     no_report: bool = False
     timeout: Optional[float] = None
+    every: Optional[str] = None
+    full: bool = False
     prog: str = "deepfm_daily.py"
 
 
@@ -235,7 +238,7 @@ class DailyJob:
         self.bounds = ValidationBounds(**(daily.pop("validation", None) or {}))
         self.daily = {**DAILY_DEFAULTS, **daily}
         for key in ("auc_tolerance", "min_auc", "max_bad_fraction", "keep_versions", "skip_missing_days",
-                    "train_late_days"):
+                    "train_late_days", "every"):
             if getattr(options, key) is not None:
                 self.daily[key] = getattr(options, key)
         self.train = {**TRAIN_DEFAULTS, **(self.recipe.get("train") or {})}
@@ -247,16 +250,27 @@ class DailyJob:
 
         parse_logger_spec(options.logger)  # a misspelt --logger fails before any work
         self._check_day_options()
+        self.every = str(self.daily["every"])
+        self.hourly = self.every == "1h"
+        full_every = self.daily["full_every"]
+        self.full_every = FULL_EVERY[self.every] if full_every is None else full_every
+        if not isinstance(self.full_every, int) or isinstance(self.full_every, bool) or self.full_every < 0:
+            raise ConfigError(f"daily.full_every: {full_every!r} in {options.config} is not a whole number >= 0 (the"
+                              " delta versions between two full ones; 0 publishes every version in full)")
+        self._base_prints: Optional[dict[str, Any]] = None  # rows of the version warm-started from (delta.py)
 
     def _check_day_options(self) -> None:
         """daily.on_invalid_day is stop or quarantine; --skip-day needs --reason; --reason goes with a day; no day
         is both set aside and released."""
+        if self.daily["every"] not in CADENCES:
+            raise ConfigError(f"daily.every (--every): {self.daily['every']!r} is not a cadence; use "
+                              + " or ".join(f"{k} ({v})" for k, v in CADENCES.items()))
         mode = self.daily["on_invalid_day"]
         if mode not in ON_INVALID_DAY:
             raise ConfigError(f"daily.on_invalid_day: {mode!r} in {self.options.config} is not one of "
                               + "; ".join(f"{k} ({v})" for k, v in ON_INVALID_DAY.items()))
-        skip = sorted({d.isoformat() for d in self.options.skip_day})
-        release = sorted({d.isoformat() for d in self.options.release_day})
+        skip = sorted({_key(d) for d in self.options.skip_day})
+        release = sorted({_key(d) for d in self.options.release_day})
         reason = (self.options.reason or "").strip()
         if skip and not reason:
             raise DailyError(f"--skip-day {skip[0]} needs --reason TEXT: say why the day is set aside (recorded with"
@@ -308,10 +322,18 @@ class DailyJob:
 
     def _run_locked(self) -> dict[str, Any]:
         started = time.time()
-        days = {d.isoformat(): p for d, p in list_days(self.options.data_root).items()}
+        days = list_periods(self.options.data_root, self.every)
+        pattern = "day_YYYY-MM-DD_HH.tsv[.gz]" if self.hourly else "day_YYYY-MM-DD.tsv[.gz]"
         if not days:
-            raise DailyError(f"no day_YYYY-MM-DD.tsv[.gz] files in {self.options.data_root}")
-        run_date = self.options.run_date.isoformat() if self.options.run_date else max(days)
+            raise DailyError(f"no {pattern} files in {self.options.data_root}" +
+                             (" (--every 1h reads hour files)" if self.hourly else
+                              "" if not list_periods(self.options.data_root, "1h") else
+                              " (it holds hour files: pass --every 1h)"))
+        run_date = _key(self.options.run_date) if self.options.run_date else max(days)
+        if is_hour(run_date) != self.hourly:
+            raise DailyError(f"--run-date {run_date} is {'an hour' if is_hour(run_date) else 'a day'} but the job runs"
+                             f" every {'hour' if self.hourly else 'day'} (--every {self.every}); pass "
+                             + ("YYYY-MM-DD_HH" if self.hourly else "YYYY-MM-DD or --every 1h"))
         if run_date not in days:
             raise DailyError(f"no data for --run-date {run_date}: {self.options.data_root}/day_{run_date}.tsv[.gz]"
                              " is missing (is the upstream export late?); rerun when it has arrived")
@@ -358,13 +380,18 @@ class DailyJob:
         engine = RecsysEngine(check_options(STRATEGY, self.strategy_options), STRATEGY)
         engine.parallelize(module, self.device)  # shard now, so the warm start loads straight into the shards
         current_metrics = plan.current_metrics
+        back = (f"point current at an earlier version (ln -sfn versions/NNNNNN {self.store.pointer}) or remove"
+                f" {self.store.pointer} to train from scratch")
+        if current is not None and (not plan.resume or self._may_publish_delta(info)):
+            self._warm_start(engine, module, current, back, info)
+            if self._may_publish_delta(info):  # the rows as published, to find the ones this run changes
+                from disttrain.recsys.delta import fingerprints
+
+                self._base_prints = fingerprints(module)
         if plan.resume:
             self._warm_start(engine, module, self.store.staging,
                              f"delete {self.store.work} to train the run's days again from the current model")
         elif current is not None:
-            self._warm_start(engine, module, current, f"point current at an earlier version (ln -sfn"
-                             f" versions/NNNNNN {self.store.pointer}) or remove {self.store.pointer} to train from"
-                             " scratch")
             current_metrics = self.evaluate(module, newest)  # the current model, on the gate's data
             _log(f"current model {current.name} on {plan.days[-1]} held-out rows: {_fmt(current_metrics)}")
 
@@ -386,8 +413,10 @@ class DailyJob:
                   "started_at": _now(started), **plan.notes()}
         version = None
         if reason is None:
-            version = self._publish(engine, module, info, record, plan.removed_versions)
-            _log(f"published version {version} ({metrics['auc']:.4f} AUC)")
+            version, record["publish"] = self._publish(engine, module, info, record, plan.removed_versions)
+            shown = record["publish"]
+            _log(f"published version {version} ({metrics['auc']:.4f} AUC; {shown['kind']}, {shown['bytes']:,} bytes"
+                 + (f", {shown['fraction']:.2%} of the table rows changed)" if shown["kind"] == "delta" else ")"))
         else:
             _log(f"NOT published: {reason}; " + (f"{current.name} stays current" if current else "no model is current"))
         status = "published" if reason is None else "rejected"
@@ -441,7 +470,7 @@ class DailyJob:
         # The quarantined days this run passes over (older ones were passed over by earlier runs).
         plan.quarantined = [d for d in sorted(quarantined) if (newest is None or d > newest) and plan.days
                             and d < plan.days[-1]]
-        just_set_aside = {x.isoformat() for x in self.options.skip_day}  # said so already
+        just_set_aside = {_key(x) for x in self.options.skip_day}  # said so already
         for d in (x for x in plan.quarantined if x not in just_set_aside):
             _log(f"not training {d}: quarantined ({_set_aside_by(quarantined[d])}); later days go on"
                  f" (--release-day {d} releases it)")
@@ -453,9 +482,10 @@ class DailyJob:
         :class:`DailyError` by default, or recorded as skipped with ``skip_missing_days``; returns those skipped."""
         # A released day counts as unprocessed: without a file it is missing again.
         known = set(days) | {d for d, r in records.items() if r.get("status") != RELEASED} | in_model
-        first = parse_date(min(known))
-        calendar = [(first + dt.timedelta(days=i)).isoformat()
-                    for i in range((parse_date(run_date) - first).days + 1)]
+        known = {d for d in known if is_hour(d) == self.hourly}  # the other cadence's days have a calendar of their own
+        step = dt.timedelta(hours=1) if self.hourly else dt.timedelta(days=1)
+        first, last = period_start(min(known)), period_start(run_date)
+        calendar = [period_key(first + i * step, self.hourly) for i in range(int((last - first) / step) + 1)]
         missing = [d for d in calendar if d not in known]
         if not missing:
             return []
@@ -489,8 +519,8 @@ class DailyJob:
         did), so that nothing trains it; a day already trained, or in the unfinished run being resumed, cannot be set
         aside. --release-day: record a quarantined day as released, which counts as unprocessed (trained in order, or
         late when newer days are in the model). Every day is checked before any record is written."""
-        skip = sorted({d.isoformat() for d in self.options.skip_day})
-        release = sorted({d.isoformat() for d in self.options.release_day})
+        skip = sorted({_key(d) for d in self.options.skip_day})
+        release = sorted({_key(d) for d in self.options.release_day})
         if not skip and not release:
             return
         records = self.store.records()
@@ -630,14 +660,21 @@ class DailyJob:
                 _log(f"{d} left out of the validation baseline: {one_line(e)}")
         return stats
 
-    def _warm_start(self, engine: Any, module: Any, path: Path, fix: str) -> None:
-        """Load ``path`` into the sharded module and refuse it when it cannot be read or holds non-finite values."""
+    def _warm_start(self, engine: Any, module: Any, path: Path, fix: str, info: Optional[dict[str, Any]] = None) \
+            -> None:
+        """Load ``path`` into the sharded module and refuse it when it cannot be read or holds non-finite values.
+        ``info``: the version's info.json (a delta version is loaded as its base and the deltas after it)."""
+        from disttrain.recsys.delta import DELTA, DeltaError, load_chain
+
         watchdog.set_phase(f"loading {path}")
         try:
             with _quiet_root_logger(not self.options.verbose):
-                metadata = engine.load(path, module)
+                if (info or {}).get("kind") == DELTA:
+                    metadata = load_chain(module, self.store, info, lambda full: engine.load(full, module))
+                else:
+                    metadata = engine.load(path, module)
             module.configure_optimizers().load_state_dict(metadata["dense_optimizer"])
-        except (ckpt.CheckpointError, RuntimeError, KeyError, ValueError, OSError) as e:
+        except (ckpt.CheckpointError, DeltaError, RuntimeError, KeyError, ValueError, OSError) as e:
             raise DailyError(f"{path} cannot be loaded: {one_line(e)}; {fix}") from e
         bad = self._nonfinite(module)
         if bad:
@@ -682,21 +719,21 @@ class DailyJob:
         dataset = DayBatches(day, train_rows, int(self.train["batch_size"]), module.table_sizes,
                              drop_last=self.world > 1)
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=self.world, rank=self.rank, shuffle=True,
-                                                      seed=int(self.train["seed"]) + day.date.toordinal())
+                                                      seed=int(self.train["seed"]) + day.seed_offset)
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=sampler)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         from disttrain.callbacks import Throughput
         from disttrain.report import trainer_loggers, trainer_progress_callbacks
 
         # The logs of a day's training: MODEL_ROOT/logs/DAY/{csv,tensorboard}/version_N (a retrained day adds one).
-        loggers = trainer_loggers(self.store.root / "logs" / day.date.isoformat(), self.options.logger,
+        loggers = trainer_loggers(self.store.root / "logs" / day.key, self.options.logger,
                                   subdir="")
         # rows/s and per-rank memory; DeepFM's FLOPs are not counted, so no MFU.
         # Log about every 10 steps, and at least twice on a short day (a rate needs two steps).
         every = max(2, min(10, len(loader) // 2))
         # Without a terminal, the progress lines go to the job log (stdout keeps the job's lines).
         progress = logging.getLogger(__name__).info
-        callbacks = [*trainer_progress_callbacks(write=lambda line: progress(f"{day.date}: {line}")),
+        callbacks = [*trainer_progress_callbacks(write=lambda line: progress(f"{day.key}: {line}")),
                      Throughput(every_n_steps=every)]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(num_workers|small|does not have many workers).*")
@@ -711,18 +748,40 @@ class DailyJob:
         return dataset.rows
 
     def evaluate(self, module: Any, day: Day) -> dict[str, float]:
-        watchdog.set_phase(f"evaluating on {day.date.isoformat()}'s held-out rows")
+        watchdog.set_phase(f"evaluating on {day.key}'s held-out rows")
         return evaluate(module, day, float(self.daily["eval_fraction"]), int(self.train["batch_size"]), self.device)
 
+    def _may_publish_delta(self, info: dict[str, Any]) -> bool:
+        """Whether this run's version may be a delta on the current one: deltas are on (daily.full_every > 0), not
+        --full, and the current version's chain has fewer than daily.full_every deltas."""
+        from disttrain.recsys.delta import chain_of
+
+        return bool(info) and not self.options.full and len(chain_of(info)) - 1 < self.full_every
+
     def _publish(self, engine: Any, module: Any, info: dict[str, Any], record: dict[str, Any],
-                 removed: list[str]) -> str:
+                 removed: list[str]) -> tuple[str, dict[str, Any]]:
+        """Write the new version (a delta on the current one when :meth:`_may_publish_delta` and the tables are laid
+        out as in its chain, else in full) and swap ``current`` to it; returns its name and what was published."""
+        from disttrain.recsys import delta
+
         version = _rank0(self.store.next_version, removed)
         days = sorted(set(info.get("days", [])) | set(record["run_days"]))
         new_info = {"version": version.name, "days": days, "previous": record["previous_version"],
                     "metrics": record["metrics"], "published_at": _now(time.time()), "model": self.recipe["model"],
                     "world_size": self.world, "record": record}
-        engine.save(self.store.partial(version), module,
-                    {"dense_optimizer": module.configure_optimizers().state_dict(), "info": new_info})
+        metadata = {"dense_optimizer": module.configure_optimizers().state_dict(), "info": new_info}
+        as_delta = self._base_prints is not None and self._may_publish_delta(info) and \
+            delta.same_layout(module, self.store, info)
+        if as_delta:
+            watchdog.set_phase(f"publishing delta version {version.name}")
+            new_info.update(kind=delta.DELTA, base=info["version"], chain=delta.chain_of(info) + [version.name])
+            summary = delta.save_delta(self.store.partial(version), module, self._base_prints, metadata)
+            new_info.update(files=summary.files, changed=delta.table_touch(summary))
+            published = {"kind": delta.DELTA, "bytes": summary.bytes, **new_info["changed"]}
+        else:
+            new_info.update(kind=delta.FULL, chain=[version.name])
+            engine.save(self.store.partial(version), module, metadata)
+            published = {"kind": delta.FULL, "bytes": _rank0(folder_bytes, self.store.partial(version))}
 
         def swap() -> None:
             try:
@@ -737,7 +796,7 @@ class DailyJob:
                 _log(f"removed old versions {pruned}")
 
         _rank0(swap)
-        return version.name
+        return version.name, published
 
     def _finish(self, plan: list[str], record: dict[str, Any]) -> None:
         finished = _now(time.time())
@@ -850,9 +909,14 @@ def _fmt(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
-def _date_option(text: str) -> dt.date:
+def _key(when: dt.date | str) -> str:
+    """A period key from an option: a date (a day) or the key itself (``YYYY-MM-DD`` or ``YYYY-MM-DD_HH``)."""
+    return when if isinstance(when, str) else when.isoformat()
+
+
+def _date_option(text: str) -> str:
     try:
-        return parse_date(text)
+        return parse_period(text)
     except ValueError as e:  # argparse shows an ArgumentTypeError's own message, not "invalid value"
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -865,7 +929,8 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
     p.add_argument("--data-root", required=True, type=Path, help="folder of day_YYYY-MM-DD.tsv[.gz] files")
     p.add_argument("--model-root", required=True, type=Path, help="folder of published versions, records, lock")
     p.add_argument("--run-date", type=_date_option, default=None,
-                   help="process days up to this date, which must have data (default: the newest day present)")
+                   help="process days (hours: YYYY-MM-DD_HH with --every 1h) up to this one, which must have data"
+                   " (default: the newest present)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="recipe YAML (default: deepfm_tiny.yaml)")
     p.add_argument("--force", action="store_true", help="retrain --run-date even if it was processed already")
     p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "gpu", "cuda"),
@@ -898,6 +963,12 @@ def parser(prog: str = "deepfm_daily.py") -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="a process silent this long (stopped, hung) ends the run on every rank with exit status 4;"
                    " daily.timeout (300)")
+    p.add_argument("--every", choices=sorted(CADENCES), default=None,
+                   help="the cadence: 1d trains day files (day_YYYY-MM-DD.tsv[.gz]), 1h hour files"
+                   " (day_YYYY-MM-DD_HH.tsv[.gz]) and publishes delta versions; daily.every (1d)")
+    p.add_argument("--full", action="store_true",
+                   help="publish this run's version in full, not as a delta (daily.full_every sets how often a full"
+                   " version is due)")
     p.add_argument("--no-report", action="store_true",
                    help="do not redraw MODEL_ROOT/report.png (the model history) after a run")
     return p

@@ -2,7 +2,9 @@
 day to numpy files read back by memory mapping, hashing to the table sizes, and per-day train/held-out splits.
 
 A row is ``label \\t 13 integer features \\t 26 categorical features (hex)``; an empty field is a missing value.
-Files are ``day_YYYY-MM-DD.tsv`` or ``day_YYYY-MM-DD.tsv.gz``.
+Files are ``day_YYYY-MM-DD.tsv`` or ``day_YYYY-MM-DD.tsv.gz`` (a day), or ``day_YYYY-MM-DD_HH.tsv[.gz]`` (an hour,
+HH 00-23, for the hourly cadence). A file's period is named by its key: ``2026-11-29`` or ``2026-11-29_05``; keys
+sort in time order.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from disttrain.parallel.guards.diskspace import ensure_free, writing
 from disttrain.recsys.publish import fsync_dir
 
-DAY_FILE = re.compile(r"^day_(\d{4}-\d{2}-\d{2})\.tsv(\.gz)?$")
+DAY_FILE = re.compile(r"^day_(\d{4}-\d{2}-\d{2})(?:_(\d{2}))?\.tsv(\.gz)?$")
+PERIOD = re.compile(r"^(\d{4}-\d{2}-\d{2})(?:_(\d{2}))?$")
+CADENCES = {"1d": "a day file (day_YYYY-MM-DD.tsv[.gz]) per run", "1h": "hour files (day_YYYY-MM-DD_HH.tsv[.gz])"}
 COLUMNS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 # Criteo's column names, used in messages: I1..I13 integer, C1..C26 categorical.
 COLUMN_NAMES = [f"I{i + 1}" for i in range(INT_FEATURE_COUNT)] + [f"C{i + 1}" for i in range(CAT_FEATURE_COUNT)]
@@ -51,22 +55,57 @@ def parse_date(text: str) -> dt.date:
         raise ValueError(f"date {text!r} is not YYYY-MM-DD, e.g. 2026-11-29") from None
 
 
-def list_days(root: str | os.PathLike) -> dict[dt.date, Path]:
-    """``{date: file}`` for every ``day_YYYY-MM-DD.tsv[.gz]`` in ``root`` (other files are ignored)."""
+def parse_period(text: str) -> str:
+    """A period key, ``YYYY-MM-DD`` (a day) or ``YYYY-MM-DD_HH`` (an hour, 00-23), checked and returned as is."""
+    match = PERIOD.match(text.strip())
+    hour = match.group(2) if match else None
+    if match is None or (hour is not None and int(hour) > 23):
+        raise ValueError(f"{text!r} is not YYYY-MM-DD (a day) or YYYY-MM-DD_HH (an hour 00-23), e.g. 2026-11-29 or"
+                         " 2026-11-29_05")
+    parse_date(match.group(1))
+    return text.strip()
+
+
+def period_start(key: str) -> dt.datetime:
+    """When the period ``key`` starts (a day at 00:00)."""
+    match = PERIOD.match(key)
+    assert match is not None, key
+    return dt.datetime.combine(parse_date(match.group(1)), dt.time(int(match.group(2) or 0)))
+
+
+def period_key(when: dt.datetime, hourly: bool) -> str:
+    return when.strftime("%Y-%m-%d_%H") if hourly else when.date().isoformat()
+
+
+def is_hour(key: str) -> bool:
+    return "_" in key
+
+
+def list_periods(root: str | os.PathLike, every: str = "1d") -> dict[str, Path]:
+    """``{key: file}`` for the files of the cadence ``every`` in ``root``: day files for ``1d``, hour files for
+    ``1h`` (the other kind and other files are ignored)."""
+    if every not in CADENCES:
+        raise ValueError(f"every={every!r} is not a cadence; use " + " or ".join(f"{k} ({v})" for k, v in
+                                                                               CADENCES.items()))
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"data root {str(root)!r} is not a folder; pass the folder that holds the"
-                                " day_YYYY-MM-DD.tsv files")
-    days: dict[dt.date, Path] = {}
+                                " day_YYYY-MM-DD[_HH].tsv files")
+    periods: dict[str, Path] = {}
     for path in sorted(root.iterdir()):
         match = DAY_FILE.match(path.name)
-        if not match:
+        if not match or (match.group(2) is not None) != (every == "1h"):
             continue
-        day = parse_date(match.group(1))
-        if day in days:
-            raise BadDataError(f"day {day} has two files ({days[day].name} and {path.name}); keep one")
-        days[day] = path
-    return days
+        key = parse_period(match.group(1) + (f"_{match.group(2)}" if match.group(2) else ""))
+        if key in periods:
+            raise BadDataError(f"{key} has two files ({periods[key].name} and {path.name}); keep one")
+        periods[key] = path
+    return periods
+
+
+def list_days(root: str | os.PathLike) -> dict[dt.date, Path]:
+    """``{date: file}`` for every ``day_YYYY-MM-DD.tsv[.gz]`` in ``root`` (other files are ignored)."""
+    return {parse_date(key): path for key, path in list_periods(root, "1d").items()}
 
 
 @dataclass
@@ -82,6 +121,17 @@ class Day:
     rows: int
     bad_rows: int
     bad_examples: tuple[str, ...] = ()
+    hour: int | None = None  # an hour file's hour
+
+    @property
+    def key(self) -> str:
+        """The period's key: ``2026-11-29`` or ``2026-11-29_05``."""
+        return self.date.isoformat() + (f"_{self.hour:02d}" if self.hour is not None else "")
+
+    @property
+    def seed_offset(self) -> int:
+        """A number per period that orders and separates periods (a day's is its ordinal, as before hours)."""
+        return self.date.toordinal() if self.hour is None else self.date.toordinal() * 24 + self.hour
 
     @property
     def bad_fraction(self) -> float:
@@ -294,10 +344,11 @@ def load_day(path: str | os.PathLike, cache_root: str | os.PathLike, max_bad_fra
     path = Path(path)
     match = DAY_FILE.match(path.name)
     if not match:
-        raise ValueError(f"{path.name!r} is not named day_YYYY-MM-DD.tsv or day_YYYY-MM-DD.tsv.gz")
+        raise ValueError(f"{path.name!r} is not named day_YYYY-MM-DD[_HH].tsv or day_YYYY-MM-DD[_HH].tsv.gz")
     folder = convert_day(path, cache_root)
     meta = json.loads((folder / "meta.json").read_text())
-    day = Day(date=parse_date(match.group(1)), rows=meta["rows"], bad_rows=meta["bad_rows"],
+    day = Day(date=parse_date(match.group(1)), hour=int(match.group(2)) if match.group(2) else None,
+              rows=meta["rows"], bad_rows=meta["bad_rows"],
               bad_examples=tuple(meta.get("bad_examples", ())),
               **{name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("labels", "dense", "sparse")})
     if day.rows == 0 and day.bad_rows == 0:

@@ -182,18 +182,27 @@ class ModelStore:
         fsync_dir(self.root)
 
     def prune(self, keep: int) -> list[str]:
-        """Remove all but the newest ``keep`` versions (never the current one) and leftover partial folders."""
+        """Remove all but the newest ``keep`` versions (never the current one, nor a version that a kept delta
+        version is built on) and leftover partial folders."""
         current = self.current()
         folders = sorted(p for p in self.versions.iterdir() if p.name.isdigit())
+        kept = (folders[-keep:] if keep > 0 else []) + ([current] if current is not None else [])
+        needed = {name for folder in kept for name in self.chain(folder)}
         removed = []
         for folder in folders[:-keep] if keep > 0 else folders:
-            if current is not None and folder.resolve() == current:
+            if (current is not None and folder.resolve() == current) or folder.name in needed:
                 continue
             shutil.rmtree(folder)
             removed.append(folder.name)
         for partial in self.versions.glob(".*.partial"):
             shutil.rmtree(partial)
         return removed
+
+    def chain(self, version: Path) -> list[str]:
+        """The versions ``version`` is built from (its full base first, itself last; itself for a full version)."""
+        info = read_json(version / "info.json", "point current at an earlier version") \
+            if (version / "info.json").is_file() else {}
+        return list(info.get("chain") or [version.name])
 
     # -- run records --------------------------------------------------------------------------------------------
     def record_path(self, day: str) -> Path:

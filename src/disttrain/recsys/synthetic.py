@@ -97,8 +97,9 @@ def write_day(path: Path, model: PlantedModel, labels: np.ndarray, dense: np.nda
 
 def make_days(root: str | os.PathLike, days: int, rows_per_day: int, start: dt.date = dt.date(2026, 11, 1),
               seed: int = 0, drift: float = 0.05, missing: float = 0.02, bad_rows: int = 0,
-              first_index: int = 0) -> list[Path]:
-    """Write ``days`` files ``day_YYYY-MM-DD.tsv`` from ``start`` on; returns their paths. Day ``k`` uses the
+              first_index: int = 0, every: str = "1d") -> list[Path]:
+    """Write ``days`` files ``day_YYYY-MM-DD.tsv`` from ``start`` on (``every="1h"``: that many hour files
+    ``day_YYYY-MM-DD_HH.tsv``); returns their paths. Day ``k`` uses the
     planted model after ``first_index + k`` drift steps (default 0), so a later call with ``first_index`` = the
     number of days written before continues the same drift."""
     if days < 1 or rows_per_day < 1:
@@ -111,7 +112,10 @@ def make_days(root: str | os.PathLike, days: int, rows_per_day: int, start: dt.d
         index = base + k
         model = planted_model(seed, index, drift)
         labels, dense, choice = sample_day(model, rows_per_day, seed=hash((seed, index)) % 2 ** 32)
-        path = root / f"day_{start + dt.timedelta(days=k):%Y-%m-%d}.tsv"
+        if every == "1h":  # hour files: day_YYYY-MM-DD_HH.tsv from start's 00:00 on, one drift step per hour
+            path = root / f"day_{dt.datetime.combine(start, dt.time()) + dt.timedelta(hours=k):%Y-%m-%d_%H}.tsv"
+        else:
+            path = root / f"day_{start + dt.timedelta(days=k):%Y-%m-%d}.tsv"
         write_day(path, model, labels, dense, choice, missing, bad_rows, seed=index)
         paths.append(path)
     return paths

@@ -1,0 +1,425 @@
+"""Delta versions of the recommender's model store: what changed since the version a run started from.
+
+An hour of clicks touches a small share of a large model's embedding rows, so re-writing the whole model every
+hour would move the whole model (the 5B-parameter DeepFM: ~20 GB) to publish a few percent of it. A delta version
+holds only the rows that changed since its base (the version the run warm-started from) plus the dense part:
+
+    versions/000007/
+      rank00000.pt ...   each rank's changed rows of its table shards and of their fused optimizer state, in
+                         global coordinates ({key: [{"rows": (n,) or a row bit mask, "col": first column,
+                         "values": (n, w)}]})
+      dense.pt           every tensor that is not sharded (the dense network, DDP-replicated) and every other leaf,
+                         the job's metadata (dense optimizer state, run info) and the per-row state's column split
+      info.json          kind "delta", base, chain (the full version it starts from, then every delta up to this one)
+                         and each file's sha256 and size
+
+Which rows changed is found by comparing each row's fingerprint (two 31-bit polynomial hashes of the row's bits)
+with the fingerprint taken when the base was loaded, so it holds for any table layout, for rows that managed ids
+remapped or evicted, and for optimizer state that moved while its row did not. A missed change needs both hashes
+of a changed row to match, about 1 in 4.6e18.
+
+Reading a version never needs a process group: :func:`read_version` assembles full tensors from the chain (every
+file verified), :func:`materialize` writes them as a full version, and :func:`load_current` gives a serving
+process the model ``current`` points at, never a mix of two versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disttrain.parallel.checkpoint import io as ckpt
+from disttrain.parallel.engines.recsys import FUSED_OPTIMIZER_KEY, ROW_STATE_KEY, fused_optimizer_state, \
+    load_fused_optimizer_state, load_model_state, row_states
+from disttrain.parallel.guards.diskspace import writing
+from disttrain.recsys.publish import ModelStore, StoreError, fsync_dir, read_json, write_json_atomic
+
+DENSE_FILE = "dense.pt"
+INFO_FILE = "info.json"
+FULL, DELTA = "full", "delta"
+_P = 2 ** 31 - 1  # a prime: each lane of a row's fingerprint is a sum of (bits * weight) mod _P
+_LANES_SEED = 20261204
+_READ_ATTEMPTS = 5
+
+
+class DeltaError(RuntimeError):
+    """A delta version that cannot be used (the message names the file and what to do)."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+# -- the model's state as flat leaves --------------------------------------------------------------------------
+def live_state(root: nn.Module) -> dict[str, Any]:
+    """What a checkpoint of ``root`` holds, nested as :meth:`RecsysEngine.save` writes it."""
+    return {"state_dict": root.state_dict(), FUSED_OPTIMIZER_KEY: fused_optimizer_state(root)}
+
+
+def leaves(nested: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(key, value, container, index)`` for every leaf of nested dicts and lists (keys joined by "/"), with the
+    container holding it so that a caller can replace it."""
+    items = nested.items() if isinstance(nested, dict) else enumerate(nested)
+    for name, value in list(items):
+        key = f"{prefix}/{name}" if prefix else str(name)
+        if isinstance(value, (dict, list)) and not isinstance(value, torch.Tensor):
+            yield from leaves(value, key)
+        else:
+            yield key, value, nested, name
+
+
+def is_sharded(value: Any) -> bool:
+    return hasattr(value, "local_shards") and hasattr(value, "metadata")
+
+
+def _size(value: Any) -> list[int]:
+    """A sharded or plain tensor's global size (a ShardedTensor's from its metadata: its ``.size()`` warns)."""
+    return list(value.metadata().size) if is_sharded(value) else list(value.shape)
+
+
+def _shards(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """(local tensor, global offsets) of each shard this rank holds of a ShardedTensor."""
+    return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
+
+
+# -- fingerprints ------------------------------------------------------------------------------------------------
+def _lane_weights(columns: int) -> torch.Tensor:
+    """(2, columns) fixed weights in [1, _P) (the same on every rank and in every run)."""
+    generator = torch.Generator().manual_seed(_LANES_SEED)
+    return torch.randint(1, _P, (2, max(columns, 1)), generator=generator, dtype=torch.int64)
+
+
+def row_fingerprints(tensor: torch.Tensor) -> torch.Tensor:
+    """One int64 per row of ``tensor`` (per element of a 1-D one) from the bits of its values: equal rows give equal
+    fingerprints; a changed row gives another one except with probability ~2^-62."""
+    t = tensor.detach().to("cpu")
+    t = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
+    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    bits = t.contiguous().view(integer).to(torch.int64)
+    if t.element_size() == 8:  # 64-bit values: both 32-bit halves count
+        bits = torch.cat([bits & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF], dim=1)
+    else:
+        bits = bits & ((1 << (8 * t.element_size())) - 1)
+    weights = _lane_weights(bits.shape[1])
+    lanes = [((bits * w) % _P).sum(1) % _P for w in weights]  # each term < 2^31: no overflow for < 2^32 columns
+    return lanes[0] * _P + lanes[1]
+
+
+Fingerprints = dict[str, list[torch.Tensor]]
+
+
+def fingerprints(root: nn.Module) -> Fingerprints:
+    """Each sharded leaf's per-row fingerprints, one tensor per local shard (what a delta is compared with)."""
+    return {key: [row_fingerprints(t) for t, _ in _shards(value)]
+            for key, value, _, _ in leaves(live_state(root)) if is_sharded(value)}
+
+
+# -- writing a delta (collective) ---------------------------------------------------------------------------------
+@dataclass
+class DeltaSummary:
+    """What a delta holds: its files ({name: {"sha256", "bytes"}}), the rows of each table that changed (row
+    equivalents: a column shard's rows count by its share of the columns) and each table's rows."""
+
+    files: dict[str, dict[str, Any]]
+    changed_rows: dict[str, float]
+    table_rows: dict[str, int]
+
+    @property
+    def bytes(self) -> int:
+        return sum(f["bytes"] for f in self.files.values())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _save(obj: Any, path: Path, what: str) -> dict[str, Any]:
+    with writing(path, what, "delta", cleanup=path):
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
+def _changed_pieces(value: Any, base: list[torch.Tensor]) -> tuple[list[dict[str, Any]], float]:
+    """This rank's changed rows of a sharded leaf as pieces in global coordinates, and their row equivalents."""
+    size = _size(value)
+    width = size[1] if len(size) > 1 else 1
+    pieces, changed = [], 0.0
+    for (tensor, offsets), before in zip(_shards(value), base):
+        moved = row_fingerprints(tensor) != before
+        rows = torch.nonzero(moved).flatten()
+        if rows.numel():
+            values = tensor.detach().to("cpu")[rows].clone()
+            pieces.append({**encode_rows(moved, rows, offsets[0]), "col": offsets[1] if len(offsets) > 1 else 0,
+                           "values": values})
+            changed += rows.numel() * (tensor.shape[1] if tensor.dim() > 1 else 1) / width
+    return pieces, changed
+
+
+def encode_rows(moved: torch.Tensor, rows: torch.Tensor, start: int) -> dict[str, Any]:
+    """Which rows of a shard (starting at global row ``start``) a piece holds, in the smaller of two forms: a bit
+    per shard row (``mask``, packed) when many moved, else their global numbers (int32 when they fit)."""
+    if moved.numel() / 8 < 4 * rows.numel():
+        packed = np.packbits(moved.numpy().astype(np.uint8))
+        return {"start": start, "count": moved.numel(), "mask": torch.from_numpy(packed)}
+    numbers = rows + start
+    small = int(numbers.max()) < 2 ** 31
+    return {"rows": numbers.to(torch.int32 if small else torch.int64)}
+
+
+def decode_rows(piece: dict[str, Any]) -> torch.Tensor:
+    """The global row numbers of a piece (see :func:`encode_rows`), int64."""
+    if "mask" in piece:
+        moved = np.unpackbits(piece["mask"].numpy(), count=piece["count"]).astype(bool)
+        return torch.from_numpy(np.nonzero(moved)[0]).to(torch.int64) + piece["start"]
+    return piece["rows"].to(torch.int64)
+
+
+def save_delta(folder: str | os.PathLike, root: nn.Module, base: Fingerprints, metadata: dict[str, Any],
+               group: Any = None) -> DeltaSummary:
+    """Collective: write into ``folder`` the rows of ``root`` whose fingerprints differ from ``base`` (taken when
+    the base version was loaded) and the dense part (see the module docstring). Every rank returns the same
+    summary; a failure on any rank (a full disk) is raised on every rank."""
+    folder = Path(folder)
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    ckpt._on_rank0(lambda: folder.mkdir(parents=True, exist_ok=True), group=group)
+    state = live_state(root)
+    pieces: dict[str, list[dict[str, Any]]] = {}
+    changed: dict[str, float] = {}
+    sizes: dict[str, list[int]] = {}
+    dense: dict[str, Any] = {}
+    for key, value, _, _ in leaves(state):
+        if is_sharded(value):
+            if key not in base:
+                raise DeltaError(f"{key} is sharded now but was not when the base was loaded; publish a full"
+                                 " version (--full)")
+            pieces[key], changed[key] = _changed_pieces(value, base[key])
+            sizes[key] = _size(value)
+        else:
+            dense[key] = value.detach().to("cpu").clone() if isinstance(value, torch.Tensor) else value
+    files: dict[str, dict[str, Any]] = {}
+    error: Optional[Exception] = None
+    try:
+        files[rank_file(rank)] = _save({"pieces": pieces, "sizes": sizes}, folder / rank_file(rank),
+                                       f"rank {rank}'s rows of the delta")
+        if rank == 0:
+            layout = {s.key: s.columns for s in row_states(root, state[FUSED_OPTIMIZER_KEY])}
+            files[DENSE_FILE] = _save({"dense": dense, "meta": metadata, ROW_STATE_KEY: layout},
+                                      folder / DENSE_FILE, "the delta's dense part")
+    except Exception as e:
+        error = e
+    ckpt._all_ranks_ok(error, group)
+    gathered: list[Any] = [None]
+    summary = [files, changed]
+    if dist.is_available() and dist.is_initialized():
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, summary, group=group)
+    else:
+        gathered = [summary]
+    all_files = {name: f for part, _ in gathered for name, f in part.items()}
+    totals: dict[str, float] = {}
+    for _, part in gathered:
+        for key, rows in part.items():
+            totals[key] = totals.get(key, 0.0) + rows
+    tables = {key: size[0] for key, size in sizes.items()}
+    return DeltaSummary(all_files, totals, tables)
+
+
+def table_touch(summary: DeltaSummary) -> dict[str, Any]:
+    """The share of table rows that changed (weights only, not optimizer state), for records and benches."""
+    weights = [k for k in summary.changed_rows if k.startswith("state_dict/")]
+    rows = sum(summary.table_rows[k] for k in weights)
+    changed = sum(summary.changed_rows[k] for k in weights)
+    return {"changed_rows": round(changed, 1), "table_rows": rows, "fraction": round(changed / max(rows, 1), 6)}
+
+
+# -- applying deltas ---------------------------------------------------------------------------------------------
+def _read_delta_file(folder: Path, name: str, files: dict[str, Any]) -> dict[str, Any]:
+    """A delta's file, verified against the sha256 its info.json records."""
+    path = folder / name
+    expected = files.get(name)
+    if expected is None:
+        raise DeltaError(f"{folder}/{INFO_FILE} lists no {name}; the version is damaged: point current at an"
+                         " earlier version (ln -sfn versions/NNNNNN current)")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (the version was removed or damaged)")
+    if _sha256(path) != expected["sha256"]:
+        raise DeltaError(f"{path} does not match the sha256 in {folder}/{INFO_FILE} (damaged on disk); point current"
+                         " at an earlier version (ln -sfn versions/NNNNNN current) or rebuild it with"
+                         " `disttrain recsys materialize`")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _place(target: torch.Tensor, offsets: tuple[int, ...], piece: dict[str, Any]) -> None:
+    """Copy the part of ``piece`` (global coordinates) that falls in ``target`` (a shard at ``offsets``)."""
+    rows, values = decode_rows(piece), piece["values"]
+    start = offsets[0]
+    inside = (rows >= start) & (rows < start + target.shape[0])
+    if not bool(inside.any()):
+        return
+    local, values = rows[inside] - start, values[inside]
+    if target.dim() == 1:
+        target[local] = values.to(target.dtype)
+        return
+    col, own = piece["col"], offsets[1] if len(offsets) > 1 else 0
+    lo, hi = max(col, own), min(col + values.shape[1], own + target.shape[1])
+    if lo < hi:
+        target[local, lo - own:hi - own] = values[:, lo - col:hi - col].to(target.dtype)
+
+
+def apply_delta_to(state: dict[str, Any], folder: Path, files: dict[str, Any], ranks: list[str],
+                   sharded_only: bool = False) -> dict[str, Any]:
+    """Apply one delta folder to ``state`` (nested; ShardedTensor leaves get the rows their local shards hold,
+    full tensors every row); returns the delta's dense file (its ``meta`` and layout)."""
+    flat = {key: (value, container, index) for key, value, container, index in leaves(state)}
+    for name in ranks:
+        part = _read_delta_file(folder, name, files)
+        for key, pieces in part["pieces"].items():
+            if key not in flat:
+                continue
+            value = flat[key][0]
+            size = _size(value)
+            if size != part["sizes"][key]:
+                raise DeltaError(f"{folder}: {key} is {part['sizes'][key]} in the delta but {size} here (another"
+                                 " sharding plan changed the per-row optimizer state's layout); rebuild the version"
+                                 " with `disttrain recsys materialize` and warm-start from that")
+            targets = _shards(value) if is_sharded(value) else [(value, (0,) * value.dim())]
+            for tensor, offsets in targets:
+                for piece in pieces:
+                    _place(tensor, offsets, piece)
+    dense = _read_delta_file(folder, DENSE_FILE, files)
+    if not sharded_only:
+        for key, value in dense["dense"].items():
+            if key not in flat:
+                continue
+            current, container, index = flat[key]
+            if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and not is_sharded(current):
+                current.copy_(value.to(current.dtype))
+            elif not is_sharded(current):
+                container[index] = value
+    return dense
+
+
+def delta_ranks(info: dict[str, Any]) -> list[str]:
+    return sorted(name for name in info.get("files", {}) if name.startswith("rank"))
+
+
+def load_chain(root: nn.Module, store: ModelStore, info: dict[str, Any], load_full: Callable[[Path], Any]) \
+        -> dict[str, Any]:
+    """Collective: load a delta version into the sharded ``root``: its full base with ``load_full`` (the engine's
+    own load, which reshards), then every delta of its chain in order. Returns the newest delta's metadata."""
+    chain = chain_of(info)
+    load_full(store.versions / chain[0])
+    state = live_state(root)
+    meta: dict[str, Any] = {}
+    for name in chain[1:]:
+        folder = store.versions / name
+        step = read_json(folder / INFO_FILE, "point current at an earlier version")
+        meta = apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))["meta"]
+    load_model_state(root, state["state_dict"])
+    load_fused_optimizer_state(root, state[FUSED_OPTIMIZER_KEY])
+    return meta
+
+
+def same_layout(root: nn.Module, store: ModelStore, info: dict[str, Any]) -> bool:
+    """Whether ``root``'s per-row optimizer states are split by columns as in the chain of the version ``info``
+    describes (another number of ranks may split a table's columns otherwise; a delta must then not go on it)."""
+    live = {s.key: s.columns for s in row_states(root, fused_optimizer_state(root))}
+    saved = ckpt.read_meta(store.versions / chain_of(info)[0]).get(ROW_STATE_KEY) or {}
+    def plain(layout: dict[str, Any]) -> dict[str, Any]:
+        return {k: None if v is None else [int(c) for c in v] for k, v in layout.items()}
+
+    return plain(live) == plain(saved)
+
+
+def chain_of(info: dict[str, Any]) -> list[str]:
+    """The versions a version is built from: its full base first, itself last."""
+    return list(info.get("chain") or [info["version"]])
+
+
+# -- reading without a process group -----------------------------------------------------------------------------
+def read_version(store: ModelStore, version: str, keys: Optional[set[str]] = None) -> tuple[dict[str, Any], dict]:
+    """``(nested full tensors, metadata)`` of a published version, base + deltas, in this process (no collective).
+    ``keys``: the top-level entries to read (``{"state_dict"}`` for serving). Every file is verified."""
+    info = read_json(store.versions / version / INFO_FILE, "point current at an earlier version")
+    chain = chain_of(info)
+    base = store.versions / chain[0]
+    state = ckpt.read_full(base, keys=keys)
+    meta = ckpt.read_meta(base)
+    for name in chain[1:]:
+        folder = store.versions / name
+        step = read_json(folder / INFO_FILE, "point current at an earlier version")
+        meta = apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))
+        meta = {**meta["meta"], ROW_STATE_KEY: meta[ROW_STATE_KEY]}
+    return state, meta
+
+
+def materialize(model_root: str | os.PathLike, version: str, out: str | os.PathLike) -> Path:
+    """Write ``version`` (base + deltas) as one full version folder at ``out`` (atomically), loadable as any full
+    version: by the job's warm start and :func:`load_current`-style readers. Returns ``out``."""
+    store = ModelStore(model_root)
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; pass another --out or remove it")
+    if not (store.versions / version / INFO_FILE).is_file():
+        raise FileNotFoundError(f"no version {version} under {store.versions}; choose one of"
+                                f" {', '.join(sorted(p.name for p in store.versions.glob('[0-9]*'))) or 'none'}")
+    info = read_json(store.versions / version / INFO_FILE, "point current at an earlier version")
+    state, meta = read_version(store, version)
+    staging = out.with_name(f".{out.name}.partial")
+    ckpt.save_sharded(staging, state, meta)
+    write_json_atomic(staging / INFO_FILE, {**info, "kind": FULL, "chain": [info["version"]],
+                                            "materialized_from": chain_of(info)})
+    staging.rename(out)
+    fsync_dir(out.parent)
+    return out
+
+
+@dataclass
+class PublishedModel:
+    """What :func:`load_current` read: the version's name, its info.json and the model's state dict (full CPU
+    tensors, the keys of ``DeepFM``'s ``state_dict``)."""
+
+    version: str
+    info: dict[str, Any]
+    state_dict: dict[str, torch.Tensor]
+
+
+def load_current(model_root: str | os.PathLike, attempts: int = _READ_ATTEMPTS) -> PublishedModel:
+    """The model ``MODEL_ROOT/current`` points at, for a serving process: the pointer is read once and the
+    version's whole chain assembled and verified, so the result is exactly one published version even while a
+    publish swaps the pointer; if a publish prunes a version while it is read, the read starts again from the new
+    ``current`` (up to ``attempts`` times)."""
+    store = ModelStore(model_root)
+    last: Optional[BaseException] = None
+    for attempt in range(attempts):
+        if not store.pointer.is_symlink():
+            raise StoreError(f"{store.pointer} does not exist: nothing is published under {store.root} yet")
+        version = Path(os.readlink(store.pointer)).name  # one read of the pointer: the version this call returns
+        try:
+            state, _ = read_version(store, version, keys={"state_dict"})
+            info = json.loads((store.versions / version / INFO_FILE).read_text())
+            return PublishedModel(version, info, dict(state["state_dict"]))
+        except (FileNotFoundError, StoreError, ckpt.CheckpointError) as e:
+            if (store.versions / version).is_dir() and not isinstance(e, FileNotFoundError):
+                raise  # damaged, not removed under us
+            last = e
+            time.sleep(0.05 * (attempt + 1))
+    raise StoreError(f"{store.root}: current kept moving to versions removed while they were read ({last}); raise"
+                     " daily.keep_versions so a reader has time to finish")
