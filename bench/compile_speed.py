@@ -1,9 +1,11 @@
 """Compiled blocks against eager: the step time of ``compile=True`` and of the same strategy without it, on the
 dialogue demo's LLM (configs/nlp/dialogue_demo.yaml) and the tiny ViT (configs/vision/vit_tiny.yaml), measured in one
-run (2 processes under torchrun, Fabric, fp32):
+run (--devices processes under torchrun, Fabric, fp32; by default 2 on CPU, and on CUDA as many as the machine has
+GPUs, at most 2: on one GPU the step of one process):
 
     python bench/compile_speed.py                      # CPU/gloo, disttrain_fsdp
     python bench/compile_speed.py --strategy disttrain_ddp --device cuda
+    python bench/compile_speed.py --device cuda --devices 1 --steps 5
     python bench/compile_speed.py --smoke              # the tiny ViT only, a few steps
 
 Each variant runs in fresh processes: eager; compiled with an empty compile cache (a new TORCHINDUCTOR_CACHE_DIR);
@@ -43,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="disttrain_fsdp", choices=("disttrain_ddp", "disttrain_fsdp"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--devices", type=int, default=None,
+                   help="processes (one GPU each on cuda); default: 2 on cpu, the machine's GPUs (at most 2) on cuda")
     p.add_argument("--seq", type=int, default=256, help="tokens per row of the LLM (its config's longest)")
     p.add_argument("--rows", type=int, default=4, help="rows (LLM) per rank per step; the ViT takes 4x as many images")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
@@ -53,6 +57,14 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.smoke:
         args.rows, args.steps = 1, 2
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.devices is None:
+        args.devices = min(2, gpus) if args.device == "cuda" else 2
+    if args.device == "cuda" and not gpus:
+        p.error("--device cuda finds no GPU on this machine; run it on a GPU machine or pass --device cpu")
+    if args.device == "cuda" and not 1 <= args.devices <= gpus:
+        p.error(f"--devices {args.devices} with --device cuda needs one GPU per process; this machine has {gpus}:"
+                f" pass --devices 1 to {gpus}")
     return args
 
 
@@ -89,7 +101,7 @@ def measure(args, device: torch.device, variant: str) -> dict:
 
     model_name, kind = variant.split(":", 1)
     cls = disttrain.fabric.DDPStrategy if args.strategy == "disttrain_ddp" else disttrain.fabric.FSDPStrategy
-    fabric = L.Fabric(accelerator=device.type, devices=2, strategy=cls(compile=kind != "eager"))
+    fabric = L.Fabric(accelerator=device.type, devices=args.devices, strategy=cls(compile=kind != "eager"))
     fabric.launch()
     model, loss_fn = build(model_name, args.seq)
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -126,10 +138,11 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "TORCHINDUCTOR_CACHE_DIR": str(cache)}
         # in this order: "compiled, cached" finds what "compiled" left in the cache
-        runs = run_variants(__file__, [f"{m}:{v}" for m in models for v in VARIANTS], "--variant", 2, rounds=1,
-                            env=env)
+        runs = run_variants(__file__, [f"{m}:{v}" for m in models for v in VARIANTS], "--variant", args.devices,
+                            rounds=1, env=env)
     slowest = {key: {k: max(r[k] for r in res[0]) for k in ("warmup_s", "step_s")} for key, res in runs.items()}
-    setup = (f"{args.strategy}, {args.device}, fp32, 2 processes; LLM: {args.rows} rows x {args.seq} tokens per rank;"
+    processes = f"{args.devices} process{'es' if args.devices > 1 else ''}"
+    setup = (f"{args.strategy}, {args.device}, fp32, {processes}; LLM: {args.rows} rows x {args.seq} tokens per rank;"
              f" ViT: {4 * args.rows} images per rank; median of {args.steps} steps after 2 warm-up steps")
     print(setup)
     header = ["model", "eager step s", "compiled step s", "x faster", "compile warm-up s", "cached warm-up s"]
