@@ -67,6 +67,19 @@ def test_fabric_fsdp_offload_bf16(reference):
     assert relative_diff(losses, reference) <= 2e-2
 
 
+def test_fabric_offload_meta_init_keeps_parameters_on_host():
+    fabric = L.Fabric(accelerator=ACCELERATOR, devices=1, strategy="disttrain_fsdp_offload", precision="bf16-mixed")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):  # allocated at setup: on the host, root's embeddings and norm too
+        model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    assert {p.to_local().device.type for p in model.parameters()} == {"cpu"}
+    assert {b.device.type for b in model.buffers()} == {DEVICE}  # rotary frequencies, where the forward runs
+    losses = fabric_train(fabric, model, optimizer, 5)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
 def test_fabric_meta_init_on_device():
     fabric = L.Fabric(accelerator=ACCELERATOR, devices=1, strategy="disttrain_fsdp")
     fabric.launch()

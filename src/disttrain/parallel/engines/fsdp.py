@@ -164,7 +164,7 @@ class FSDPEngine(Engine):
             apply_fsdp(module, self.meshes.fsdp, self.sharding_options, precision, device, traffic=self.traffic)
             register_forward_methods(module, forward_methods)
         if self.allocates:
-            materialize(module, device)
+            materialize(module, device, cpu_offload=self.options.cpu_offload)
             claim_root(module)
         return module
 

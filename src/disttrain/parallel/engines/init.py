@@ -66,17 +66,26 @@ def _rank_distinct_rng(device: torch.device) -> Iterator[None]:
         yield
 
 
+def parameters_home(device: torch.device, cpu_offload: bool) -> torch.device:
+    """Where a meta-device model's parameters are allocated: on the host under CPU offload, whatever device the model
+    computes on (FSDP2 refuses offloaded parameters anywhere else, the root's embeddings and final norm included),
+    else on ``device``."""
+    return torch.device("cpu") if cpu_offload else device
+
+
 @torch.no_grad()
-def materialize(module: nn.Module, device: torch.device) -> None:
+def materialize(module: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
     """Allocate a (sharded) meta-device module on ``device`` and initialise it with the model's own init.
 
     HF models (anywhere in the tree, e.g. inside a LightningModule): ``initialize_weights``, which also
     recomputes rotary ``inv_freq`` buffers. timm models: ``init_weights``. Every other module that holds tensors:
-    ``reset_parameters``; modules without one are reported.
+    ``reset_parameters``; modules without one are reported. ``cpu_offload``: parameters on the host
+    (:func:`parameters_home`), buffers on ``device``, where the forward reads them.
     """
     if not has_meta_tensors(module):
         return
-    module.to_empty(device=device)
+    home = parameters_home(device, cpu_offload)
+    module.to_empty(device=home)
     uninitialized: set[str] = set()
 
     def visit(sub: nn.Module) -> None:
@@ -92,8 +101,12 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         for child in sub.children():
             visit(child)
 
-    with _rank_distinct_rng(device):
+    with _rank_distinct_rng(home):
         visit(module)
+    if home != device:
+        for sub in module.modules():
+            for name, buffer in sub.named_buffers(recurse=False):
+                sub._buffers[name] = buffer.to(device)
     if uninitialized:
         warnings.warn(
             f"meta-device init: {', '.join(sorted(uninitialized))} define no reset_parameters(); their tensors hold"
