@@ -230,6 +230,13 @@ def max_relative_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+def max_diff_of_start(losses: list[float], reference: list[float]) -> float:
+    """The largest step-by-step gap between two loss curves, as a fraction of the reference's first loss. Unlike a
+    relative difference per step, it stays sound once training drives the loss near zero (0.050 vs 0.049 is 2% of
+    the late loss, but 0.01% of a start at 10)."""
+    return max(abs(x - y) for x, y in zip(losses, reference)) / max(abs(reference[0]), 1e-12)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for a process this check starts: without the rendezvous variables this process's own
     Fabric set (MASTER_PORT is taken by its process group; a child reusing it fails with EADDRINUSE)."""

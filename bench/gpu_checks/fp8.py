@@ -1,5 +1,7 @@
 """Check 3: FP8 training through torchao float8 (``disttrain.callbacks.convert_to_fp8``, tensorwise and rowwise)
-against bf16 on the 10B config's full-width slice: the loss of every step within 1% of bf16's, and step time.
+against bf16 on the 10B config's full-width slice: at every step FP8's loss differs from bf16's by at most 1% of
+bf16's first loss; and step time. The scale is the first loss, not each step's: the learnable batches drive the
+loss near zero, where a relative difference per step (0.050 vs 0.049: 2%) measures noise, not FP8.
 
 All three runs start from the same weights (same seed, built on the device) and see the same batches, under
 ``disttrain_fsdp`` with bf16-mixed, as the FP8 callback runs: eager, no ``torch.compile``."""
@@ -12,14 +14,14 @@ from typing import Any, Optional
 import torch
 
 from gpu_checks.common import (Context, Row, build_llama, fabric, free_memory, learnable_batches,
-                               max_relative_diff, model_args, skipped, timed)
+                               max_diff_of_start, model_args, skipped, timed)
 from gpu_checks.mfu import SLICE_LAYERS
 from gpu_checks.training import optional_import, train_step
 
 CHECK = "3 FP8"
 STEPS = 20
 WARMUP = 3  # steps left out of the step time (first-call kernel selection, optimizer state creation)
-LOSS_TOLERANCE = 0.01
+LOSS_TOLERANCE = 0.01  # of bf16's first loss, at every step
 LR = 3e-4
 
 
@@ -42,7 +44,8 @@ def train(ctx: Context, args: dict[str, Any], recipe: Optional[str], batches: li
 
 
 def run(ctx: Context) -> list[Row]:
-    target = f"loss within {LOSS_TOLERANCE:.0%} of bf16 at each of {STEPS} steps; step time vs bf16"
+    target = (f"loss within {LOSS_TOLERANCE:.0%} of bf16's first loss from bf16's at each of {STEPS} steps;"
+              " step time vs bf16")
     missing = optional_import("torchao.float8")
     if missing:
         return [skipped(CHECK, f"{r} vs bf16", target, f"torchao cannot be imported ({missing}); carry it: make "
@@ -65,14 +68,15 @@ def run(ctx: Context) -> list[Row]:
                 continue
             rows.append(Row(CHECK, f"{recipe} vs bf16", "-", target, False, f"{type(e).__name__}: {e}"[:400]))
             continue
-        diff = max_relative_diff(fp8["losses"], bf16["losses"])
+        diff = max_diff_of_start(fp8["losses"], bf16["losses"])
         speed = bf16["step_s"] / fp8["step_s"]
         ok = diff <= LOSS_TOLERANCE
         item = (f"{recipe} vs bf16, {'tiny [dry]' if ctx.dry else f'dialogue_10b {SLICE_LAYERS}-layer slice'}, "
                 f"{len(batches)} steps of {batch} x {seq}")
-        figure = (f"max loss diff {diff:.2%} (final {fp8['losses'][-1]:.3f} vs {bf16['losses'][-1]:.3f}); step "
+        figure = (f"max loss gap {diff:.2%} of the first loss {bf16['losses'][0]:.3f} (final {fp8['losses'][-1]:.3f}"
+                  f" vs {bf16['losses'][-1]:.3f}); step "
                   f"{fp8['step_s'] * 1e3:.0f} ms vs {bf16['step_s'] * 1e3:.0f} ms ({speed:.2f}x)")
-        reason = "" if ok else f"loss differs by {diff:.2%} > {LOSS_TOLERANCE:.0%}"
+        reason = "" if ok else f"loss differs by {diff:.2%} of the first loss > {LOSS_TOLERANCE:.0%}"
         if ok and speed < 1:
             reason = ("slower than bf16: torchao's float8 gains need torch.compile to fuse its casts and scaling; "
                       "convert_to_fp8 leaves the model eager")
