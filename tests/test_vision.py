@@ -128,6 +128,30 @@ def test_export_loads_in_timm(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
+def test_timm_config_is_the_same_with_older_save_config_for_hf(tmp_path, monkeypatch):
+    """timm releases before ``save_config_for_hf(..., data_config=)`` (and before ``model_args=``): the call is made
+    with the arguments the installed signature takes, and config.json comes out the same."""
+    import timm.models._hub as hub
+
+    from disttrain.vision.export import write_timm_config
+
+    current = hub.save_config_for_hf
+
+    def without_data_config(model, config_path, model_config=None, model_args=None):
+        return current(model, config_path, model_config=model_config, model_args=model_args)
+
+    def without_model_args(model, config_path, model_config=None):
+        return current(model, config_path, model_config=model_config)
+
+    written = []
+    for i, writer in enumerate((current, without_data_config, without_model_args)):
+        monkeypatch.setattr(hub, "save_config_for_hf", writer)
+        write_timm_config(tmp_path / f"{i}.json", MODEL, data_config({}), ["a", "b"])
+        written.append(json.loads((tmp_path / f"{i}.json").read_text()))
+    assert written[0]["pretrained_cfg"]["crop_pct"] == 1.0 and written[0]["model_args"]
+    assert written[1] == written[0] and written[2] == written[0]
+
+
 def test_default_strategy_and_config(monkeypatch):
     from disttrain.parallel import registry
 

@@ -34,12 +34,27 @@ def export_timm(out: Union[str, os.PathLike], model_args: dict[str, Any], write_
 
 def write_timm_config(path: Path, model_args: dict[str, Any], data: Optional[DataConfig] = None,
                       class_names: Optional[list[str]] = None) -> None:
-    """timm's own config.json writer, fed a meta-device model (free even at 2B)."""
+    """timm's own config.json writer, fed a meta-device model (free even at 2B). timm releases before
+    ``save_config_for_hf(..., data_config=)`` read the preprocessing from the model's ``pretrained_cfg`` (and those
+    before ``model_args=`` write ``model_config``'s keys at the top level, where timm's loader reads ``model_args``):
+    the same config.json from either."""
+    import inspect
+
     from timm.models._hub import save_config_for_hf
 
     data_config = {"crop_pct": 1.0, "interpolation": "bilinear"}
     if data is not None:
         data_config.update(mean=tuple(data.mean), std=tuple(data.std))
-    model_config = {"label_names": list(class_names)} if class_names else None
-    save_config_for_hf(build_vit(model_args, device="meta"), str(path), model_config=model_config,
-                       model_args=dict(model_args), data_config=data_config)
+    model_config = {"label_names": list(class_names)} if class_names else {}
+    model = build_vit(model_args, device="meta")
+    accepted = inspect.signature(save_config_for_hf).parameters
+    kwargs: dict[str, Any] = {}
+    if "model_args" in accepted:
+        kwargs["model_args"] = dict(model_args)
+    else:
+        model_config["model_args"] = dict(model_args)
+    if "data_config" in accepted:
+        kwargs["data_config"] = data_config
+    else:
+        model.pretrained_cfg = {**getattr(model, "pretrained_cfg", {}), **data_config}
+    save_config_for_hf(model, str(path), model_config=model_config or None, **kwargs)
