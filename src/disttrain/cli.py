@@ -559,17 +559,22 @@ def _plan_plot(plan, path: str) -> None:
 
 
 def _recsys(argv: list[str]) -> int:
-    """``disttrain recsys make-data|daily ...``: the demo data generator and the daily DeepFM job."""
+    """``disttrain recsys make-data|daily|materialize ...``: the demo data generator, the daily DeepFM job and the
+    rebuilding of a delta version as a full one."""
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: disttrain recsys make-data OUT_DIR [--days N --rows R --start YYYY-MM-DD --seed S ...]\n"
-              "       disttrain recsys daily --data-root DIR --model-root DIR [--run-date YYYY-MM-DD] [--force]")
+        print("usage: disttrain recsys make-data OUT_DIR [--days N --rows R --start YYYY-MM-DD --seed S --every 1h]\n"
+              "       disttrain recsys daily --data-root DIR --model-root DIR [--run-date YYYY-MM-DD[_HH]]"
+              " [--every 1d|1h] [--full] [--force]\n"
+              "       disttrain recsys materialize VERSION --model-root DIR [--out DIR]")
         return 0
     if argv[0] == "daily":
         from disttrain.recsys.daily import main as daily_main
 
         return daily_main(argv[1:], prog="disttrain recsys daily")
+    if argv[0] == "materialize":
+        return _materialize(argv[1:])
     if argv[0] != "make-data":
-        raise ValueError(f"unknown recsys command {argv[0]!r}; use make-data or daily")
+        raise ValueError(f"unknown recsys command {argv[0]!r}; use make-data, daily or materialize")
     from disttrain.recsys.data import parse_date
     from disttrain.recsys.synthetic import make_days
 
@@ -584,10 +589,36 @@ def _recsys(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the planted model")
     parser.add_argument("--drift", type=float, default=0.05, help="daily drift of the planted model")
     parser.add_argument("--bad-rows", type=int, default=0, help="malformed rows mixed into each day")
+    parser.add_argument("--every", choices=("1d", "1h"), default="1d",
+                        help="1h: --days hour files day_YYYY-MM-DD_HH.tsv from --start 00:00 on (default: 1d)")
     args = parser.parse_args(argv[1:])
     for path in make_days(args.out, args.days, args.rows, start=args.start, seed=args.seed, drift=args.drift,
-                          bad_rows=args.bad_rows, first_index=args.first_index):
+                          bad_rows=args.bad_rows, first_index=args.first_index, every=args.every):
         print(f"wrote {path}")
+    return 0
+
+
+def _materialize(argv: list[str]) -> int:
+    """``disttrain recsys materialize VERSION --model-root DIR [--out DIR]``: a delta version and the versions it
+    is built on, as one full version folder."""
+    from disttrain.recsys.delta import DeltaError, materialize
+    from disttrain.recsys.publish import StoreError
+
+    parser = argparse.ArgumentParser(prog="disttrain recsys materialize", description="Rebuild a published version"
+                                     " (its full base + the deltas up to it) as one full model folder, loadable as"
+                                     " any full version. One process, no GPU.")
+    parser.add_argument("version", help="the version's folder name under MODEL_ROOT/versions, e.g. 000007")
+    parser.add_argument("--model-root", required=True, type=Path, help="the daily job's --model-root")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write it (default: MODEL_ROOT/materialized/VERSION); must not exist")
+    args = parser.parse_args(argv)
+    out = args.out or args.model_root / "materialized" / args.version
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {materialize(args.model_root, args.version, out)}")
+    except (DeltaError, StoreError, FileExistsError, PermissionError) as e:
+        print(f"disttrain recsys materialize: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -615,10 +646,12 @@ commands:
                  shard the model with the real strategy code on N fake ranks; bytes per rank role
   report RUN_DIR  redraw RUN_DIR/report.png and report.md from a run's logs (a recipe's --out, also interrupted
                  runs) or, for the daily job's --model-root, the model history from its run records
-  recsys make-data OUT_DIR [--days N --rows R]
-                 write Criteo-format demo days from a planted model with daily drift
-  recsys daily --data-root DIR --model-root DIR [--run-date YYYY-MM-DD] [--force]
-                 the daily DeepFM job (same as recipes/recsys/deepfm_daily.py)
+  recsys make-data OUT_DIR [--days N --rows R --every 1h]
+                 write Criteo-format demo days (or hours) from a planted model with drift
+  recsys daily --data-root DIR --model-root DIR [--run-date YYYY-MM-DD[_HH]] [--every 1d|1h] [--full] [--force]
+                 the daily DeepFM job (same as recipes/recsys/deepfm_daily.py); --every 1h: hourly, delta versions
+  recsys materialize VERSION --model-root DIR [--out DIR]
+                 rebuild a delta version (its base + deltas) as one full model folder
 """
 
 

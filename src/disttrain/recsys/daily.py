@@ -48,19 +48,23 @@ from disttrain.launch import check_options
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.guards import watchdog
 from disttrain.parallel.guards.diskspace import DiskFullError, ensure_free, remove
+from disttrain.parallel.engines.managed_ids import finish_admissions, held_ids
 from disttrain.parallel.guards.failures import describe
 from disttrain.recsys.data import CADENCES, BadDataError, Day, DayBatches, cache_size_estimate, cached, \
     convert_day, day_stats, folder_bytes, is_hour, list_periods, load_day, parse_period, period_key, period_start, \
     split_rows
 from disttrain.recsys.defaults import DAILY_DEFAULTS, FULL_EVERY, TRAIN_DEFAULTS
+from disttrain.recsys.ids import STATE_KEY as ID_COUNTS, IdCounts, count_evictions, describe_ids, \
+    is_hashed_checkpoint, warm_start_from_hashed
 from disttrain.recsys.metrics import ClickMetrics
 from disttrain.recsys.publish import LockedError, ModelStore, StoreError
 from disttrain.recsys.validate import ValidationBounds, check_day
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "recsys" / "deepfm_tiny.yaml"
 STRATEGY = "disttrain_recsys"  # the recipe's strategy: section holds its options
-# TEST ONLY: name a point of the run (after-day-YYYY-MM-DD, before-publish, before-pointer) and the job dies there
-# with os._exit, as a killed process would (no cleanup); the tests use it to check that a restart recovers.
+# TEST ONLY: name a point of the run (after-day-YYYY-MM-DD[_HH], before-publish, after-delta-files, before-pointer)
+# and the job dies there with os._exit, as a killed process would (no cleanup); the tests use it to check that a
+# restart recovers.
 CRASH_ENV = "DISTTRAIN_DAILY_CRASH_AT"
 EXIT_FAILED, EXIT_REJECTED = 1, 3
 # A day's record status; published and rejected days were trained (so not again without --force), the others not.
@@ -379,6 +383,8 @@ class DailyJob:
         # The recipe's strategy: section, as the launch layer reads it for the Trainer of each day (_fit_day).
         engine = RecsysEngine(check_options(STRATEGY, self.strategy_options), STRATEGY)
         engine.parallelize(module, self.device)  # shard now, so the warm start loads straight into the shards
+        self.id_counts = IdCounts(self.recipe["model"])  # a warm start goes on from the model's own counts
+        self._run_ids = [loaded[d].sparse for d in plan.days]  # what a hashed model's ids are migrated by
         current_metrics = plan.current_metrics
         back = (f"point current at an earlier version (ln -sfn versions/NNNNNN {self.store.pointer}) or remove"
                 f" {self.store.pointer} to train from scratch")
@@ -409,7 +415,7 @@ class DailyJob:
                   "previous_version": current.name if current else None, "auc_tolerance": tolerance,
                   "min_auc": min_auc, "rows": {d: loaded[d].rows for d in plan.days},
                   "bad_rows": {d: loaded[d].bad_rows for d in plan.days}, "trained_days": trained,
-                  "validation": validation,
+                  "validation": validation, "ids": {d: self.id_counts.days.get(d) for d in plan.days},
                   "started_at": _now(started), **plan.notes()}
         version = None
         if reason is None:
@@ -671,9 +677,14 @@ class DailyJob:
             with _quiet_root_logger(not self.options.verbose):
                 if (info or {}).get("kind") == DELTA:
                     metadata = load_chain(module, self.store, info, lambda full: engine.load(full, module))
+                elif is_hashed_checkpoint(path, module):  # ids: managed now, hashed in the model
+                    _log(f"{path}: hashed tables into managed ones: the ids of {len(self._run_ids)} day(s) start"
+                         " from their hashed rows")
+                    metadata = warm_start_from_hashed(engine, module, path, self.recipe["model"], self._run_ids)
                 else:
                     metadata = engine.load(path, module)
             module.configure_optimizers().load_state_dict(metadata["dense_optimizer"])
+            self.id_counts.restore(metadata.get(ID_COUNTS))
         except (ckpt.CheckpointError, DeltaError, RuntimeError, KeyError, ValueError, OSError) as e:
             raise DailyError(f"{path} cannot be loaded: {one_line(e)}; {fix}") from e
         bad = self._nonfinite(module)
@@ -697,15 +708,21 @@ class DailyJob:
             if d in trained:
                 continue
             watchdog.set_phase(f"training day {d}")
+            ids = self.id_counts.count_day(d, loaded[d].sparse)
+            held = held_ids(module)
             rows = self._fit_day(module, loaded[d])
+            finish_admissions(module)  # nothing pending in the saved model: a resume goes on as this run does
+            if held:
+                self.id_counts.add_evictions(d, count_evictions(held, held_ids(module), self.device))
             bad = self._nonfinite(module)
             if bad:
                 _log(f"{d}: training diverged: {bad}")
                 return trained, (d, bad)
             trained.append(d)
             engine.save(self.store.staging, module, {"progress": {**progress, "trained": trained},
-                                                     "dense_optimizer": module.configure_optimizers().state_dict()})
-            _log(f"{d}: trained on {rows} rows")
+                                                     "dense_optimizer": module.configure_optimizers().state_dict(),
+                                                     ID_COUNTS: self.id_counts.state()})
+            _log(f"{d}: trained on {rows} rows; {describe_ids(ids)}")
             _crash_point(f"after-day-{d}")
         return trained, None
 
@@ -769,7 +786,8 @@ class DailyJob:
         new_info = {"version": version.name, "days": days, "previous": record["previous_version"],
                     "metrics": record["metrics"], "published_at": _now(time.time()), "model": self.recipe["model"],
                     "world_size": self.world, "record": record}
-        metadata = {"dense_optimizer": module.configure_optimizers().state_dict(), "info": new_info}
+        metadata = {"dense_optimizer": module.configure_optimizers().state_dict(), "info": new_info,
+                    ID_COUNTS: self.id_counts.state()}
         as_delta = self._base_prints is not None and self._may_publish_delta(info) and \
             delta.same_layout(module, self.store, info)
         if as_delta:
@@ -777,6 +795,7 @@ class DailyJob:
             new_info.update(kind=delta.DELTA, base=info["version"], chain=delta.chain_of(info) + [version.name])
             summary = delta.save_delta(self.store.partial(version), module, self._base_prints, metadata)
             new_info.update(files=summary.files, changed=delta.table_touch(summary))
+            _crash_point("after-delta-files")
             published = {"kind": delta.DELTA, "bytes": summary.bytes, **new_info["changed"]}
         else:
             new_info.update(kind=delta.FULL, chain=[version.name])

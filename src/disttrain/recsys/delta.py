@@ -6,8 +6,8 @@ holds only the rows that changed since its base (the version the run warm-starte
 
     versions/000007/
       rank00000.pt ...   each rank's changed rows of its table shards and of their fused optimizer state, in
-                         global coordinates ({key: [{"rows": (n,) or a row bit mask, "col": first column,
-                         "values": (n, w)}]})
+                         global coordinates: per piece its key, first column, rows (numbers or a bit mask) and
+                         values, packed into a few tensors (see pack)
       dense.pt           every tensor that is not sharded (the dense network, DDP-replicated) and every other leaf,
                          the job's metadata (dense optimizer state, run info) and the per-row state's column split
       info.json          kind "delta", base, chain (the full version it starts from, then every delta up to this one)
@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -41,7 +42,7 @@ from torch import nn
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.recsys import FUSED_OPTIMIZER_KEY, ROW_STATE_KEY, fused_optimizer_state, \
     load_fused_optimizer_state, load_model_state, row_states
-from disttrain.parallel.guards.diskspace import writing
+from disttrain.parallel.guards.diskspace import remove, writing
 from disttrain.recsys.publish import ModelStore, StoreError, fsync_dir, read_json, write_json_atomic
 
 DENSE_FILE = "dense.pt"
@@ -183,6 +184,54 @@ def encode_rows(moved: torch.Tensor, rows: torch.Tensor, start: int) -> dict[str
     return {"rows": numbers.to(torch.int32 if small else torch.int64)}
 
 
+def pack(pieces: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """A rank's pieces as a few tensors (values grouped by dtype and width, row masks and row numbers each in one
+    tensor) and a list describing each piece: a file entry per tensor would cost more than a small table's rows."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    filled: dict[str, int] = {}
+    masks: list[torch.Tensor] = []
+    numbers: list[torch.Tensor] = []
+    described = []
+    at_mask = at_rows = 0
+    for key, listed in pieces.items():
+        for piece in listed:
+            values = piece["values"]
+            group = f"{str(values.dtype).replace('torch.', '')}x{values.shape[1] if values.dim() > 1 else 0}"
+            entry = {"key": key, "col": piece["col"], "n": values.shape[0], "group": group,
+                     "at": filled.get(group, 0)}
+            groups.setdefault(group, []).append(values)
+            filled[group] = entry["at"] + values.shape[0]
+            if "mask" in piece:
+                entry.update(start=piece["start"], count=piece["count"], mask_at=at_mask,
+                             mask_len=piece["mask"].numel())
+                masks.append(piece["mask"])
+                at_mask += piece["mask"].numel()
+            else:
+                entry.update(rows_at=at_rows)
+                numbers.append(piece["rows"].to(torch.int64))
+                at_rows += piece["rows"].numel()
+            described.append(entry)
+    rows = torch.cat(numbers) if numbers else torch.zeros(0, dtype=torch.int64)
+    if rows.numel() and int(rows.max()) < 2 ** 31:
+        rows = rows.to(torch.int32)
+    return {"pieces": described, "values": {g: torch.cat(v) for g, v in groups.items()},
+            "masks": torch.cat(masks) if masks else torch.zeros(0, dtype=torch.uint8), "rows": rows}
+
+
+def unpack(part: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The pieces :func:`pack` packed, by key."""
+    pieces: dict[str, list[dict[str, Any]]] = {}
+    for entry in part["pieces"]:
+        piece = {"col": entry["col"], "values": part["values"][entry["group"]][entry["at"]:entry["at"] + entry["n"]]}
+        if "mask_at" in entry:
+            piece.update(start=entry["start"], count=entry["count"],
+                         mask=part["masks"][entry["mask_at"]:entry["mask_at"] + entry["mask_len"]])
+        else:
+            piece["rows"] = part["rows"][entry["rows_at"]:entry["rows_at"] + entry["n"]]
+        pieces.setdefault(entry["key"], []).append(piece)
+    return pieces
+
+
 def decode_rows(piece: dict[str, Any]) -> torch.Tensor:
     """The global row numbers of a piece (see :func:`encode_rows`), int64."""
     if "mask" in piece:
@@ -216,7 +265,7 @@ def save_delta(folder: str | os.PathLike, root: nn.Module, base: Fingerprints, m
     files: dict[str, dict[str, Any]] = {}
     error: Optional[Exception] = None
     try:
-        files[rank_file(rank)] = _save({"pieces": pieces, "sizes": sizes}, folder / rank_file(rank),
+        files[rank_file(rank)] = _save({**pack(pieces), "sizes": sizes}, folder / rank_file(rank),
                                        f"rank {rank}'s rows of the delta")
         if rank == 0:
             layout = {s.key: s.columns for s in row_states(root, state[FUSED_OPTIMIZER_KEY])}
@@ -290,7 +339,7 @@ def apply_delta_to(state: dict[str, Any], folder: Path, files: dict[str, Any], r
     flat = {key: (value, container, index) for key, value, container, index in leaves(state)}
     for name in ranks:
         part = _read_delta_file(folder, name, files)
-        for key, pieces in part["pieces"].items():
+        for key, pieces in unpack(part).items():
             if key not in flat:
                 continue
             value = flat[key][0]
@@ -323,8 +372,22 @@ def delta_ranks(info: dict[str, Any]) -> list[str]:
 def load_chain(root: nn.Module, store: ModelStore, info: dict[str, Any], load_full: Callable[[Path], Any]) \
         -> dict[str, Any]:
     """Collective: load a delta version into the sharded ``root``: its full base with ``load_full`` (the engine's
-    own load, which reshards), then every delta of its chain in order. Returns the newest delta's metadata."""
+    own load, which reshards), then every delta of its chain in order. Returns the newest delta's metadata. When
+    ``root`` splits a per-row optimizer state's columns otherwise than the chain (another number of ranks), rank 0
+    first rebuilds the version in full under ``work/`` and that is loaded (and removed)."""
     chain = chain_of(info)
+    if not same_layout(root, store, info):  # rows of per-row state are laid out otherwise here: rebuild in full
+        folder = store.work / f"materialized-{info['version']}"
+
+        def rebuild() -> None:
+            remove(folder)
+            materialize(store.root, info["version"], folder)
+
+        ckpt._on_rank0(rebuild)
+        try:
+            return load_full(folder)
+        finally:
+            ckpt._on_rank0(remove, folder)
     load_full(store.versions / chain[0])
     state = live_state(root)
     meta: dict[str, Any] = {}
@@ -383,7 +446,9 @@ def materialize(model_root: str | os.PathLike, version: str, out: str | os.PathL
     info = read_json(store.versions / version / INFO_FILE, "point current at an earlier version")
     state, meta = read_version(store, version)
     staging = out.with_name(f".{out.name}.partial")
-    ckpt.save_sharded(staging, state, meta)
+    with warnings.catch_warnings():  # DCP notes that it saves from one process: what this is for
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        ckpt.save_sharded(staging, state, meta)
     write_json_atomic(staging / INFO_FILE, {**info, "kind": FULL, "chain": [info["version"]],
                                             "materialized_from": chain_of(info)})
     staging.rename(out)
