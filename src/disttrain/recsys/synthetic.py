@@ -39,8 +39,10 @@ class PlantedModel:
         return self.offset + bias + dense @ self.dense_weight + fm
 
 
-def planted_model(seed: int, day_index: int, drift: float = 0.05, latent_dim: int = 4) -> PlantedModel:
-    """The planted model on day ``day_index`` (0-based): day 0 drawn from ``seed``, then one drift step a day."""
+def planted_model(seed: int, day_index: int, drift: float = 0.05, latent_dim: int = 4,
+                  new_ids: float = 0.0) -> PlantedModel:
+    """The planted model on day ``day_index`` (0-based): day 0 drawn from ``seed``, then one drift step a day, in
+    which a ``new_ids`` share of every column's ids is replaced by ids never drawn before (new users, items)."""
     rng = np.random.default_rng(seed)
     vocab = rng.integers(20, 400, size=CAT_FEATURE_COUNT)
     ids = [rng.choice(2 ** 32, size=v, replace=False).astype(np.int64) for v in vocab]
@@ -56,6 +58,11 @@ def planted_model(seed: int, day_index: int, drift: float = 0.05, latent_dim: in
     for _ in range(day_index):
         bias = [b + drift_rng.normal(0, drift, size=b.shape) for b in bias]
         latent = [z + drift_rng.normal(0, drift / 3, size=z.shape) for z in latent]
+        if new_ids > 0:  # a generator of its own: without new ids the days stay what they were
+            ids_rng = np.random.default_rng([seed, 3, _])
+            for column in ids:
+                replaced = ids_rng.random(len(column)) < new_ids
+                column[replaced] = ids_rng.integers(2 ** 32, size=int(replaced.sum()))
     model = PlantedModel(ids, bias, latent, popularity, dense_weight, dense_scale, offset=0.0)
     # Centre the logits on about -1.2 (a click rate near 25%) on a fixed probe sample.
     _, dense, choice = sample_day(model, 2000, seed=seed)
@@ -97,11 +104,12 @@ def write_day(path: Path, model: PlantedModel, labels: np.ndarray, dense: np.nda
 
 def make_days(root: str | os.PathLike, days: int, rows_per_day: int, start: dt.date = dt.date(2026, 11, 1),
               seed: int = 0, drift: float = 0.05, missing: float = 0.02, bad_rows: int = 0,
-              first_index: int = 0, every: str = "1d") -> list[Path]:
+              first_index: int = 0, every: str = "1d", new_ids: float = 0.0) -> list[Path]:
     """Write ``days`` files ``day_YYYY-MM-DD.tsv`` from ``start`` on (``every="1h"``: that many hour files
     ``day_YYYY-MM-DD_HH.tsv``); returns their paths. Day ``k`` uses the
     planted model after ``first_index + k`` drift steps (default 0), so a later call with ``first_index`` = the
-    number of days written before continues the same drift."""
+    number of days written before continues the same drift. ``new_ids``: the share of each column's ids replaced by
+    new ones at every drift step."""
     if days < 1 or rows_per_day < 1:
         raise ValueError(f"days={days} and rows_per_day={rows_per_day} must both be at least 1")
     root = Path(root)
@@ -110,7 +118,7 @@ def make_days(root: str | os.PathLike, days: int, rows_per_day: int, start: dt.d
     paths = []
     for k in range(days):
         index = base + k
-        model = planted_model(seed, index, drift)
+        model = planted_model(seed, index, drift, new_ids=new_ids)
         labels, dense, choice = sample_day(model, rows_per_day, seed=hash((seed, index)) % 2 ** 32)
         if every == "1h":  # hour files: day_YYYY-MM-DD_HH.tsv from start's 00:00 on, one drift step per hour
             path = root / f"day_{dt.datetime.combine(start, dt.time()) + dt.timedelta(hours=k):%Y-%m-%d_%H}.tsv"

@@ -20,7 +20,8 @@ HISTORY_METRICS = ("auc", "logloss", "calibration")
 class DayEntry:
     """One day's record: its status (published, rejected, skipped, late, invalid, quarantined, released), the
     version it went into, the new model's metrics on the run's held-out rows and the current model's before it (for
-    the gate), why it was not published, and who set it aside or released it and when (``by``, ``at``)."""
+    the gate), why it was not published, who set it aside or released it and when (``by``, ``at``), and what
+    happened to its categorical ids (``ids``, see :mod:`disttrain.recsys.ids`)."""
 
     day: str
     status: str
@@ -31,6 +32,7 @@ class DayEntry:
     reason: str | None
     by: str | None = None
     at: str | None = None
+    ids: dict[str, Any] | None = None  # the day's new ids, and collisions (hashed) or evictions (managed tables)
 
     def why(self) -> str:
         """The reason; for a quarantined day, with who set it aside and when (a release's reason names both)."""
@@ -61,8 +63,10 @@ def read_history(model_root: str | os.PathLike) -> list[DayEntry]:
             raise ReportError(f"{path}: unreadable record ({e}); restore it from a backup or delete it") from None
         metrics = {k: _number(v) for k, v in (r.get("metrics") or {}).items()}
         current = {k: _number(v) for k, v in (r.get("current_metrics") or {}).items()}
-        entries.append(DayEntry(r.get("day", path.stem), r.get("status", "?"), r.get("version"), r.get("run_date"),
-                                metrics, current, r.get("reason"), r.get("by"), r.get("at")))
+        day = r.get("day", path.stem)
+        entries.append(DayEntry(day, r.get("status", "?"), r.get("version"), r.get("run_date"),
+                                metrics, current, r.get("reason"), r.get("by"), r.get("at"),
+                                (r.get("ids") or {}).get(day)))
     return entries
 
 
@@ -129,15 +133,23 @@ def _f(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.4f}"
 
 
+def _ids(figures: dict[str, Any] | None) -> str:
+    """The new ids, collisions and evictions cells of a day ("-" where a figure does not apply)."""
+    figures = figures or {}
+    return " | ".join(f"{figures[k]:,}" if isinstance(figures.get(k), int) else "-"
+                      for k in ("new_ids", "collisions", "evictions"))
+
+
 def history_markdown(entries: list[DayEntry], title: str, panels: list[str]) -> str:
     lines = [f"# Model history: {title}", "", "![report](report.png)", "", "Panels: " + ", ".join(panels) + ".", "",
-             "| day | status | version | run date | AUC | log loss | calibration | current AUC | reason |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| day | status | version | run date | AUC | log loss | calibration | current AUC | new ids |"
+             " collisions | evictions | reason |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         m = e.metrics
         lines.append(f"| {e.day} | {e.status} | {e.version or '-'} | {e.run_date or '-'} | {_f(m.get('auc'))} | "
                      f"{_f(m.get('logloss'))} | {_f(m.get('calibration'))} | "
-                     f"{_f(e.current_metrics.get('auc'))} | {e.why().replace('|', '/')} |")
+                     f"{_f(e.current_metrics.get('auc'))} | {_ids(e.ids)} | {e.why().replace('|', '/')} |")
     counts = {s: sum(e.status == s for e in entries) for s in dict.fromkeys(e.status for e in entries)}
     lines += ["", "Days: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + "."]
     return "\n".join(lines) + "\n"

@@ -95,6 +95,9 @@ def finish_admissions(root: nn.Module) -> None:
             if getattr(mcm, "_current_history_buffer_offset", 0) > 0:
                 mcm._coalesce_history()
             mcm._current_iter = -1  # as after a load: the next batch reads the count from _current_iter_tensor
+            # and sizes the buffer of ids awaiting admission (torchrec: 1.25 x eviction_interval x the ids of the
+            # first batch this process routes to it; ids beyond it wait for the next interval)
+            mcm._input_history_buffer_size = -1
         evictions = mcc.evict()
         if any(rows is not None for rows in evictions.values()):
             sharded._evict(evictions)

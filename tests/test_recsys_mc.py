@@ -1,0 +1,102 @@
+"""Collisionless ids for the DeepFM tables: torchrec managed collisions under disttrain_recsys on 1 and 2 CPU
+processes (no collision, exact resume, a refused move to another process count, the warm start from hashed tables),
+the per-day counts of new ids, collisions and evictions, and the daily job recording them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT, run_dist, run_python
+
+from disttrain.recsys.data import parse_day_file
+from disttrain.recsys.ids import IdCounts
+from disttrain.recsys.synthetic import make_days
+
+RECIPE = ROOT / "recipes" / "recsys" / "deepfm_daily.py"
+TINY = ROOT / "configs" / "recsys" / "deepfm_tiny.yaml"
+
+
+def model_config(ids: str, rows: int = 64) -> dict:
+    return {"embedding_dim": 8, "num_embeddings_per_feature": [rows] * 26, "ids": ids,
+            "managed_collisions": {"input_hash_size": 2 ** 32}}
+
+
+def test_id_counts_new_ids_and_collisions_carry_over_a_save(tmp_path):
+    """Three days with ~30% new ids a day: hashed tables of 64 rows count collisions, managed ones count none; the
+    counts of day 3 are the same after the state went through a save (what a resume or a warm start reads)."""
+    days = [parse_day_file(p).cats for p in make_days(tmp_path, 3, 2000, new_ids=0.3)]
+    hashed, managed = IdCounts(model_config("hashed")), IdCounts(model_config("managed"))
+    first = [hashed.count_day(f"d{k}", day) for k, day in enumerate(days)]
+    second = [managed.count_day(f"d{k}", day) for k, day in enumerate(days)]
+    distinct = [sum(len(np.unique(day[:, f][day[:, f] != 0])) for f in range(26)) for day in days]
+    assert first[0]["new_ids"] == distinct[0] == second[0]["new_ids"]  # the first day: every id is new
+    assert 0.2 * distinct[1] < first[1]["new_ids"] < 0.6 * distinct[1]
+    assert all(f["collisions"] > 0 for f in first) and "collisions" not in second[0]
+    assert first[0]["collisions"] == sum(max(0, len(np.unique(days[0][:, f][days[0][:, f] != 0])) - len(
+        np.unique(days[0][:, f][days[0][:, f] != 0] % 64))) for f in range(26))  # ids beyond each row's first
+    resumed = IdCounts(model_config("hashed"))
+    resumed.count_day("d0", days[0]), resumed.count_day("d1", days[1])
+    saved = tmp_path / "state.pt"
+    import torch
+
+    torch.save(resumed.state(), saved)
+    again = IdCounts(model_config("hashed")).restore(torch.load(saved, weights_only=True))
+    assert again.count_day("d2", days[2]) == first[2]
+
+
+@pytest.mark.slow
+def test_managed_tables_on_one_and_two_processes(tmp_path):
+    """2 processes, then 1: held ids distinct, each on a row of its own; save, load and two more steps give bitwise
+    the tables of the uninterrupted run; the 2-process checkpoint is refused on 1 process in one line; a hashed model
+    warm-started into managed tables predicts the ids it admitted bitwise as the hashed model did; 1 and 2 processes
+    predict the same (every id starts from zeros wherever its row is)."""
+    two = run_dist("recsys_mc.py", tmp_path, "-", nproc=2)
+    (tmp_path / "one").mkdir()
+    one = run_dist("recsys_mc.py", tmp_path / "one", str(tmp_path / "result-managed-2"), nproc=1)
+    for rank in two + one:
+        assert rank["distinct_ids"] and rank["distinct_rows"], rank["held"]
+        assert rank["loaded_bitwise"] and rank["resumed_bitwise"], (rank["differ"], rank["maxdiff"])
+        assert rank["migrated_probe"] == rank["hashed_probe"]
+    assert two[0]["held"] == one[0]["held"]  # room for every id: the same ids are held on 1 and 2 processes
+    np.testing.assert_allclose(two[0]["probe"], one[0]["probe"], atol=1e-4, rtol=1e-4)
+    error = one[0]["foreign_error"]
+    assert error and "\n" not in error and "saved on 2 process(es)" in error and "run with 2 process(es)" in error
+
+
+def daily(data: Path, models: Path, config: Path, *args: str) -> None:
+    run = run_python(str(RECIPE), "--data-root", str(data), "--model-root", str(models), "--accelerator", "cpu",
+                     "--config", str(config), "--skip-validation", "--min-auc", "0", *args)
+    assert run.returncode in (0, 3), run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_daily_job_counts_ids_and_moves_a_hashed_model_to_managed_ids(tmp_path):
+    """Day 1 trained with hashed tables (collisions counted), days 2 and 3 with managed ones warm-started from it
+    (evictions counted, no collisions); the records and report.md show the figures."""
+    data, models = tmp_path / "data", tmp_path / "models"
+    make_days(data, 3, 3000, new_ids=0.3)
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["model"]["num_embeddings_per_feature"] = [64] * 26  # smaller than most columns' vocabularies
+    hashed, managed = tmp_path / "hashed.yaml", tmp_path / "managed.yaml"
+    hashed.write_text(yaml.safe_dump(recipe))
+    recipe["model"]["ids"] = "managed"
+    # lru: new ids displace the least recently seen (lfu would keep the migrated ids, counted over two days)
+    recipe["model"]["managed_collisions"]["eviction_policy"] = "lru"
+    managed.write_text(yaml.safe_dump(recipe))
+    daily(data, models, hashed, "--run-date", "2026-11-01")
+    daily(data, models, managed)
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted((models / "runs").glob("*.json"))}
+    first = runs["2026-11-01"]["ids"]["2026-11-01"]
+    assert first["ids"] == "hashed" and first["collisions"] > 0 and first["new_ids"] > 0
+    for day in ("2026-11-02", "2026-11-03"):
+        figures = runs[day]["ids"][day]
+        assert figures["ids"] == "managed" and "collisions" not in figures
+        assert figures["evictions"] > 0 and 0 < figures["new_ids"] < first["new_ids"]
+    report = (models / "report.md").read_text()
+    assert "| new ids | collisions | evictions |" in report
+    assert f"| {first['new_ids']:,} | {first['collisions']:,} | - |" in report
