@@ -18,6 +18,7 @@ patch                                 works around
 :func:`allow_setup_optimizers_after`  Fabric refuses ``setup_optimizers`` for every DeepSpeed strategy
 :func:`skip_deepspeed_shm_op`         DeepSpeed JIT-compiles an inference-only op when its backend starts on CPU
 :func:`allow_fp16_on_deepspeed_cpu`   DeepSpeed's CPU accelerator refuses fp16 without AVX512-FP16/AMX
+:func:`count_all_to_all`              torch.distributed has no hook that sees the tensors a gloo all-to-all sends
 ====================================  ===========================================================================
 """
 
@@ -226,3 +227,35 @@ def allow_fp16_on_deepspeed_cpu(device_type: str, precision: str) -> None:
         if not accelerator.is_fp16_supported():
             accelerator.is_fp16_supported = lambda: True
             accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+
+
+# -- torch.distributed: the bytes torchrec's all-to-alls send -----------------------------------------------------
+_ALL_TO_ALL_LISTENERS: Any = None  # a WeakSet of objects with add_all_to_all(input, input_split_sizes, group)
+
+
+def count_all_to_all(listener: Any) -> None:
+    """Call ``listener.add_all_to_all(input, input_split_sizes, group)`` before every
+    ``torch.distributed.all_to_all_single`` of this process, as long as ``listener`` lives.
+
+    torchrec sends ids, lengths, pooled embeddings and their gradients with ``dist.all_to_all_single`` (its module
+    reads the function from ``torch.distributed`` at each call); torch offers no hook that sees those tensors on
+    gloo (a work's completion hook is NCCL's alone). The function is wrapped once per process; the wrapper calls
+    the live listeners and then torch's own function unchanged."""
+    global _ALL_TO_ALL_LISTENERS
+    import weakref
+
+    import torch.distributed as dist
+
+    if _ALL_TO_ALL_LISTENERS is None:
+        _ALL_TO_ALL_LISTENERS = weakref.WeakSet()
+        original = dist.all_to_all_single
+
+        @functools.wraps(original)
+        def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+                              group: Any = None, async_op: bool = False) -> Any:
+            for counter in list(_ALL_TO_ALL_LISTENERS):
+                counter.add_all_to_all(input, input_split_sizes, group)
+            return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+        dist.all_to_all_single = all_to_all_single
+    _ALL_TO_ALL_LISTENERS.add(listener)

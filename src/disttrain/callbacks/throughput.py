@@ -243,7 +243,9 @@ class Throughput(Callback):
     - ``memory/peak_mib`` (the largest over ranks) and ``memory/peak_mib_rank{r}`` for every rank;
     - ``comm/grad_bytes_per_step``: the bytes each rank sent to reduce gradients per optimizer step since the last
       report (mean over ranks), under strategies that count them (disttrain_ddp, disttrain_fsdp: see their
-      ``gradient_compression``).
+      ``gradient_compression``);
+    - ``comm/table_bytes_per_step``: under disttrain_recsys, the bytes each rank handed to the sharded tables'
+      all-to-alls per optimizer step (ids, pooled embeddings and their gradients; see its ``comm_precision``).
 
     Args:
         every_n_steps: report (and all-gather, one tiny collective) every this many optimizer steps.
@@ -349,6 +351,9 @@ class Throughput(Callback):
         engine = getattr(strategy, "engine", None)
         self._comm_bytes = getattr(engine, "comm_bytes", lambda: None)
         self._comm_mark = (self._comm_bytes(), steps_done)
+        table_bytes = getattr(engine, "table_bytes", lambda: None)
+        self._table_bytes = lambda: None if table_bytes() is None else sum(table_bytes().values())
+        self._table_mark = (self._table_bytes(), steps_done)
 
     def _resolve_peak(self, device: torch.device, precision: str) -> float | None:
         if isinstance(self.peak_flops, (int, float)):
@@ -416,9 +421,9 @@ class Throughput(Callback):
         mine = [local.get("device/items_per_sec", nan) if self._counts_tokens else nan,
                 local.get("device/samples_per_sec", nan) if self._counts_samples else nan,
                 local.get("device/batches_per_sec", nan), local.get("device/flops_per_sec", nan),
-                peak_memory_mib(self._device), self._comm_per_step()]
+                peak_memory_mib(self._device), self._comm_per_step(), self._table_per_step()]
         ranks = gather(torch.tensor(mine, dtype=torch.float64, device=self._device)).reshape(-1, len(mine)).cpu()
-        tokens, samples, steps, flops, memory, comm = ranks.unbind(1)
+        tokens, samples, steps, flops, memory, comm, table = ranks.unbind(1)
         # Ranks of one tensor/pipeline-parallel group work on the same samples: count each group once.
         share = self._dp / self._world_size
         out: dict[str, float] = {}
@@ -436,6 +441,8 @@ class Throughput(Callback):
                 out["throughput/mfu"] = mfu(job_flops, self._world_size, self._peak)
         if not comm.isnan().any():
             out["comm/grad_bytes_per_step"] = comm.mean().item()
+        if not table.isnan().any():
+            out["comm/table_bytes_per_step"] = table.mean().item()
         out["memory/peak_mib"] = memory.max().item()
         out.update({f"memory/peak_mib_rank{r}": m for r, m in enumerate(memory.tolist())})
         self.metrics = out
@@ -445,6 +452,14 @@ class Throughput(Callback):
         """Bytes this rank sent to reduce gradients per optimizer step since the last report (NaN: not counted)."""
         (before, steps_before), now = self._comm_mark, self._comm_bytes()
         self._comm_mark = (now, self._steps)
+        if before is None or now is None or self._steps == steps_before:
+            return math.nan
+        return (now - before) / (self._steps - steps_before)
+
+    def _table_per_step(self) -> float:
+        """Bytes this rank handed to the tables' all-to-alls per optimizer step since the last report (NaN: none)."""
+        (before, steps_before), now = self._table_mark, self._table_bytes()
+        self._table_mark = (now, self._steps)
         if before is None or now is None or self._steps == steps_before:
             return math.nan
         return (now - before) / (self._steps - steps_before)

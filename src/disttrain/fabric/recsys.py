@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
+from torch import nn
 
 from disttrain._lightning import checked_options
 from disttrain.fabric.base import EngineStrategy
@@ -24,6 +25,18 @@ class RecsysStrategy(EngineStrategy):
 
     strategy_name = "disttrain_recsys"
     engine_cls = RecsysEngine
+    engine: RecsysEngine
+
+    def train_pipeline(self, model: nn.Module, optimizer: Any,
+                       step: Callable[[Any], tuple[torch.Tensor, Any]]) -> Any:
+        """torchrec's training pipeline for a hand-written loop over the model and optimizer ``fabric.setup``
+        returned: ``pipeline.progress(batches)`` takes the next batch of the iterator ``batches`` (``TableBatch``es,
+        e.g. ``map(module.pipeline_batch, loader)``), runs ``step(batch) -> (loss, output)``, backward as
+        ``fabric.backward`` does and ``optimizer.step()``, and returns ``output``; ``StopIteration`` ends the epoch.
+        With ``pipeline="sparse_dist"`` the next batch's input all-to-all overlaps this one's forward and backward
+        (the same losses as ``pipeline="none"``, bit for bit)."""
+        return self.engine.train_pipeline(model, optimizer, self.root_device, step,
+                                          backward=lambda loss: self.backward(loss, model))
 
     # BEGIN generated options: tools/strategy_signatures.py --write, from RecsysOptions (edit the dataclass)
     @checked_options
@@ -42,6 +55,8 @@ class RecsysStrategy(EngineStrategy):
         sparse_lr: float = 0.05,
         sparse_eps: float = 1e-08,
         batch_size: int = 512,
+        pipeline: str = 'none',
+        comm_precision: str = 'fp32',
     ) -> None:
         """The options of ``disttrain_recsys`` as keywords (:class:`~disttrain.parallel.engines.recsys.RecsysOptions`),
         after the arguments Fabric sets. ``None`` for ``constraints`` is its default.
@@ -63,9 +78,15 @@ class RecsysStrategy(EngineStrategy):
             sparse_lr: its learning rate (the model's ``sparse_optimizer`` mapping wins when present).
             sparse_eps: its epsilon.
             batch_size: the per-rank batch size the planner assumes when it estimates costs.
+            pipeline: "sparse_dist": torchrec's TrainPipelineSparseDist, the next batch's input all-to-all (ids to the
+                ranks holding their tables) in flight during this batch's forward and backward, the same losses and
+                weights bit for bit (the module gives ``pipeline_batch``, as DeepFM does); "none": the plain loop.
+            comm_precision: the dtype the pooled embeddings and their gradients cross ranks in (torchrec's quantized
+                comms codecs): "fp32", "fp16", "bf16", or "fp8" (CUDA only: fbgemm's CPU build has no fp8 codec).
         """
         options = {"sharding_types": sharding_types, "constraints": constraints, "sparse_optimizer": sparse_optimizer,
-                   "sparse_lr": sparse_lr, "sparse_eps": sparse_eps, "batch_size": batch_size}
+                   "sparse_lr": sparse_lr, "sparse_eps": sparse_eps, "batch_size": batch_size, "pipeline": pipeline,
+                   "comm_precision": comm_precision}
         self._init_adapter(accelerator, parallel_devices, cluster_environment, precision, process_group_backend,
                            timeout, options)
     # END generated options

@@ -13,6 +13,7 @@ from torch import nn
 
 from disttrain.config import Recipe, Schema, keys_of
 from disttrain.parallel.engines.recsys import dense_parameters
+from disttrain.parallel.engines.sparse_pipeline import TableBatch
 from disttrain.parallel.families.deepfm import MODEL_SCHEMA, DeepFMNet, feature_names, to_kjt
 from disttrain.parallel.families.managed_ids import id_space
 
@@ -73,6 +74,13 @@ def _local_parts(value: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
     return [value], False
 
 
+def table_batch(batch: Sequence[torch.Tensor]) -> TableBatch:
+    """A DeepFM batch ``(dense, sparse ids, labels)`` as torchrec's training pipeline moves it: the ids as the
+    KeyedJaggedTensor the tables take, fields named after ``DeepFMNet.forward``'s arguments (``dense``, ``sparse``)."""
+    dense, sparse, labels = batch
+    return TableBatch(dense, to_kjt(sparse, feature_names(sparse.shape[1])), labels, source=batch)
+
+
 class DeepFM(L.LightningModule):
     """DeepFM for ``lightning.Trainer`` with ``strategy="disttrain_recsys"``.
 
@@ -97,6 +105,10 @@ class DeepFM(L.LightningModule):
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         return self.net(dense, to_kjt(sparse, feature_names(sparse.shape[1])))
+
+    def pipeline_batch(self, batch: Sequence[torch.Tensor]) -> TableBatch:
+        """The loader's batch as torchrec's training pipeline moves it (``pipeline="sparse_dist"``)."""
+        return table_batch(batch)
 
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
         dense, sparse, labels = batch

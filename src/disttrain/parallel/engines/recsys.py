@@ -13,7 +13,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ from disttrain.parallel.engines.layout import (
     Work,
 )
 # dense_parameters: what the dense optimizer is made from (users reach it here, next to the strategy's engine).
+from disttrain.parallel.engines.sparse_pipeline import PIPELINES, SteppedPipeline, train_pipeline
+from disttrain.parallel.engines.table_traffic import TableTraffic
 from disttrain.parallel.engines.tables import dense_parameters, has_torchrec_tables
 from disttrain.parallel.families.managed_ids import is_managed
 
@@ -43,6 +45,7 @@ from disttrain.parallel.families.managed_ids import is_managed
 # would defeat the point of the strategy (torchrec's planner picks it for small tables on one process).
 DEFAULT_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 SPARSE_OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sgd")
+COMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 FUSED_OPTIMIZER_KEY = "fused_optimizer"
 ROW_STATE_KEY = "recsys_row_state_columns"  # meta.pt: column split of each per-row optimizer state
 
@@ -60,6 +63,11 @@ class RecsysOptions:
     sparse_lr: its learning rate (the model's ``sparse_optimizer`` mapping wins when present).
     sparse_eps: its epsilon.
     batch_size: the per-rank batch size the planner assumes when it estimates costs.
+    pipeline: "sparse_dist": torchrec's TrainPipelineSparseDist, the next batch's input all-to-all (ids to the
+        ranks holding their tables) in flight during this batch's forward and backward, the same losses and weights
+        bit for bit (the module gives ``pipeline_batch``, as DeepFM does); "none": the plain loop.
+    comm_precision: the dtype the pooled embeddings and their gradients cross ranks in (torchrec's quantized comms
+        codecs): "fp32", "fp16", "bf16", or "fp8" (CUDA only: fbgemm's CPU build has no fp8 codec).
     """
 
     sharding_types: Optional[list[str]] = None
@@ -68,6 +76,8 @@ class RecsysOptions:
     sparse_lr: float = 0.05
     sparse_eps: float = 1e-8
     batch_size: int = 512
+    pipeline: str = "none"
+    comm_precision: str = "fp32"
 
     # Options of other disttrain strategies that this one cannot serve (parallel.options.build_options).
     refused: ClassVar[dict[str, str]] = {
@@ -90,6 +100,12 @@ class RecsysOptions:
         if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse_optimizer={self.sparse_optimizer!r} is not supported by the fused kernel;"
                              f" choose one of {', '.join(SPARSE_OPTIMIZERS)}")
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline={self.pipeline!r} is not a training pipeline; choose one of"
+                             f" {', '.join(PIPELINES)}")
+        if self.comm_precision not in COMM_PRECISIONS:
+            raise ValueError(f"comm_precision={self.comm_precision!r} is not a precision of torchrec's comms codecs;"
+                             f" choose one of {', '.join(COMM_PRECISIONS)}")
 
 
 def fused_params(options: RecsysOptions, model_spec: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -110,9 +126,30 @@ def fused_params(options: RecsysOptions, model_spec: Optional[dict[str, Any]] = 
     return params
 
 
-def sharders(fused: dict[str, Any]) -> list[Any]:
+def comm_codecs(precision: str, device: torch.device) -> Optional[dict[str, Any]]:
+    """torchrec's quantized comms codecs for the pooled embeddings' all-to-all (forward) and their gradients'
+    (backward) in ``precision``, per comm op as sharders take them; None for fp32.
+
+    Built per op with ``get_qcomm_codecs`` rather than ``get_qcomm_codecs_registry``, which turns bf16 into fp16
+    on CPU ("not supported on GLOO"): gloo and fbgemm's CPU kernels run bf16 (tests/test_recsys_pipeline.py)."""
+    if precision == "fp32":
+        return None
+    if precision == "fp8" and device.type != "cuda":
+        raise ValueError(f"comm_precision='fp8' needs CUDA: fbgemm-gpu-cpu has no fp8 codec ('fp8 is not supported by"
+                         f" CPU'), and this run is on {device.type}; choose fp16 or bf16")
+    from torchrec.distributed.fbgemm_qcomm_codec import CommOp, CommType, QCommsConfig, get_qcomm_codecs
+
+    config = QCommsConfig(forward_precision=CommType(precision), backward_precision=CommType(precision))
+    # Row-wise tables reduce-scatter their pooled output: torchrec has no fp8 codec for it (it stays fp32 then).
+    ops = [CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL]
+    if precision != "fp8":
+        ops.append(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
+    return {op.name: get_qcomm_codecs(config) for op in ops}
+
+
+def sharders(fused: dict[str, Any], codecs: Optional[dict[str, Any]] = None) -> list[Any]:
     """The EmbeddingBagCollection sharder, with row-wise sharding allowed on CPU too: torchrec offers it on CUDA
-    only, although the CPU kernels and gloo collectives run it."""
+    only, although the CPU kernels and gloo collectives run it. ``codecs``: :func:`comm_codecs`."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.types import ShardingType
 
@@ -122,7 +159,7 @@ def sharders(fused: dict[str, Any]) -> list[Any]:
             extra = [ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value]
             return types + [t for t in extra if t not in types]
 
-    return [Sharder(fused_params=fused)]
+    return [Sharder(fused_params=fused, qcomm_codecs_registry=codecs)]
 
 
 def table_names(module: nn.Module) -> list[str]:
@@ -161,7 +198,8 @@ def shard(module: nn.Module, options: RecsysOptions, device: torch.device) -> nn
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("disttrain_recsys shards over a process group: initialise torch.distributed first"
                            " (the Trainer and Fabric strategies do it in setup)")
-    module_sharders = sharders(fused_params(options, getattr(module, "sparse_optimizer", None)))
+    module_sharders = sharders(fused_params(options, getattr(module, "sparse_optimizer", None)),
+                               comm_codecs(options.comm_precision, device))
     if is_managed(module):  # managed-collision tables: their own sharder, over the tables' (row-wise only)
         module_sharders = [managed_sharder(module_sharders[0]), *module_sharders]
         one_bucket_per_process(module, dist.get_world_size())
@@ -279,6 +317,44 @@ class RecsysEngine(Engine):
 
     def __init__(self, options: RecsysOptions, name: str = "disttrain_recsys") -> None:
         super().__init__(options, name)
+        self.traffic: Optional[TableTraffic] = None
+
+    def table_bytes(self) -> Optional[dict[str, int]]:
+        """Bytes this rank has handed to the tables' all-to-alls since set-up, ``{"embeddings": n, "ids": n}``
+        (pooled embeddings and their gradients in ``comm_precision``; ids and lengths); None before set-up. The
+        ``Throughput`` callback reports them per step as ``comm/table_bytes_per_step``."""
+        return dict(self.traffic.sent) if self.traffic is not None else None
+
+    def stepped_pipeline(self, root: nn.Module, device: torch.device) -> Optional[SteppedPipeline]:
+        """The Trainer's driver of ``pipeline="sparse_dist"`` for the LightningModule ``root`` (None for "none"):
+        its one sharded child, its batches made by ``root.pipeline_batch(batch)``."""
+        if self.options.pipeline == "none":
+            return None
+        return SteppedPipeline(self._pipelined_net(root), device, self._to_batch(root))
+
+    def train_pipeline(self, module: nn.Module, optimizer: Any, device: torch.device,
+                       step: Callable[[Any], tuple[torch.Tensor, Any]],
+                       backward: Callable[[torch.Tensor], None]) -> Any:
+        """torchrec's pipeline over a sharded ``module`` for a hand-written loop (Fabric); see
+        :func:`~disttrain.parallel.engines.sparse_pipeline.train_pipeline`. ``pipeline="none"``: no overlap."""
+        return train_pipeline(self._pipelined_net(module), optimizer, device, step, backward,
+                              overlap=self.options.pipeline == "sparse_dist")
+
+    def _pipelined_net(self, root: nn.Module) -> nn.Module:
+        nets = [net for _, net in sharded_modules(root)]
+        if len(nets) != 1:
+            raise ValueError(f"pipeline={self.options.pipeline!r} runs one sharded network, and"
+                             f" {type(root).__name__} has {len(nets)}; keep the tables in one child or set"
+                             " pipeline='none'")
+        return nets[0]
+
+    def _to_batch(self, root: nn.Module) -> Callable[[Any], Any]:
+        to_batch = getattr(root, "pipeline_batch", None)
+        if to_batch is None:
+            raise ValueError(f"pipeline={self.options.pipeline!r} needs {type(root).__name__}.pipeline_batch(batch),"
+                             " the loader's batch as a TableBatch (see disttrain.recsys.DeepFM); or set"
+                             " pipeline='none'")
+        return to_batch
 
     @classmethod
     def layout(cls, options: RecsysOptions) -> Layout:
@@ -316,6 +392,8 @@ class RecsysEngine(Engine):
         """Shard ``root`` itself (``whole``: a plain model) or its children holding tables (a LightningModule)."""
         for transform in self.module_transforms:
             transform(root)
+        if self.traffic is None:
+            self.traffic = TableTraffic()
         if whole:
             return root if is_sharded(root) else shard(root, self.options, device)
         shard_children(root, self.options, device)

@@ -35,6 +35,18 @@ def fm_interaction(fields: torch.Tensor) -> torch.Tensor:
     return 0.5 * (square_of_sum - sum_of_square).sum(dim=1)
 
 
+@torch.fx.wrap
+def in_key_order(pooled: Any, keys: list[str]) -> torch.Tensor:
+    """The pooled embeddings (a KeyedTensor) as (B, F * D) in ``keys`` order. Sharded tables return their features
+    grouped by rank (table-wise: cat_0, cat_2, ... on 2 ranks): put back in order, or the deep tower would compute
+    another function under every sharding plan. One call for torch.fx (a leaf), so that torchrec's pipeline can
+    trace the network (it compares keys, which a traced value cannot)."""
+    if pooled.keys() == keys:
+        return pooled.values()
+    by_key = pooled.to_dict()
+    return torch.cat([by_key[key] for key in keys], dim=1)
+
+
 def mlp(in_features: int, widths: Sequence[int], device: Optional[torch.device] = None) -> nn.Sequential:
     layers: list[nn.Module] = []
     for width in widths:
@@ -101,13 +113,7 @@ class DeepFMNet(nn.Module):
         pooled = self.ebc(sparse)
         if isinstance(pooled, tuple):  # managed tables: (pooled, remapped ids when asked for)
             pooled = pooled[0]
-        # Sharded tables return their features grouped by rank (table-wise: cat_0, cat_2, ... on 2 ranks): put them
-        # back in self.keys order, or the deep tower would compute another function under every sharding plan.
-        if pooled.keys() == self.keys:
-            pooled = pooled.values()  # (B, F * D)
-        else:
-            by_key = pooled.to_dict()
-            pooled = torch.cat([by_key[key] for key in self.keys], dim=1)
+        pooled = in_key_order(pooled, self.keys)  # (B, F * D)
         batch = dense.shape[0]
         fields = torch.cat([self.bottom(dense).unsqueeze(1), pooled.view(batch, -1, self.embedding_dim)], dim=1)
         # fields: (B, F + 1, D)
