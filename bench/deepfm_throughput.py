@@ -1,8 +1,11 @@
-"""DeepFM throughput: rows/s of our training loop (Trainer + disttrain_recsys) against a raw torchrec loop (DMP,
-fused sparse optimizer, Adam, a plain Python loop) on the same data and model, in one process; then the wall
-time of the daily job (a fresh subprocess, conversion included) on a day of --daily-rows rows.
+"""DeepFM throughput on 2 CPU processes: rows/s of a raw torchrec loop (DMP, fused sparse optimizer, Adam, a plain
+Python loop) against our Trainer with disttrain_recsys, its plain loop (pipeline="none") and torchrec's sparse-dist
+pipeline (pipeline="sparse_dist"), on the same data and model, measured side by side in each round (fresh processes
+per round, the order rotated); then the bytes the tables' all-to-alls send per step with comm_precision fp16 and
+bf16 against fp32; then the wall time of the daily job (a fresh subprocess, conversion included) on a day of
+--daily-rows rows.
 
-    python bench/deepfm_throughput.py                      # 200k rows for throughput, a 1M-row daily job
+    python bench/deepfm_throughput.py                      # 100k rows, 5 rounds, a 1M-row daily job
     python bench/deepfm_throughput.py --rows 50000 --daily-rows 0   # throughput only, quick
     python bench/deepfm_throughput.py --smoke              # tiny sizes: checks that it runs
 """
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,32 +25,39 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import parse_smoke  # noqa: E402
+from harness import parse_smoke, run_variants, write_ranks  # noqa: E402
 from tables import write_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "recsys" / "deepfm_tiny.yaml"
+DEVICES = 2
+LOOPS = ("raw", "none", "sparse_dist")  # the raw torchrec loop, then the Trainer's two pipelines
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
-def init_group() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+class RankShare(torch.utils.data.Dataset):
+    """Rank r's rows of each global batch (r::world), so every loop trains on the same rows."""
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return tuple(t[dist.get_rank()::dist.get_world_size()] for t in self.batches[i])
 
 
-def dataset(folder: Path, rows: int, batch_size: int):
+def dataset(data_file: Path, batch_size: int) -> RankShare:
     from disttrain.recsys.daily import load_recipe
     from disttrain.recsys.data import DayBatches, load_day
-    from disttrain.recsys.synthetic import make_days
 
-    path = make_days(folder, 1, rows)[0]
-    day = load_day(path, folder / "cache")
+    day = load_day(data_file, data_file.parent / f"cache{dist.get_rank()}")
     sizes = load_recipe(CONFIG)["model"]["num_embeddings_per_feature"]
-    return DayBatches(day, slice(0, day.rows), batch_size, sizes)
+    return RankShare(DayBatches(day, slice(0, day.rows), batch_size * dist.get_world_size(), sizes))
 
 
-def raw_torchrec(data, model_config: dict, lr: float, warmup: int) -> float:
+def raw_torchrec(data, model_config: dict, lr: float, warmup: int) -> tuple[int, float]:
     """torchrec's DMP and a plain loop: forward, BCE-with-logits, backward (tables step inside), Adam."""
     from torchrec.distributed import DistributedModelParallel
 
@@ -58,14 +68,17 @@ def raw_torchrec(data, model_config: dict, lr: float, warmup: int) -> float:
     net = DeepFMNet(**model_config)
     options = RecsysOptions()
     module_sharders = sharders(fused_params(options, net.sparse_optimizer))
-    model = DistributedModelParallel(net, device=torch.device("cpu"), sharders=module_sharders,
-                                     plan=plan(net, options, 1, torch.device("cpu"), module_sharders, dist.group.WORLD))
+    cpu = torch.device("cpu")
+    model = DistributedModelParallel(net, device=cpu, sharders=module_sharders,
+                                     plan=plan(net, options, dist.get_world_size(), cpu, module_sharders,
+                                               dist.group.WORLD))
     adam = torch.optim.Adam(dense_parameters(model), lr=lr)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     keys = feature_names()
     start, rows = 0.0, 0
     for i in range(len(data)):
         if i == warmup:
+            dist.barrier()
             start, rows = time.perf_counter(), 0
         dense, sparse, labels = data[i]
         loss = loss_fn(model(dense, to_kjt(sparse, keys)), labels)
@@ -73,19 +86,22 @@ def raw_torchrec(data, model_config: dict, lr: float, warmup: int) -> float:
         adam.step()
         adam.zero_grad()
         rows += labels.shape[0]
-    return rows / (time.perf_counter() - start)
+    return rows, time.perf_counter() - start
 
 
-def ours(data, model_config: dict, lr: float, warmup: int) -> float:
-    """The daily job's loop: Trainer(strategy="disttrain_recsys") over DeepFM, timed from batch ``warmup`` on."""
+def ours(data, model_config: dict, lr: float, warmup: int, **options) -> tuple[int, float, dict]:
+    """The daily job's loop: Trainer(strategy=disttrain_recsys(**options)) over DeepFM, timed from batch ``warmup``
+    on; returns (rows, seconds, bytes handed to the tables' all-to-alls per step)."""
     import lightning as L
 
     from disttrain.recsys.model import DeepFM
+    from disttrain.strategies import RecsysStrategy
 
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == warmup:
                 self.start, self.rows = time.perf_counter(), 0
+                self.sent = trainer.strategy.engine.table_bytes()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if batch_idx >= warmup:
@@ -95,11 +111,53 @@ def ours(data, model_config: dict, lr: float, warmup: int) -> float:
     torch.manual_seed(0)
     timer = Timer()
     loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
-    trainer = L.Trainer(strategy="disttrain_recsys", accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[timer])
+    strategy = RecsysStrategy(**options)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(DeepFM(model_config, lr=lr), loader)
-    return timer.rows / (timer.end - timer.start)
+    steps = len(data) - warmup
+    sent = {k: (v - timer.sent[k]) / steps for k, v in strategy.engine.table_bytes().items()}
+    return timer.rows, timer.end - timer.start, sent
+
+
+def rank_main(args) -> None:
+    """One launch (a rank under torchrun): the loops of one round in the given order, or the codecs."""
+    import warnings
+
+    from disttrain.recsys.daily import load_recipe
+
+    import disttrain  # noqa: F401  (registers disttrain_recsys)
+
+    warnings.filterwarnings("ignore")
+    recipe = load_recipe(CONFIG)
+    dist.init_process_group("gloo")
+    data = dataset(Path(args.data), args.batch_size)
+    warmup = min(3, len(data) - 1)
+    model, lr = recipe["model"], recipe["train"]["lr"]
+    out = {}
+    if args.variant == "codecs":
+        for precision in PRECISIONS:
+            # Table- and column-wise tables send their pooled embeddings by all-to-all (row-wise ones reduce-scatter)
+            out[precision] = ours(data, model, lr, warmup, comm_precision=precision,
+                                  sharding_types=["table_wise", "column_wise"])[2]
+    else:
+        order = list(LOOPS[args.round % len(LOOPS):] + LOOPS[:args.round % len(LOOPS)])  # rotated each round
+        for loop in order:
+            rows, seconds = raw_torchrec(data, model, lr, warmup) if loop == "raw" else \
+                ours(data, model, lr, warmup, pipeline=loop)[:2]
+            out[loop] = (rows, seconds)
+    write_ranks(args.result, out)
+    dist.destroy_process_group()
+
+
+def rows_per_s(ranks: list[dict], loop: str) -> float:
+    """All ranks' rows over the slowest rank's seconds."""
+    return sum(r[loop][0] for r in ranks) / max(r[loop][1] for r in ranks)
+
+
+def spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.3f}, min {min(values):.3f}, max {max(values):.3f}"
 
 
 def daily_wall(folder: Path, rows: int) -> float:
@@ -116,32 +174,49 @@ def daily_wall(folder: Path, rows: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=200_000, help="rows of the throughput day")
-    p.add_argument("--batch-size", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best of each is reported")
+    p.add_argument("--rows", type=int, default=100_000, help="rows of the throughput day")
+    p.add_argument("--batch-size", type=int, default=1024, help="rows per rank and step")
+    p.add_argument("--rounds", type=int, default=5, help="rounds (fresh processes each); the loops' order rotates")
     p.add_argument("--daily-rows", type=int, default=1_000_000, help="rows of the daily-job day (0: skip)")
     p.add_argument("--out-dir", default=None, help="where the Markdown + PNG table goes (default: bench/out)")
-    args = parse_smoke(p, rows=4096, batch_size=512, rounds=1, daily_rows=0)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = parse_smoke(p, rows=4096, batch_size=256, rounds=1, daily_rows=0)
+    if args.result:
+        return rank_main(args)
 
-    from disttrain.recsys.daily import load_recipe
+    from disttrain.recsys.synthetic import make_days
 
-    import disttrain  # noqa: F401  (registers disttrain_recsys)
-
-    recipe = load_recipe(CONFIG)
-    init_group()
     with tempfile.TemporaryDirectory() as tmp:
-        data = dataset(Path(tmp), args.rows, args.batch_size)
-        warmup = min(3, len(data) - 1)
-        raw, our = [], []
-        for _ in range(args.rounds):
-            raw.append(raw_torchrec(data, recipe["model"], recipe["train"]["lr"], warmup))
-            our.append(ours(data, recipe["model"], recipe["train"]["lr"], warmup))
-        print(f"throughput, {args.rows} rows, batch {args.batch_size}, 1 CPU process (best of {args.rounds}):")
-        print(f"  raw torchrec loop  {max(raw):10.0f} rows/s   (rounds: {', '.join(f'{r:.0f}' for r in raw)})")
-        print(f"  disttrain Trainer  {max(our):10.0f} rows/s   (rounds: {', '.join(f'{r:.0f}' for r in our)})")
-        print(f"  ratio ours/raw     {max(our) / max(raw):10.3f}      (target >= 0.95)")
-    dist.destroy_process_group()
-    notes = [f"ratio: best rows/s of {args.rounds} alternating rounds over the raw loop's (target >= 0.95)"]
+        [day] = make_days(Path(tmp), 1, args.rows)
+        base = [a for a in sys.argv[1:]]
+        rounds = []
+        for i in range(args.rounds):
+            sys.argv[1:] = [*base, "--data", str(day), "--round", str(i)]
+            rounds.append(run_variants(__file__, ["loops"], "--variant", DEVICES, 1)["loops"][0])
+        sys.argv[1:] = [*base, "--data", str(day)]
+        codecs = run_variants(__file__, ["codecs"], "--variant", DEVICES, 1)["codecs"][0]
+        sys.argv[1:] = base
+    rates = {loop: [rows_per_s(ranks, loop) for ranks in rounds] for loop in LOOPS}
+    ratio = {loop: [rows_per_s(ranks, loop) / rows_per_s(ranks, "raw") for ranks in rounds] for loop in LOOPS}
+    names = {"raw": "raw torchrec loop", "none": "Trainer, pipeline=none", "sparse_dist": "Trainer, sparse_dist"}
+    print(f"throughput, {args.rows} rows, batch {args.batch_size} per rank, {DEVICES} CPU processes,"
+          f" {args.rounds} rounds (ratios to the raw loop of the same round):")
+    for loop in LOOPS:
+        print(f"  {names[loop]:24s} {statistics.median(rates[loop]):10.0f} rows/s   ratio {spread(ratio[loop])}")
+    embeddings = {p: statistics.mean(r[p]["embeddings"] for r in codecs) for p in PRECISIONS}
+    ids = statistics.mean(r["fp32"]["ids"] for r in codecs)
+    print("bytes handed to the tables' all-to-alls per step and rank, tables table- or column-wise (pooled"
+          " embeddings + their gradients; ids):")
+    for precision in PRECISIONS:
+        print(f"  {precision}  embeddings {embeddings[precision]:10.0f}   ratio to fp32"
+              f" {embeddings[precision] / embeddings['fp32']:.3f}   ids {ids:10.0f}  (target <= 0.5)")
+    notes = [f"ratio: rows/s over the raw torchrec loop's in the same round, median of {args.rounds} rounds"
+             " (target >= 1.0)",
+             "all-to-all bytes per step and rank, pooled embeddings and their gradients: "
+             + ", ".join(f"{p} {embeddings[p]:.0f}" for p in PRECISIONS) + f"; ids and lengths {ids:.0f}"]
     if args.daily_rows:
         with tempfile.TemporaryDirectory() as tmp:
             wall = daily_wall(Path(tmp), args.daily_rows)
@@ -149,11 +224,13 @@ def main() -> None:
               " (target <= 180 s)")
         notes.append(f"daily job, one {args.daily_rows}-row day, fresh process (conversion included): {wall:.1f} s"
                      " (target <= 180 s)")
-    write_table("deepfm_throughput", "DeepFM training loop against a raw torchrec loop",
-                f"{args.rows} rows, batch {args.batch_size}, 1 CPU process", ["loop", "rows/s", "ratio"],
-                [["raw torchrec loop", max(raw), 1.0], ["disttrain Trainer", max(our), max(our) / max(raw)]],
-                bars=("rows/s", "ratio"), reference={"ratio": 1.0}, fmt={"rows/s": ".0f", "ratio": ".3f"}, notes=notes,
-                out_dir=args.out_dir)
+    write_table("deepfm_throughput", "DeepFM training loops against a raw torchrec loop",
+                f"{args.rows} rows, batch {args.batch_size} per rank, {DEVICES} CPU processes",
+                ["loop", "rows/s", "ratio", "min", "max"],
+                [[names[loop], statistics.median(rates[loop]), statistics.median(ratio[loop]), min(ratio[loop]),
+                  max(ratio[loop])] for loop in LOOPS],
+                bars=("rows/s", "ratio"), reference={"ratio": 1.0},
+                fmt={"rows/s": ".0f", "ratio": ".3f", "min": ".3f", "max": ".3f"}, notes=notes, out_dir=args.out_dir)
 
 
 if __name__ == "__main__":
