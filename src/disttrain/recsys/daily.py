@@ -722,7 +722,8 @@ class DailyJob:
             engine.save(self.store.staging, module, {"progress": {**progress, "trained": trained},
                                                      "dense_optimizer": module.configure_optimizers().state_dict(),
                                                      ID_COUNTS: self.id_counts.state()})
-            _log(f"{d}: trained on {rows} rows; {describe_ids(ids)}")
+            _log(f"{d}: trained on {rows} rows")
+            _log(f"{d}: {describe_ids(ids)}")
             _crash_point(f"after-day-{d}")
         return trained, None
 
