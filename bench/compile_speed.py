@@ -80,7 +80,8 @@ def build(name: str, seq: int):
         side, classes = section["img_size"], section["num_classes"]
         def vit_loss(model, g, rows):
             images = torch.randn(4 * rows, 3, side, side, generator=g)
-            return F.cross_entropy(model(images), torch.randint(0, classes, (4 * rows,), generator=g))
+            logits = model(images)  # Fabric moves the images to the model's device; the labels follow the logits
+            return F.cross_entropy(logits, torch.randint(0, classes, (4 * rows,), generator=g).to(logits.device))
 
         return build_vit(section), vit_loss
     from transformers import LlamaConfig, LlamaForCausalLM
