@@ -898,8 +898,9 @@ def evaluate(module: Any, day: Day, eval_fraction: float, batch_size: int,
             pad = batch_size - labels.shape[0]
             dense, sparse = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (dense, sparse))
         logits = module(dense.to(device), sparse.to(device))
-        if valid:
-            metrics.update(logits[:valid], labels.to(device))
+        # Every rank updates, with no rows where it had none: a metric no rank updated gathers nothing while the
+        # others gather their rows (a mismatched collective when the held-out rows fill fewer batches than ranks).
+        metrics.update(logits[:valid], labels[:valid].to(device))
     module.train(was_training)
     return metrics.compute()
 
