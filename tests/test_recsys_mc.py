@@ -98,5 +98,5 @@ def test_daily_job_counts_ids_and_moves_a_hashed_model_to_managed_ids(tmp_path):
         assert figures["ids"] == "managed" and "collisions" not in figures
         assert figures["evictions"] > 0 and 0 < figures["new_ids"] < first["new_ids"]
     report = (models / "report.md").read_text()
-    assert "| new ids | collisions | evictions |" in report
-    assert f"| {first['new_ids']:,} | {first['collisions']:,} | - |" in report
+    assert "| reason | new ids | collisions | evictions |" in report
+    assert f"|  | {first['new_ids']:,} | {first['collisions']:,} | - |" in report

@@ -142,14 +142,14 @@ def _ids(figures: dict[str, Any] | None) -> str:
 
 def history_markdown(entries: list[DayEntry], title: str, panels: list[str]) -> str:
     lines = [f"# Model history: {title}", "", "![report](report.png)", "", "Panels: " + ", ".join(panels) + ".", "",
-             "| day | status | version | run date | AUC | log loss | calibration | current AUC | new ids |"
-             " collisions | evictions | reason |",
+             "| day | status | version | run date | AUC | log loss | calibration | current AUC | reason | new ids |"
+             " collisions | evictions |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         m = e.metrics
         lines.append(f"| {e.day} | {e.status} | {e.version or '-'} | {e.run_date or '-'} | {_f(m.get('auc'))} | "
                      f"{_f(m.get('logloss'))} | {_f(m.get('calibration'))} | "
-                     f"{_f(e.current_metrics.get('auc'))} | {_ids(e.ids)} | {e.why().replace('|', '/')} |")
+                     f"{_f(e.current_metrics.get('auc'))} | {e.why().replace('|', '/')} | {_ids(e.ids)} |")
     counts = {s: sum(e.status == s for e in entries) for s in dict.fromkeys(e.status for e in entries)}
     lines += ["", "Days: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + "."]
     return "\n".join(lines) + "\n"
