@@ -254,6 +254,30 @@ def test_deltas_written_by_two_processes_rebuild_their_model_and_warm_start_one(
     assert load_current(models).version == "000003"
 
 
+@pytest.mark.slow
+def test_managed_id_tables_publish_deltas_that_rebuild_the_full_version_run(tmp_path):
+    """Managed-collision tables: their remapping state (sorted raw ids, slots, counts) is sharded with the rows and
+    changes with them; a chain of deltas rebuilds the full-version run bitwise."""
+    data = tmp_path / "data"
+    make_days(data, 3, 1500, every="1h")
+    stores = {}
+    for name, daily in (("deltas", {}), ("full", {"full_every": 0})):
+        config = write_config(tmp_path / f"{name}.yaml", model={"ids": "managed"}, daily=daily)
+        for h in range(3):
+            run = run_daily(data, tmp_path / name, *HOURLY, "--min-auc", "0", "--config", str(config),
+                            "--run-date", hour(h))
+            assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        stores[name] = tmp_path / name
+    assert info(stores["deltas"], "000003")["kind"] == "delta"
+    changed = info(stores["deltas"], "000003")["changed"]
+    assert changed["table_rows"] == 26 * 1000 and 0 < changed["fraction"] < 1
+    materialize(stores["deltas"], "000003", tmp_path / "built")
+    built, reference = flat(read_full(tmp_path / "built")), flat(read_full(stores["full"] / "versions" / "000003"))
+    assert built.keys() == reference.keys() and any("_mch_sorted_raw_ids" in k for k in built)
+    for key, value in built.items():
+        assert torch.equal(value, reference[key]) if isinstance(value, torch.Tensor) else value == reference[key], key
+
+
 def test_make_data_writes_hour_files(tmp_path):
     from disttrain.cli import main
 

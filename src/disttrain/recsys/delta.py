@@ -292,7 +292,8 @@ def save_delta(folder: str | os.PathLike, root: nn.Module, base: Fingerprints, m
 
 def table_touch(summary: DeltaSummary) -> dict[str, Any]:
     """The share of table rows that changed (weights only, not optimizer state), for records and benches."""
-    weights = [k for k in summary.changed_rows if k.startswith("state_dict/")]
+    # the tables' weights (a managed-id table's remapping buffers are sharded too, but are not rows of the model)
+    weights = [k for k in summary.changed_rows if k.startswith("state_dict/") and k.endswith(".weight")]
     rows = sum(summary.table_rows[k] for k in weights)
     changed = sum(summary.changed_rows[k] for k in weights)
     return {"changed_rows": round(changed, 1), "table_rows": rows, "fraction": round(changed / max(rows, 1), 6)}
