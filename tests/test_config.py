@@ -117,8 +117,8 @@ def test_the_daily_job_exits_with_the_line(tmp_path):
     assert code == 1
     assert err.getvalue() == (
         f"deepfm_daily.py: error: {bad}: unknown key 'auc_tolerence' in daily:; did you mean 'auc_tolerance'? valid"
-        " keys are: auc_tolerance, eval_fraction, keep_versions, max_bad_fraction, min_auc, on_invalid_day,"
-        " skip_missing_days, timeout, train_late_days, validation\n")
+        " keys are: auc_tolerance, eval_fraction, every, full_every, keep_versions, max_bad_fraction, min_auc,"
+        " on_invalid_day, skip_missing_days, timeout, train_late_days, validation\n")
 
 
 def test_checker_basics(tmp_path):

@@ -91,8 +91,9 @@ def test_a_base_and_five_deltas_rebuild_the_model_trained_with_full_versions(six
 
 
 def test_a_delta_holds_the_changed_rows_and_the_dense_part(six_hours):
-    """Target: a delta's rows <= 1.1 x the bytes of the rows the hour changed (the weights and their optimizer
-    state), its dense part = the dense weights and Adam's two moments (+ its own encoding)."""
+    """Target: a delta <= 1.1 x the bytes of the rows the hour changed (the weights and their optimizer state) + the
+    dense weights and Adam's two moments. Its table rows alone meet it (<= 1.1x); the whole delta is held to 1.12x
+    of it (measured 1.05-1.07x: the job's id counts and the files' encoding)."""
     root, _, _ = six_hours
     deltas = root / "deltas"
     state = flat(read_full(deltas / "versions" / "000001", keys={"state_dict"}))
@@ -102,6 +103,7 @@ def test_a_delta_holds_the_changed_rows_and_the_dense_part(six_hours):
     for version in ("000002", "000004", "000006"):
         meta = info(deltas, version)
         folder = deltas / "versions" / version
+        size = sum(f["bytes"] for f in meta["files"].values())
         assert {name: f["bytes"] for name, f in meta["files"].items()} == \
             {p.name: p.stat().st_size for p in folder.iterdir() if p.name != "info.json"}
         rows = meta["changed"]["changed_rows"]
@@ -115,6 +117,9 @@ def test_a_delta_holds_the_changed_rows_and_the_dense_part(six_hours):
                    if isinstance(v, torch.Tensor) and v.numel() > 1]
         assert sum(v.numel() * v.element_size() for v in moments) <= 2 * dense
         assert meta["files"]["rank00000.pt"]["bytes"] < 0.5 * tables
+        # The whole delta, its metadata included: about 1.06x (1.1 x the changed rows + the dense weights and Adam's
+        # moments): the id counts' changes (~32 KB) and the files' own encoding take the rest.
+        assert size <= 1.12 * (1.1 * touched + 3 * dense), (version, size, touched, dense)
 
 
 def test_the_cli_rebuilds_a_version_and_refuses_to_overwrite(six_hours, tmp_path):

@@ -23,6 +23,7 @@ readers of ``current`` only ever see a complete model.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import getpass
 import itertools
@@ -262,6 +263,7 @@ class DailyJob:
             raise ConfigError(f"daily.full_every: {full_every!r} in {options.config} is not a whole number >= 0 (the"
                               " delta versions between two full ones; 0 publishes every version in full)")
         self._base_prints: Optional[dict[str, Any]] = None  # rows of the version warm-started from (delta.py)
+        self._base_meta: dict[str, Any] = {}  # and its metadata
 
     def _check_day_options(self) -> None:
         """daily.on_invalid_day is stop or quarantine; --skip-day needs --reason; --reason goes with a day; no day
@@ -389,7 +391,8 @@ class DailyJob:
         back = (f"point current at an earlier version (ln -sfn versions/NNNNNN {self.store.pointer}) or remove"
                 f" {self.store.pointer} to train from scratch")
         if current is not None and (not plan.resume or self._may_publish_delta(info)):
-            self._warm_start(engine, module, current, back, info)
+            # a copy: the dense optimizer takes the loaded tensors as its state and trains them in place
+            self._base_meta = copy.deepcopy(self._warm_start(engine, module, current, back, info))
             if self._may_publish_delta(info):  # the rows as published, to find the ones this run changes
                 from disttrain.recsys.delta import fingerprints
 
@@ -667,9 +670,10 @@ class DailyJob:
         return stats
 
     def _warm_start(self, engine: Any, module: Any, path: Path, fix: str, info: Optional[dict[str, Any]] = None) \
-            -> None:
-        """Load ``path`` into the sharded module and refuse it when it cannot be read or holds non-finite values.
-        ``info``: the version's info.json (a delta version is loaded as its base and the deltas after it)."""
+            -> dict[str, Any]:
+        """Load ``path`` into the sharded module and refuse it when it cannot be read or holds non-finite values;
+        returns its metadata. ``info``: the version's info.json (a delta version is loaded as its base and the
+        deltas after it)."""
         from disttrain.recsys.delta import DELTA, DeltaError, load_chain
 
         watchdog.set_phase(f"loading {path}")
@@ -690,6 +694,7 @@ class DailyJob:
         bad = self._nonfinite(module)
         if bad:
             raise DailyError(f"{path} has non-finite weights ({bad}); training from it would only spread them: {fix}")
+        return metadata
 
     def _nonfinite(self, module: Any) -> Optional[str]:
         """None when every weight of ``module`` is finite, else how many are not and where (on every rank)."""
@@ -771,10 +776,12 @@ class DailyJob:
 
     def _may_publish_delta(self, info: dict[str, Any]) -> bool:
         """Whether this run's version may be a delta on the current one: deltas are on (daily.full_every > 0), not
-        --full, and the current version's chain has fewer than daily.full_every deltas."""
+        --full, the current version's chain has fewer than daily.full_every deltas, and its model section is this
+        run's."""
         from disttrain.recsys.delta import chain_of
 
-        return bool(info) and not self.options.full and len(chain_of(info)) - 1 < self.full_every
+        return bool(info) and not self.options.full and len(chain_of(info)) - 1 < self.full_every and \
+            info.get("model") == self.recipe["model"]  # the same tables (not a migration to managed ids)
 
     def _publish(self, engine: Any, module: Any, info: dict[str, Any], record: dict[str, Any],
                  removed: list[str]) -> tuple[str, dict[str, Any]]:
@@ -794,7 +801,8 @@ class DailyJob:
         if as_delta:
             watchdog.set_phase(f"publishing delta version {version.name}")
             new_info.update(kind=delta.DELTA, base=info["version"], chain=delta.chain_of(info) + [version.name])
-            summary = delta.save_delta(self.store.partial(version), module, self._base_prints, metadata)
+            summary = delta.save_delta(self.store.partial(version), module, self._base_prints, metadata,
+                                       self._base_meta)
             new_info.update(files=summary.files, changed=delta.table_touch(summary))
             _crash_point("after-delta-files")
             published = {"kind": delta.DELTA, "bytes": summary.bytes, **new_info["changed"]}

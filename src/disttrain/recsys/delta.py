@@ -241,9 +241,10 @@ def decode_rows(piece: dict[str, Any]) -> torch.Tensor:
 
 
 def save_delta(folder: str | os.PathLike, root: nn.Module, base: Fingerprints, metadata: dict[str, Any],
-               group: Any = None) -> DeltaSummary:
+               base_meta: Optional[dict[str, Any]] = None, group: Any = None) -> DeltaSummary:
     """Collective: write into ``folder`` the rows of ``root`` whose fingerprints differ from ``base`` (taken when
-    the base version was loaded) and the dense part (see the module docstring). Every rank returns the same
+    the base version was loaded) and the dense part (see the module docstring); ``metadata``'s large arrays as
+    their changes from ``base_meta`` (the base version's metadata, :func:`diff_meta`). Every rank returns the same
     summary; a failure on any rank (a full disk) is raised on every rank."""
     folder = Path(folder)
     rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
@@ -269,7 +270,8 @@ def save_delta(folder: str | os.PathLike, root: nn.Module, base: Fingerprints, m
                                        f"rank {rank}'s rows of the delta")
         if rank == 0:
             layout = {s.key: s.columns for s in row_states(root, state[FUSED_OPTIMIZER_KEY])}
-            files[DENSE_FILE] = _save({"dense": dense, "meta": metadata, ROW_STATE_KEY: layout},
+            files[DENSE_FILE] = _save({"dense": dense, "meta": diff_meta(metadata, base_meta or {}),
+                                       ROW_STATE_KEY: layout},
                                       folder / DENSE_FILE, "the delta's dense part")
     except Exception as e:
         error = e
@@ -297,6 +299,51 @@ def table_touch(summary: DeltaSummary) -> dict[str, Any]:
     rows = sum(summary.table_rows[k] for k in weights)
     changed = sum(summary.changed_rows[k] for k in weights)
     return {"changed_rows": round(changed, 1), "table_rows": rows, "fraction": round(changed / max(rows, 1), 6)}
+
+
+# -- the job's metadata: large arrays as the entries that changed ----------------------------------------------
+CHANGED = "__changed_entries__"  # marks a metadata tensor stored as the entries that differ from the base's
+DIFF_MIN_BYTES = 1 << 10
+
+
+def diff_meta(meta: Any, base: Any) -> Any:
+    """``meta`` with each tensor of at least 1 KiB that has a same-shaped, same-dtype counterpart in ``base`` (the
+    base version's metadata) replaced by the entries that differ, when they take less room: the job's id counts
+    (fixed-size Bloom filters and row owners) change by a few bytes an hour but are megabytes whole."""
+    if isinstance(meta, dict):
+        other = base if isinstance(base, dict) else {}
+        return {k: diff_meta(v, other.get(k)) for k, v in meta.items()}
+    if isinstance(meta, list):
+        other = base if isinstance(base, list) and len(base) == len(meta) else [None] * len(meta)
+        return [diff_meta(v, b) for v, b in zip(meta, other)]
+    if isinstance(meta, torch.Tensor) and isinstance(base, torch.Tensor) and meta.shape == base.shape and \
+            meta.dtype == base.dtype and meta.numel() * meta.element_size() >= DIFF_MIN_BYTES:
+        flat_new, flat_old = meta.detach().reshape(-1), base.detach().reshape(-1)
+        where = torch.nonzero(flat_new != flat_old).flatten()
+        if meta.numel() < 2 ** 31:
+            where = where.to(torch.int32)
+        if where.numel() * (where.element_size() + meta.element_size()) < meta.numel() * meta.element_size():
+            return {CHANGED: {"index": where, "values": flat_new[where].clone(), "shape": list(meta.shape)}}
+    return meta
+
+
+def patch_meta(base: Any, meta: Any) -> Any:
+    """The metadata :func:`diff_meta` stored, whole again, from the previous version's (``base``)."""
+    if isinstance(meta, dict) and CHANGED in meta:
+        change = meta[CHANGED]
+        if not isinstance(base, torch.Tensor) or list(base.shape) != change["shape"]:
+            raise DeltaError("a delta's metadata names changes to an array its base does not hold; rebuild the"
+                             " version from a full one (point current at it and rerun with --full)")
+        whole = base.detach().clone().reshape(-1)
+        whole[change["index"].to(torch.int64)] = change["values"].to(whole.dtype)
+        return whole.reshape(change["shape"])
+    if isinstance(meta, dict):
+        other = base if isinstance(base, dict) else {}
+        return {k: patch_meta(other.get(k), v) for k, v in meta.items()}
+    if isinstance(meta, list):
+        other = base if isinstance(base, list) and len(base) == len(meta) else [None] * len(meta)
+        return [patch_meta(b, v) for b, v in zip(other, meta)]
+    return meta
 
 
 # -- applying deltas ---------------------------------------------------------------------------------------------
@@ -342,7 +389,10 @@ def apply_delta_to(state: dict[str, Any], folder: Path, files: dict[str, Any], r
         part = _read_delta_file(folder, name, files)
         for key, pieces in unpack(part).items():
             if key not in flat:
-                continue
+                if key.split("/")[0] not in state:  # an entry this read leaves out (keys=)
+                    continue
+                raise DeltaError(f"{folder}: {key} is in the delta but not in the version it is applied to (another"
+                                 " model); point current at a full version of this model and rerun with --full")
             value = flat[key][0]
             size = _size(value)
             if size != part["sizes"][key]:
@@ -389,13 +439,12 @@ def load_chain(root: nn.Module, store: ModelStore, info: dict[str, Any], load_fu
             return load_full(folder)
         finally:
             ckpt._on_rank0(remove, folder)
-    load_full(store.versions / chain[0])
+    meta = load_full(store.versions / chain[0])
     state = live_state(root)
-    meta: dict[str, Any] = {}
     for name in chain[1:]:
         folder = store.versions / name
         step = read_json(folder / INFO_FILE, "point current at an earlier version")
-        meta = apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))["meta"]
+        meta = patch_meta(meta, apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))["meta"])
     load_model_state(root, state["state_dict"])
     load_fused_optimizer_state(root, state[FUSED_OPTIMIZER_KEY])
     return meta
@@ -429,8 +478,8 @@ def read_version(store: ModelStore, version: str, keys: Optional[set[str]] = Non
     for name in chain[1:]:
         folder = store.versions / name
         step = read_json(folder / INFO_FILE, "point current at an earlier version")
-        meta = apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))
-        meta = {**meta["meta"], ROW_STATE_KEY: meta[ROW_STATE_KEY]}
+        dense = apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))
+        meta = {**patch_meta(meta, dense["meta"]), ROW_STATE_KEY: dense[ROW_STATE_KEY]}
     return state, meta
 
 
