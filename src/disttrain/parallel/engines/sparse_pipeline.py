@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -228,8 +228,3 @@ class _Step(nn.Module):
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         self.training = self.net.training
         return self.step(batch)
-
-
-def batches(loader: Any, to_batch: Callable[[Any], Any]) -> Iterator[Any]:
-    """The loader's batches as the pipeline's (``to_batch``: e.g. ``DeepFM.pipeline_batch``)."""
-    return (to_batch(batch) for batch in loader)
