@@ -74,10 +74,14 @@ def main() -> None:
             rows.append([hour, version.name, "delta", f"{total:,}", f"{total / full:.3f}",
                          f"{changed['fraction']:.1%}", f"{table_bytes / touched:.3f}", f"{files['dense.pt']:,}",
                          f"{total / target:.3f}"])
+    columns = ["hour", "version", "kind", "bytes", "/ full", "rows changed", "rows / touched bytes", "dense.pt bytes",
+               "/ target"]
+    print(f"deepfm deltas: {args.hours} hour files of {args.rows} rows, {args.devices} CPU process(es)")
+    for row in [columns] + rows:
+        print("  " + "  ".join(f"{cell:>14s}" for cell in row))
     write_table("deepfm_deltas", "Hourly DeepFM: delta versions against the full version",
                 f"{args.hours} hour files of {args.rows} rows, {args.devices} CPU process(es), deepfm_tiny.yaml",
-                ["hour", "version", "kind", "bytes", "/ full", "rows changed", "rows / touched bytes",
-                 "dense.pt bytes", "/ target"], rows,
+                columns, rows,
                 notes=["target: a delta <= 1.1x the bytes of the rows that changed (fp32 row + its row-wise Adagrad"
                        " value) + the dense weights with Adam's two moments; dense.pt also holds the run's metadata"
                        " (the id counts as the entries that changed since the base)"],
