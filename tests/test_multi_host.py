@@ -188,6 +188,45 @@ def test_a_lost_host_comes_back_and_the_run_resumes_from_the_last_checkpoint(hos
 
 
 @pytest.mark.slow
+def test_after_a_partition_the_same_commands_resume_from_the_last_complete_checkpoint(hosts, tmp_path):
+    """The partition as the operator lives it, to the end: host 1's cable is pulled while the run checkpoints every
+    step; both hosts end within the timeout (exit 1), no checkpoint is left half-written under its name, and once the
+    cable is back the same two commands resume from the newest complete checkpoint; the steps after it equal an
+    uninterrupted run's."""
+    from common import reference_losses
+
+    from disttrain.parallel.checkpoint.io import is_complete
+
+    out, ckpts, steps, timeout = tmp_path / "run", tmp_path / "ckpts", 6, 10
+
+    def start(i: int) -> subprocess.Popen:
+        return hosts.popen(i, [str(ROOT / ".venv/bin/disttrain"), "run", "--num-nodes", "2", "--node-rank", str(i),
+                               "--main-address", hosts.main, "--accelerator", "cpu", "--devices", "1",
+                               "--strategy", "disttrain_fsdp", "--timeout", str(timeout),
+                               "tests/dist/elastic_resume.py", str(out), str(ckpts), str(steps), "0", "0.5"],
+                           env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = [start(0), start(1)]
+    deadline = time.monotonic() + 240
+    while not (ckpts / "step-000002").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in first), first[1].communicate()[0]
+        time.sleep(0.05)
+    hosts.isolate(1)
+    cut = time.monotonic()
+    outputs = [proc.communicate(timeout=6 * timeout)[0] for proc in first]
+    assert time.monotonic() - cut <= 3 * timeout, outputs[1][-2000:]
+    assert [p.returncode for p in first] == [1, 1], outputs[0][-2000:] + outputs[1][-2000:]
+    assert not Path(f"{out}.0.json").exists()  # the partitioned run wrote no result
+    named = [p for p in ckpts.iterdir() if not p.name.startswith(".")]
+    assert named and all(is_complete(p) for p in named), sorted(p.name for p in ckpts.iterdir())
+    hosts.reconnect(1)
+    finish([start(0), start(1)], timeout=240)
+    ranks = results(out, 2)
+    assert ranks[0]["start"] == ranks[1]["start"] >= 2, ranks  # resumed, not started over
+    assert close(ranks[0]["losses"], reference_losses(steps, world_size=2)[ranks[0]["start"]:])
+
+
+@pytest.mark.slow
 def test_zero3_across_two_hosts_matches_one_process(hosts, tmp_path):
     """disttrain_zero3 (DeepSpeed's engine) on 2 hosts x 1 process: each holds half of every parameter, the
     all-gathers and reduce-scatters cross the link, the losses are one process's."""
