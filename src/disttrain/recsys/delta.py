@@ -527,13 +527,15 @@ def load_current(model_root: str | os.PathLike, attempts: int = _READ_ATTEMPTS) 
         if not store.pointer.is_symlink():
             raise StoreError(f"{store.pointer} does not exist: nothing is published under {store.root} yet")
         version = Path(os.readlink(store.pointer)).name  # one read of the pointer: the version this call returns
+        chain = [version]
         try:
-            state, _ = read_version(store, version, keys={"state_dict"})
             info = json.loads((store.versions / version / INFO_FILE).read_text())
+            chain = chain_of(info)
+            state, _ = read_version(store, version, keys={"state_dict"})
             return PublishedModel(version, info, dict(state["state_dict"]))
         except (FileNotFoundError, StoreError, ckpt.CheckpointError) as e:
-            if (store.versions / version).is_dir() and not isinstance(e, FileNotFoundError):
-                raise  # damaged, not removed under us
+            if all((store.versions / name).is_dir() for name in chain) and not isinstance(e, FileNotFoundError):
+                raise  # damaged, not removed under us (a prune removes a chain's versions oldest first)
             last = e
             time.sleep(0.05 * (attempt + 1))
     raise StoreError(f"{store.root}: current kept moving to versions removed while they were read ({last}); raise"
