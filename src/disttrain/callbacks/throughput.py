@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -450,16 +450,16 @@ class Throughput(Callback):
 
     def _comm_per_step(self) -> float:
         """Bytes this rank sent to reduce gradients per optimizer step since the last report (NaN: not counted)."""
-        (before, steps_before), now = self._comm_mark, self._comm_bytes()
-        self._comm_mark = (now, self._steps)
-        if before is None or now is None or self._steps == steps_before:
-            return math.nan
-        return (now - before) / (self._steps - steps_before)
+        return self._per_step("_comm_mark", self._comm_bytes())
 
     def _table_per_step(self) -> float:
         """Bytes this rank handed to the tables' all-to-alls per optimizer step since the last report (NaN: none)."""
-        (before, steps_before), now = self._table_mark, self._table_bytes()
-        self._table_mark = (now, self._steps)
+        return self._per_step("_table_mark", self._table_bytes())
+
+    def _per_step(self, mark: str, now: Optional[float]) -> float:
+        """A byte counter's growth per optimizer step since its last reading (kept in attribute ``mark``)."""
+        before, steps_before = getattr(self, mark)
+        setattr(self, mark, (now, self._steps))
         if before is None or now is None or self._steps == steps_before:
             return math.nan
         return (now - before) / (self._steps - steps_before)

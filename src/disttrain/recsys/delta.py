@@ -441,12 +441,21 @@ def load_chain(root: nn.Module, store: ModelStore, info: dict[str, Any], load_fu
             ckpt._on_rank0(remove, folder)
     meta = load_full(store.versions / chain[0])
     state = live_state(root)
-    for name in chain[1:]:
-        folder = store.versions / name
-        step = read_json(folder / INFO_FILE, "point current at an earlier version")
-        meta = patch_meta(meta, apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))["meta"])
+    meta = apply_deltas(store, chain[1:], state, meta)
+    meta.pop(ROW_STATE_KEY, None)  # as the engine's own load returns its metadata
     load_model_state(root, state["state_dict"])
     load_fused_optimizer_state(root, state[FUSED_OPTIMIZER_KEY])
+    return meta
+
+
+def apply_deltas(store: ModelStore, names: list[str], state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Apply the delta versions ``names`` in order to ``state`` (see :func:`apply_delta_to`); returns the metadata
+    of the last, whole again (:func:`patch_meta` from ``meta``, the base's), with its per-row state's column split."""
+    for name in names:
+        folder = store.versions / name
+        step = read_json(folder / INFO_FILE, "point current at an earlier version")
+        dense = apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))
+        meta = {**patch_meta(meta, dense["meta"]), ROW_STATE_KEY: dense[ROW_STATE_KEY]}
     return meta
 
 
@@ -474,13 +483,7 @@ def read_version(store: ModelStore, version: str, keys: Optional[set[str]] = Non
     chain = chain_of(info)
     base = store.versions / chain[0]
     state = ckpt.read_full(base, keys=keys)
-    meta = ckpt.read_meta(base)
-    for name in chain[1:]:
-        folder = store.versions / name
-        step = read_json(folder / INFO_FILE, "point current at an earlier version")
-        dense = apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))
-        meta = {**patch_meta(meta, dense["meta"]), ROW_STATE_KEY: dense[ROW_STATE_KEY]}
-    return state, meta
+    return state, apply_deltas(store, chain[1:], state, ckpt.read_meta(base))
 
 
 def materialize(model_root: str | os.PathLike, version: str, out: str | os.PathLike) -> Path:
