@@ -390,10 +390,11 @@ class DailyJob:
         current_metrics = plan.current_metrics
         back = (f"point current at an earlier version (ln -sfn versions/NNNNNN {self.store.pointer}) or remove"
                 f" {self.store.pointer} to train from scratch")
-        if current is not None and (not plan.resume or self._may_publish_delta(info)):
+        deltas = self._may_publish_delta(info)
+        if current is not None and (not plan.resume or deltas):
             # a copy: the dense optimizer takes the loaded tensors as its state and trains them in place
             self._base_meta = copy.deepcopy(self._warm_start(engine, module, current, back, info))
-            if self._may_publish_delta(info):  # the rows as published, to find the ones this run changes
+            if deltas:  # the rows as published, to find the ones this run changes
                 from disttrain.recsys.delta import fingerprints
 
                 self._base_prints = fingerprints(module)
@@ -796,8 +797,8 @@ class DailyJob:
                     "world_size": self.world, "record": record}
         metadata = {"dense_optimizer": module.configure_optimizers().state_dict(), "info": new_info,
                     ID_COUNTS: self.id_counts.state()}
-        as_delta = self._base_prints is not None and self._may_publish_delta(info) and \
-            delta.same_layout(module, self.store, info)
+        # the base's rows were fingerprinted only when a delta may follow it (_may_publish_delta)
+        as_delta = self._base_prints is not None and delta.same_layout(module, self.store, info)
         if as_delta:
             watchdog.set_phase(f"publishing delta version {version.name}")
             new_info.update(kind=delta.DELTA, base=info["version"], chain=delta.chain_of(info) + [version.name])
