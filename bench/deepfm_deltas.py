@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out-dir", default=None, help="where the Markdown table goes (default: bench/out)")
     args = parse_smoke(p, hours=2, rows=1500, devices=1)
+    from disttrain.recsys.delta import unpack_tree
     from disttrain.recsys.synthetic import make_days
 
     with tempfile.TemporaryDirectory(prefix="deepfm-deltas-") as tmp:
@@ -65,7 +66,7 @@ def main() -> None:
                 full = total
                 rows.append([hour, version.name, "full", f"{total:,}", "1.000", "-", "-", "-", "-"])
                 continue
-            part = torch.load(version / "dense.pt", weights_only=True)
+            part = unpack_tree(torch.load(version / "dense.pt", weights_only=True))
             dense = sum(v.numel() * v.element_size() for v in part["dense"].values() if isinstance(v, torch.Tensor))
             table_bytes = sum(b for name, b in files.items() if name.startswith("rank"))
             changed = info["changed"]
