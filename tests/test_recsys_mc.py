@@ -1,6 +1,7 @@
 """Collisionless ids for the DeepFM tables: torchrec managed collisions under disttrain_recsys on 1 and 2 CPU
 processes (no collision, exact resume, a refused move to another process count, the warm start from hashed tables),
-the per-day counts of new ids, collisions and evictions, and the daily job recording them."""
+the per-day counts of new ids, collisions and evictions, and the daily job recording them and resuming exactly
+after a kill."""
 
 from __future__ import annotations
 
@@ -100,3 +101,52 @@ def test_daily_job_counts_ids_and_moves_a_hashed_model_to_managed_ids(tmp_path):
     report = (models / "report.md").read_text()
     assert "| reason | new ids | collisions | evictions |" in report
     assert f"|  | {first['new_ids']:,} | {first['collisions']:,} | - |" in report
+
+
+@pytest.mark.slow
+def test_a_daily_job_with_managed_ids_killed_after_a_day_resumes_to_the_uninterrupted_model(tmp_path):
+    """Three days with ~30% new ids on managed tables of 64 rows (evictions every day): a run killed after its
+    second day publishes nothing; the rerun resumes from that day's work and publishes the model (tables, their
+    remapping, optimizer state, dense part) and id counts an uninterrupted run publishes, bitwise."""
+    import torch
+
+    from disttrain.parallel.checkpoint.io import read_full
+    from disttrain.recsys.delta import leaves
+
+    data = tmp_path / "data"
+    make_days(data, 3, 3000, new_ids=0.3)
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["model"].update(num_embeddings_per_feature=[64] * 26, ids="managed")
+    config = tmp_path / "managed.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    daily(data, straight, config)
+    args = ("--data-root", str(data), "--model-root", str(killed), "--accelerator", "cpu", "--config", str(config),
+            "--skip-validation", "--min-auc", "0")
+    crashed = run_python(str(RECIPE), *args, env={"DISTTRAIN_DAILY_CRASH_AT": "after-day-2026-11-02"})
+    assert crashed.returncode == 86 and "2026-11-02: trained" in crashed.stdout, crashed.stdout[-2000:]
+    assert not (killed / "current").exists()
+    resumed = run_python(str(RECIPE), *args)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout and "2026-11-03: trained" in resumed.stdout
+    assert "2026-11-02: trained" not in resumed.stdout
+
+    def published(models: Path) -> dict:
+        return {key: value for key, value, _, _ in leaves(read_full(models / "current"))}
+
+    expected, got = published(straight), published(killed)
+    assert got.keys() == expected.keys()
+    assert any("managed_collision" in key for key in got) and any("embedding_bags" in key for key in got)
+    different = [key for key, value in got.items() if not (torch.equal(value, expected[key])
+                                                            if isinstance(value, torch.Tensor) else
+                                                            key.startswith("meta/info") or value == expected[key])]
+    assert not different, different[:10]
+    # the dense optimizer's state and the id counts (what the next day counts new ids against)
+    metas = [torch.load(models / "current" / "meta.pt", weights_only=True) for models in (straight, killed)]
+    for part in ("dense_optimizer", "id_counts"):
+        flat = [{key: value for key, value, _, _ in leaves(meta[part])} for meta in metas]
+        assert flat[0].keys() == flat[1].keys() and flat[0]
+        assert all(torch.equal(v, flat[0][k]) if isinstance(v, torch.Tensor) else v == flat[0][k]
+                   for k, v in flat[1].items()), part
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted((killed / "runs").glob("*.json"))}
+    assert runs["2026-11-03"]["ids"]["2026-11-03"]["evictions"] > 0
