@@ -1,9 +1,10 @@
 """DeepFM throughput on 2 CPU processes: rows/s of a raw torchrec loop (DMP, fused sparse optimizer, Adam, a plain
 Python loop) against our Trainer with disttrain_recsys, its plain loop (pipeline="none") and torchrec's sparse-dist
-pipeline (pipeline="sparse_dist"), on the same data and model, measured side by side in each round (fresh processes
-per round, the order rotated); then the bytes the tables' all-to-alls send per step with comm_precision fp16 and
-bf16 against fp32; then the wall time of the daily job (a fresh subprocess, conversion included) on a day of
---daily-rows rows.
+pipeline (pipeline="sparse_dist"), and against Fabric with that pipeline driving the loop (torchrec's own
+``progress``, no Lightning loop around it), on the same data and model, measured side by side in each round (fresh
+processes per round, the order rotated); then the bytes the tables' all-to-alls send per step with comm_precision
+fp16 and bf16 against fp32; then the wall time of the daily job (a fresh subprocess, conversion included) on a day
+of --daily-rows rows.
 
     python bench/deepfm_throughput.py                      # 100k rows, 5 rounds, a 1M-row daily job
     python bench/deepfm_throughput.py --rows 50000 --daily-rows 0   # throughput only, quick
@@ -31,7 +32,8 @@ from tables import write_table  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "recsys" / "deepfm_tiny.yaml"
 DEVICES = 2
-LOOPS = ("raw", "none", "sparse_dist")  # the raw torchrec loop, then the Trainer's two pipelines
+# the raw torchrec loop, the Trainer's two pipelines, Fabric with torchrec's sparse-dist pipeline driving the loop
+LOOPS = ("raw", "none", "sparse_dist", "fabric_sparse_dist")
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
@@ -121,6 +123,37 @@ def ours(data, model_config: dict, lr: float, warmup: int, **options) -> tuple[i
     return timer.rows, timer.end - timer.start, sent
 
 
+def fabric_loop(data, model_config: dict, lr: float, warmup: int, pipeline: str) -> tuple[int, float]:
+    """Fabric with disttrain_recsys and torchrec's pipeline driving the loop (``fabric.strategy.train_pipeline``:
+    forward, backward, dense Adam step), timed from batch ``warmup`` on."""
+    import lightning as L
+
+    from disttrain.fabric import RecsysStrategy
+    from disttrain.parallel.engines.recsys import dense_parameters
+    from disttrain.recsys.model import DeepFMNet, table_batch
+
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=RecsysStrategy(pipeline=pipeline))
+    fabric.launch()
+    torch.manual_seed(0)
+    net = DeepFMNet(**model_config)
+    model, adam = fabric.setup(net, torch.optim.Adam(dense_parameters(net), lr=lr))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    pipe = fabric.strategy.train_pipeline(model, adam, lambda b: (loss_fn(model(b.dense, b.sparse), b.labels), None))
+    batches = iter(map(table_batch, (data[i] for i in range(len(data)))))
+    start, rows, step = 0.0, 0, 0
+    while True:
+        if step == warmup:
+            dist.barrier()
+            start, rows = time.perf_counter(), 0
+        try:
+            pipe.progress(batches)
+        except StopIteration:
+            break
+        rows += data[step][2].shape[0] if step < len(data) else 0
+        step += 1
+    return rows, time.perf_counter() - start
+
+
 def rank_main(args) -> None:
     """One launch (a rank under torchrun): the loops of one round in the given order, or the codecs."""
     import warnings
@@ -144,8 +177,12 @@ def rank_main(args) -> None:
     else:
         order = list(LOOPS[args.round % len(LOOPS):] + LOOPS[:args.round % len(LOOPS)])  # rotated each round
         for loop in order:
-            rows, seconds = raw_torchrec(data, model, lr, warmup) if loop == "raw" else \
-                ours(data, model, lr, warmup, pipeline=loop)[:2]
+            if loop == "raw":
+                rows, seconds = raw_torchrec(data, model, lr, warmup)
+            elif loop.startswith("fabric_"):
+                rows, seconds = fabric_loop(data, model, lr, warmup, loop[len("fabric_"):])
+            else:
+                rows, seconds = ours(data, model, lr, warmup, pipeline=loop)[:2]
             out[loop] = (rows, seconds)
     write_ranks(args.result, out)
     dist.destroy_process_group()
@@ -201,7 +238,8 @@ def main() -> None:
         sys.argv[1:] = base
     rates = {loop: [rows_per_s(ranks, loop) for ranks in rounds] for loop in LOOPS}
     ratio = {loop: [rows_per_s(ranks, loop) / rows_per_s(ranks, "raw") for ranks in rounds] for loop in LOOPS}
-    names = {"raw": "raw torchrec loop", "none": "Trainer, pipeline=none", "sparse_dist": "Trainer, sparse_dist"}
+    names = {"raw": "raw torchrec loop", "none": "Trainer, pipeline=none", "sparse_dist": "Trainer, sparse_dist",
+             "fabric_sparse_dist": "Fabric, sparse_dist"}
     print(f"throughput, {args.rows} rows, batch {args.batch_size} per rank, {DEVICES} CPU processes,"
           f" {args.rounds} rounds (ratios to the raw loop of the same round):")
     for loop in LOOPS:
