@@ -169,6 +169,7 @@ def test_a_kill_during_a_delta_publish_leaves_current_on_the_previous_version(si
         assert killed.returncode != 0 and "published version" not in killed.stdout
         now = load_current(models)  # the previous version, whole
         assert now.version == "000001" and all(torch.equal(now.state_dict[k], v) for k, v in first.state_dict.items())
+    assert not (models / "work").exists()  # a delta's last period is not saved to work/ (trained again)
     again = run_daily(data, models, *HOURLY, "--run-date", hour(1))
     # the leftover of the kill before the pointer swap is removed; its number is not given to another model
     assert again.returncode == 0 and "removed version(s) 000002" in again.stdout, again.stdout[-2000:]
@@ -178,6 +179,14 @@ def test_a_kill_during_a_delta_publish_leaves_current_on_the_previous_version(si
     # the same model the uninterrupted run published
     expected, _ = read_version(ModelStore(root / "deltas"), "000002", keys={"state_dict"})
     assert all(torch.equal(load_current(models).state_dict[k], v) for k, v in expected["state_dict"].items())
+
+    # ended after the pointer swap but before its records: the next run writes them from the version's info.json
+    ended = daily(data, models, *HOURLY, "--run-date", hour(2), crash_at="before-records")
+    assert ended.returncode == 86 and load_current(models).version == "000004"
+    assert hour(2) not in records(models)
+    again = run_daily(data, models, *HOURLY, "--run-date", hour(2))
+    assert again.returncode == 0 and "stopped before its records; writing them" in again.stdout, again.stdout[-2000:]
+    assert records(models)[hour(2)]["version"] == "000004" and load_current(models).version == "000004"
 
 
 READER = """

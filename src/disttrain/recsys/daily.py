@@ -455,6 +455,14 @@ class DailyJob:
                 _log(f"discarding work/staging: it was trained from {progress['base_version']}, current is {base}")
                 _rank0(shutil.rmtree, self.store.work)
         records = self.store.records()
+        last = info.get("record") or {}
+        unrecorded = [d for d in last.get("run_days", []) if d not in records]
+        if progress is None and base is not None and unrecorded:
+            # a run that kept no work/staging (a delta's last period) and ended between the pointer swap and its
+            # records: the version's info.json holds the record
+            _log(f"the last run published {base} but stopped before its records; writing them")
+            _rank0(self._finish, last["run_days"], {**last, "status": "published", "version": base})
+            records = self.store.records()
         in_model = set(info.get("days", []))
         processed = in_model | {d for d, r in records.items() if r.get("status") in TRAINED_STATUSES}
         quarantined = {d: r for d, r in records.items() if r.get("status") == QUARANTINED}
@@ -708,7 +716,10 @@ class DailyJob:
                progress: dict[str, Any]) -> tuple[list[str], Optional[tuple[str, str]]]:
         """Train the plan's days not trained yet, saving the model to work/staging after each; returns the days
         trained and, when the weights went non-finite, (the day, what went non-finite): a diverged model is neither
-        saved for a resume nor trained further."""
+        saved for a resume nor trained further. A run that publishes a delta skips the save after its last period:
+        the publish follows at once, and a run ended between the two trains that period again (the same model: the
+        job is deterministic) rather than every hour writing the whole model to work/ to publish a few percent of
+        it."""
         trained = list(plan.trained)
         for d in plan.days:
             if d in trained:
@@ -725,9 +736,10 @@ class DailyJob:
                 _log(f"{d}: training diverged: {bad}")
                 return trained, (d, bad)
             trained.append(d)
-            engine.save(self.store.staging, module, {"progress": {**progress, "trained": trained},
-                                                     "dense_optimizer": module.configure_optimizers().state_dict(),
-                                                     ID_COUNTS: self.id_counts.state()})
+            if not (d == plan.days[-1] and self._base_prints is not None):
+                engine.save(self.store.staging, module, {"progress": {**progress, "trained": trained},
+                                                         "dense_optimizer": module.configure_optimizers().state_dict(),
+                                                         ID_COUNTS: self.id_counts.state()})
             _log(f"{d}: trained on {rows} rows")
             _log(f"{d}: {describe_ids(ids)}")
             _crash_point(f"after-day-{d}")
@@ -828,6 +840,7 @@ class DailyJob:
         return version.name, published
 
     def _finish(self, plan: list[str], record: dict[str, Any]) -> None:
+        _crash_point("before-records")
         finished = _now(time.time())
         for d in plan:
             self.store.write_record(d, {**record, "day": d, "finished_at": finished})
