@@ -13,6 +13,9 @@ holds only the rows that changed since its base (the version the run warm-starte
       info.json          kind "delta", base, chain (the full version it starts from, then every delta up to this one)
                          and each file's sha256 and size
 
+Each .pt file is written through :func:`pack_tree` (small tensors in one buffer, keys and row ranges compressed) and
+read with ``weights_only=True``; a table's weights and optimizer state share one stored row set.
+
 Which rows changed is found by comparing each row's fingerprint (two 31-bit polynomial hashes of the row's bits)
 with the fingerprint taken when the base was loaded, so it holds for any table layout, for rows that managed ids
 remapped or evicted, and for optimizer state that moved while its row did not. A missed change needs both hashes
