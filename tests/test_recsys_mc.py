@@ -1,5 +1,5 @@
 """Collisionless ids for the DeepFM tables: torchrec managed collisions under disttrain_recsys on 1 and 2 CPU
-processes (no collision, exact resume, a refused move to another process count, the warm start from hashed tables),
+processes (no collision, exact resume, a move to another process count, the warm start from hashed tables),
 the per-day counts of new ids, collisions and evictions, and the daily job recording them and resuming exactly
 after a kill."""
 
@@ -53,8 +53,9 @@ def test_id_counts_new_ids_and_collisions_carry_over_a_save(tmp_path):
 @pytest.mark.slow
 def test_managed_tables_on_one_and_two_processes(tmp_path):
     """2 processes, then 1: held ids distinct, each on a row of its own; save, load and two more steps give bitwise
-    the tables of the uninterrupted run; the 2-process checkpoint is refused on 1 process in one line; a hashed model
-    warm-started into managed tables predicts the ids it admitted bitwise as the hashed model did."""
+    the tables of the uninterrupted run; the 2-process checkpoint loads on 1 process with every id, row, optimizer
+    state and prediction it held; a hashed model warm-started into managed tables predicts the ids it admitted
+    bitwise as the hashed model did."""
     two = run_dist("recsys_mc.py", tmp_path, "-", nproc=2)
     (tmp_path / "one").mkdir()
     one = run_dist("recsys_mc.py", tmp_path / "one", str(tmp_path / "result-managed-2"), nproc=1)
@@ -65,8 +66,22 @@ def test_managed_tables_on_one_and_two_processes(tmp_path):
     # Not every id seen is held on 2 processes: torchrec sizes each process's buffer of ids awaiting admission from
     # the first batch it routes there (x 1.25), and a later, larger share waits for the next interval.
     assert all(two[0]["held"][t] <= one[0]["held"][t] for t in one[0]["held"])
-    error = one[0]["foreign_error"]
-    assert error and "\n" not in error and "saved on 2 process(es)" in error and "run with 2 process(es)" in error
+    # the 2-process checkpoint on 1 process: every id it held, with its row and row-wise Adagrad state, and the same
+    # predictions on them (1 process has room for both halves)
+    moved = one[0]
+    assert moved["moved_held"] == two[0]["held_ids"]
+    assert moved["moved_rows"] == two[0]["rows"] and len(moved["moved_rows"]) > 10
+    assert moved["moved_probe"] == two[0]["held_probe"]
+    # and back, the 1-process checkpoint on 2 processes: each keeps the ids of its input range (ids // 500), as
+    # many as its part holds (63 of 64 rows), the most frequent first, each with its row and optimizer state
+    (tmp_path / "back").mkdir()
+    back = run_dist("recsys_mc.py", tmp_path / "back", str(tmp_path / "one" / "result-managed-1"), nproc=2)
+    for table, ids in one[0]["held_ids"].items():
+        routed = [sum(1 for i in ids if i // 500 == r) for r in (0, 1)]
+        assert len(back[0]["moved_held"][table]) == sum(min(n, 63) for n in routed), table
+        assert set(back[0]["moved_held"][table]) <= set(ids)
+    kept = back[0]["moved_rows"]
+    assert kept and all(kept[i] == one[0]["rows"][i] for i in kept)
 
 
 def daily(data: Path, models: Path, config: Path, *args: str) -> None:

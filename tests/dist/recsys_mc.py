@@ -4,7 +4,8 @@ Usage: recsys_mc.py OUT FOREIGN ("-": none)
 Trains two steps on a fixed global batch (every rank its share), then: the held ids are distinct with distinct rows
 (no collision); save, load into a fresh model, and two more steps on both give bitwise the same tables (exact
 resume); a hashed model trained the same way and warm-started into managed tables predicts the ids it admitted
-bitwise as the hashed model did. FOREIGN: a managed checkpoint saved on another number of processes, to refuse.
+bitwise as the hashed model did. FOREIGN: a managed checkpoint saved on another number of processes, loaded: its
+ids, rows, optimizer state and predictions on the ids it held, as saved.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import torch.distributed as dist
 
 from common import write_result
 
-from disttrain.parallel.checkpoint.io import CheckpointError
-from disttrain.parallel.engines.managed_ids import EMPTY, finish_admissions, local_modules
+from disttrain.parallel.engines.managed_ids import EMPTY, finish_admissions, local_modules, sharded_managed
 from disttrain.parallel.engines.recsys import RecsysEngine, RecsysOptions, dense_parameters
 from disttrain.recsys.ids import warm_start_from_hashed
 from disttrain.recsys.model import DeepFMNet, feature_names, to_kjt
@@ -71,6 +71,25 @@ def tables(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.local_shards()[0].tensor.clone() for k, v in model.state_dict().items() if hasattr(v, "local_shards")}
 
 
+def row_values(model: torch.nn.Module, table: str = "t_cat_0") -> dict[str, list[float]]:
+    """``{raw id: its row's weights + its row-wise Adagrad state}`` of one table, every rank's ids."""
+    for sharded in sharded_managed(model):
+        modules = sharded._managed_collision_collection._managed_collision_modules
+        if table not in modules:
+            continue
+        mcm = modules[table]
+        tbe, index = sharded._table_to_tbe_and_index[table]
+        weights, [momentum] = tbe.split_embedding_weights()[int(index)], tbe.split_optimizer_states()[int(index)]
+        mine = mcm._mch_sorted_raw_ids != EMPTY
+        rows = mcm._mch_remapped_ids_mapping[mine] - mcm._output_global_offset
+        values = {str(int(i)): weights[r].tolist() + [float(momentum[r])]
+                  for i, r in zip(mcm._mch_sorted_raw_ids[mine], rows)}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, values)
+        return {k: v for part in gathered for k, v in part.items()}
+    raise AssertionError(f"no managed table {table}")
+
+
 def held(model: torch.nn.Module) -> dict[str, list[list[int]]]:
     """Per table, every rank's (raw id, row) pairs."""
     out = {}
@@ -99,8 +118,17 @@ def main() -> None:
     result["distinct_rows"] = all(len({r for _, r in p}) == len(p) for p in pairs.values())
     probe = batch(0)
     result["probe"] = predict(model, probe[0], probe[1])
+    # a probe of ids every table holds (column f: table f's ids in turn), to predict after a move
+    held_probe = (torch.randn(8, 13, generator=torch.Generator().manual_seed(5)),
+                  torch.tensor([[sorted(i for i, _ in pairs[f"t_cat_{f}"])[k % len(pairs[f"t_cat_{f}"])]
+                                 for f in range(26)] for k in range(8)]))
+    result["held_probe"] = predict(model, *held_probe)
+    result["held_ids"] = {t: sorted(i for i, _ in p) for t, p in pairs.items()}
+    result["rows"] = row_values(model)
     folder = f"{out}-managed-{world}"
     engine.save(folder, model, {"dense_optimizer": adam.state_dict()})
+    if rank == 0:
+        torch.save(held_probe, f"{folder}.probe.pt")
     resumed, adam2 = build(MANAGED, engine)
     adam2.load_state_dict(engine.load(folder, resumed)["dense_optimizer"])
     fa, fb = model.fused_optimizer.state_dict()["state"], resumed.fused_optimizer.state_dict()["state"]
@@ -116,12 +144,13 @@ def main() -> None:
     result["maxdiff"] = max(float((a[k] - b[k]).abs().max()) for k in a if a[k].is_floating_point())
     da, db = model.state_dict(), resumed.state_dict()
     result["dense_differ"] = [k for k in da if not hasattr(da[k], "local_shards") and not torch.equal(da[k], db[k])][:3]
-    result["foreign_error"] = None
-    if foreign != "-":
-        try:
-            engine.load(foreign, build(MANAGED, engine)[0])
-        except CheckpointError as e:
-            result["foreign_error"] = str(e)
+    if foreign != "-":  # a checkpoint of another number of processes: its ids admitted again where they belong
+        moved = build(MANAGED, engine)[0]
+        engine.load(foreign, moved)
+        held_probe = torch.load(f"{foreign}.probe.pt", weights_only=True)
+        result["moved_probe"] = predict(moved, *held_probe)
+        result["moved_held"] = {t: sorted(i for i, _ in p) for t, p in held(moved).items()}
+        result["moved_rows"] = row_values(moved)
 
     # hashed -> managed: the ids of the hashed model's training batches, each from its hashed row
     hashed, hadam = build(HASHED, engine)

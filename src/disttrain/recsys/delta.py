@@ -575,9 +575,16 @@ def apply_deltas(store: ModelStore, names: list[str], state: dict[str, Any], met
 
 def same_layout(root: nn.Module, store: ModelStore, info: dict[str, Any]) -> bool:
     """Whether ``root``'s per-row optimizer states are split by columns as in the chain of the version ``info``
-    describes (another number of ranks may split a table's columns otherwise; a delta must then not go on it)."""
+    describes (another number of ranks may split a table's columns otherwise; a delta must then not go on it), and
+    its managed tables (if any) are over as many processes (which process holds an id, and in which row, depends
+    on their number)."""
+    from disttrain.parallel.engines.managed_ids import saved_world_size
+
+    base = store.versions / chain_of(info)[0]
+    if saved_world_size(base, root) is not None:
+        return False
     live = {s.key: s.columns for s in row_states(root, fused_optimizer_state(root))}
-    saved = ckpt.read_meta(store.versions / chain_of(info)[0]).get(ROW_STATE_KEY) or {}
+    saved = ckpt.read_meta(base).get(ROW_STATE_KEY) or {}
     def plain(layout: dict[str, Any]) -> dict[str, Any]:
         return {k: None if v is None else [int(c) for c in v] for k, v in layout.items()}
 

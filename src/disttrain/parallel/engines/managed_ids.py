@@ -4,7 +4,8 @@ the end of a day's pending admissions, the layout a checkpoint was saved in).
 
 torchrec shards managed tables row-wise only: rank r holds rows [r * N / W, (r + 1) * N / W) of a table and admits
 the raw ids of input block r (``id // ceil(input_hash_size / W)``). Which rank holds an id thus depends on the
-number of processes W, and a checkpoint of managed tables loads on the number it was saved on.
+number of processes W: a checkpoint saved on another number is loaded by :func:`readmit`, which routes every id it
+holds to its new process with its row, optimizer state and eviction metadata.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 EMPTY = torch.iinfo(torch.int64).max  # torchrec's marker of a free slot in _mch_sorted_raw_ids
@@ -129,3 +131,78 @@ def one_bucket_per_process(module: nn.Module, world_size: int) -> None:
     for m in module.modules():
         if isinstance(m, MCHManagedCollisionModule):
             m._buckets = world_size
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested checkpoint dict (``read_full``'s) as ``{"a/b/c": leaf}``."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}/{key}" if prefix else str(key)))
+    return out
+
+
+@torch.no_grad()
+def readmit(path: str | Path, root: nn.Module, fused_key: str) -> dict[str, int]:
+    """Rebuild ``root``'s managed tables (sharded over this run's processes) from a checkpoint saved on another
+    number: every id the checkpoint holds is routed to the process of its input range now, and each process admits
+    its ids, most frequent (LFU, distance-LFU) or most recently seen (LRU) first, as many as its part of the table
+    holds (its last row stays the shared row of ids not held), each with its row, its optimizer state and its
+    eviction metadata as saved. Collective-free: every process reads the checkpoint itself (``read_full``).
+    Returns ``{table: ids left out}`` (none when the new parts hold at least as many ids as the old ones did)."""
+    import numpy as np
+
+    from disttrain.parallel.checkpoint import io as ckpt
+
+    state = _flat(ckpt.read_full(path, keys={"state_dict", fused_key}))
+    dropped: dict[str, int] = {}
+    for sharded in sharded_managed(root):
+        for table, mcm in sharded._managed_collision_collection._managed_collision_modules.items():
+            def saved(suffix: str) -> torch.Tensor:
+                found = [v for k, v in state.items() if k.startswith("state_dict/") and k.endswith(suffix)]
+                if len(found) != 1:
+                    raise ckpt.CheckpointError(f"checkpoint {str(path)!r} has no single {suffix.lstrip('.')} for"
+                                               f" managed table {table}; it is not a checkpoint of this model")
+                return found[0]
+
+            raw, rows = saved(f".{table}.{MC_BUFFER}"), saved(f".{table}._mch_remapped_ids_mapping")
+            weight = saved(f"embedding_bags.{table}.weight")
+            metadata = {name: saved(f".{table}._mch_{name}") for name in mcm._mch_metadata}
+            states = [state[k] for k in sorted(state) if k.startswith(f"{fused_key}/")
+                      and f"embedding_bags.{table}.weight" in k and isinstance(state[k], torch.Tensor)
+                      and state[k].dim() >= 1 and state[k].shape[0] == weight.shape[0]]
+            held = raw != EMPTY
+            ids, rows = raw[held], rows[held]
+            metadata = {name: values[held] for name, values in metadata.items()}
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            block = -(-int(mcm._input_hash_size) // world)  # torchrec routes id to process id // block
+            mine = (ids // block) == rank
+            ids, rows = ids[mine], rows[mine]
+            metadata = {name: values[mine] for name, values in metadata.items()}
+            rank_by = metadata.get("counts", metadata.get("last_access_iter"))
+            order = np.lexsort((ids.numpy(), -rank_by.numpy())) if rank_by is not None else np.argsort(ids.numpy())
+            keep = torch.from_numpy(order[:mcm._zch_size - 1])
+            dropped[table] = int(ids.numel() - keep.numel())
+            ids, rows = ids[keep], rows[keep]
+            n, offset = ids.numel(), mcm._output_global_offset
+            fresh = torch.full_like(mcm._mch_sorted_raw_ids, EMPTY)
+            fresh[:n] = ids
+            mcm._mch_sorted_raw_ids.copy_(fresh)
+            mcm._mch_remapped_ids_mapping.copy_(torch.arange(offset, offset + mcm._zch_size))
+            for name, buffer in mcm._mch_metadata.items():
+                buffer.zero_()
+                buffer[:n] = metadata[name][keep]
+            mcm._sort_mch_buffers()
+            tbe, index = sharded._table_to_tbe_and_index[table]
+            mine_rows = tbe.split_embedding_weights()[int(index)]  # this process's rows, views into the kernel's
+            mine_rows[:n] = weight[rows].to(mine_rows.dtype)
+            for target, source in zip(tbe.split_optimizer_states()[int(index)], states):
+                target.zero_()
+                target[:n] = source[rows].reshape(target[:n].shape).to(target.dtype)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        counts = torch.tensor(list(dropped.values()), dtype=torch.int64)
+        dist.all_reduce(counts)
+        dropped = dict(zip(dropped, counts.tolist()))
+    return dropped

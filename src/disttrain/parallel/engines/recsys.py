@@ -23,7 +23,7 @@ from torch import nn
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import Engine
 from disttrain.parallel.engines.ddp import BUCKET_BYTES
-from disttrain.parallel.engines.managed_ids import managed_sharder, one_bucket_per_process, saved_world_size
+from disttrain.parallel.engines.managed_ids import managed_sharder, one_bucket_per_process, readmit, saved_world_size
 from disttrain.parallel.engines.layout import (
     Buffers,
     Capabilities,
@@ -438,12 +438,10 @@ class RecsysEngine(Engine):
         Adagrad's momentum) is stored per column shard, so when the column split differs it is regrouped with
         :func:`regroup_row_state`. Every file read is verified against the checkpoint's manifest."""
         path = ckpt.check_checkpoint(path)
+        # Managed-collision tables saved on another number of processes: torchrec places each id on the process of
+        # its input range, so after DCP's load by offsets their ids, rows and optimizer state are admitted again on
+        # the processes they belong to now (readmit).
         moved = saved_world_size(path, root)
-        if moved is not None:
-            raise ckpt.CheckpointError(
-                f"checkpoint {str(path)!r} holds managed-collision tables saved on {moved[0]} process(es); torchrec"
-                f" places each id on the process of its input range, so they load on {moved[0]} only (now"
-                f" {moved[1]}): run with {moved[0]} process(es)")
         metadata = ckpt.read_meta(path)
         saved_columns = metadata.pop(ROW_STATE_KEY, None)
         tensors: dict[str, Any] = {"state_dict": root.state_dict()}
@@ -451,11 +449,16 @@ class RecsysEngine(Engine):
         if optimizer:
             tensors[FUSED_OPTIMIZER_KEY] = fused = fused_optimizer_state(root)
             regroup = _row_states_to_regroup(path, root, fused, saved_columns)
+        # which output rows each process's managed-table part covers: this run's layout, not the saved one's
+        layout_of_now = {k: v.clone() for k, v in tensors["state_dict"].items()
+                         if moved is not None and k.endswith("_output_segments_tensor")}
         try:
             with _torchrec_sharded_tensors():
                 dcp.load(_without(tensors, regroup), storage_reader=ckpt.CheckpointReader(path),
                          planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
             _load_regrouped(path, regroup)
+            for key, value in layout_of_now.items():
+                tensors["state_dict"][key].copy_(value)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -464,6 +467,12 @@ class RecsysEngine(Engine):
         load_model_state(root, tensors["state_dict"], strict=strict)
         if optimizer:
             load_fused_optimizer_state(root, tensors[FUSED_OPTIMIZER_KEY])
+        if moved is not None:
+            dropped = readmit(path, root, FUSED_OPTIMIZER_KEY)
+            if any(dropped.values()) and (not dist.is_initialized() or dist.get_rank() == 0):
+                warnings.warn(f"checkpoint {str(path)!r}: its managed tables, saved on {moved[0]} process(es), hold"
+                              f" fewer ids on {moved[1]}: {sum(dropped.values()):,} left out (the least frequent of"
+                              " each process's id range), served by the shared row until seen again", stacklevel=2)
         return metadata
 
 
