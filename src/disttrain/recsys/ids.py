@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.parallel.engines.managed_ids import EMPTY, held_ids, local_modules
+from disttrain.parallel.engines.managed_ids import admit, held_ids, local_modules
 from disttrain.parallel.families.managed_ids import id_space
 
 SEEN_BITS = 2 ** 20  # per column: 128 KiB; about 2% of new ids taken for seen after 100k distinct ids (3 hashes)
@@ -194,24 +194,12 @@ def _old_tables(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def _admit(sharded: Any, table: str, mcm: Any, ids: np.ndarray, counts: np.ndarray, old: torch.Tensor) -> None:
     """Put ``ids`` into this rank's part of ``table`` (slot k: row offset + k) with their counts as their frequency,
-    and start row offset + k from the old table's row ``ids[k] % old rows``."""
-    n, offset = len(ids), mcm._output_global_offset
-    raw = torch.full_like(mcm._mch_sorted_raw_ids, EMPTY)
-    raw[:n] = torch.from_numpy(ids)
-    mcm._mch_sorted_raw_ids.copy_(raw)
-    mcm._mch_remapped_ids_mapping.copy_(torch.arange(offset, offset + mcm._zch_size))
-    for name, buffer in mcm._mch_metadata.items():
-        buffer.zero_()
-        if name == "counts":
-            buffer[:n] = torch.from_numpy(counts.astype(np.int64))
-        else:  # last_access_iter: seen now
-            buffer[:n] = int(mcm._current_iter_tensor.item())
-    mcm._sort_mch_buffers()
-    tbe, index = sharded._table_to_tbe_and_index[table]
-    weights = tbe.split_embedding_weights()[int(index)]  # this rank's rows, a view into the kernel's storage
-    weights[:n] = old[torch.from_numpy((ids.astype(np.uint64) % np.uint64(old.shape[0])).astype(np.int64))]
-    for state in tbe.split_optimizer_states()[int(index)]:
-        state.zero_()
+    seen now, and start row offset + k from the old table's row ``ids[k] % old rows``."""
+    now = int(mcm._current_iter_tensor.item())
+    metadata = {name: torch.from_numpy(counts.astype(np.int64)) if name == "counts" else torch.full((len(ids),), now)
+                for name in mcm._mch_metadata}
+    admit(sharded, table, mcm, torch.from_numpy(ids), metadata,
+          old[torch.from_numpy((ids.astype(np.uint64) % np.uint64(old.shape[0])).astype(np.int64))])
 
 
 def describe_ids(figures: Mapping[str, Any]) -> str:

@@ -144,6 +144,30 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 @torch.no_grad()
+def admit(sharded: Any, table: str, mcm: Any, ids: torch.Tensor, metadata: dict[str, torch.Tensor],
+          weights: torch.Tensor, states: list[torch.Tensor] | None = None) -> None:
+    """Make ``ids`` the ids this process's part of ``table`` holds: slot k (row offset + k) gets ``ids[k]``, its
+    eviction ``metadata[name][k]`` and its row ``weights[k]``; the optimizer state of those rows is ``states[i][k]``
+    (None: fresh, as is every other row's)."""
+    n, offset = ids.numel(), mcm._output_global_offset
+    fresh = torch.full_like(mcm._mch_sorted_raw_ids, EMPTY)
+    fresh[:n] = ids
+    mcm._mch_sorted_raw_ids.copy_(fresh)
+    mcm._mch_remapped_ids_mapping.copy_(torch.arange(offset, offset + mcm._zch_size))
+    for name, buffer in mcm._mch_metadata.items():
+        buffer.zero_()
+        buffer[:n] = metadata[name]
+    mcm._sort_mch_buffers()
+    tbe, index = sharded._table_to_tbe_and_index[table]
+    rows = tbe.split_embedding_weights()[int(index)]  # this process's rows, a view into the kernel's storage
+    rows[:n] = weights.to(rows.dtype)
+    for i, target in enumerate(tbe.split_optimizer_states()[int(index)]):
+        target.zero_()
+        if states is not None:
+            target[:n] = states[i].reshape(target[:n].shape).to(target.dtype)
+
+
+@torch.no_grad()
 def readmit(path: str | Path, root: nn.Module, fused_key: str) -> dict[str, int]:
     """Rebuild ``root``'s managed tables (sharded over this run's processes) from a checkpoint saved on another
     number: every id the checkpoint holds is routed to the process of its input range now, and each process admits
@@ -156,6 +180,8 @@ def readmit(path: str | Path, root: nn.Module, fused_key: str) -> dict[str, int]
     from disttrain.parallel.checkpoint import io as ckpt
 
     state = _flat(ckpt.read_full(path, keys={"state_dict", fused_key}))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     dropped: dict[str, int] = {}
     for sharded in sharded_managed(root):
         for table, mcm in sharded._managed_collision_collection._managed_collision_modules.items():
@@ -175,8 +201,6 @@ def readmit(path: str | Path, root: nn.Module, fused_key: str) -> dict[str, int]
             held = raw != EMPTY
             ids, rows = raw[held], rows[held]
             metadata = {name: values[held] for name, values in metadata.items()}
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            world = dist.get_world_size() if dist.is_initialized() else 1
             block = -(-int(mcm._input_hash_size) // world)  # torchrec routes id to process id // block
             mine = (ids // block) == rank
             ids, rows = ids[mine], rows[mine]
@@ -186,21 +210,8 @@ def readmit(path: str | Path, root: nn.Module, fused_key: str) -> dict[str, int]
             keep = torch.from_numpy(order[:mcm._zch_size - 1])
             dropped[table] = int(ids.numel() - keep.numel())
             ids, rows = ids[keep], rows[keep]
-            n, offset = ids.numel(), mcm._output_global_offset
-            fresh = torch.full_like(mcm._mch_sorted_raw_ids, EMPTY)
-            fresh[:n] = ids
-            mcm._mch_sorted_raw_ids.copy_(fresh)
-            mcm._mch_remapped_ids_mapping.copy_(torch.arange(offset, offset + mcm._zch_size))
-            for name, buffer in mcm._mch_metadata.items():
-                buffer.zero_()
-                buffer[:n] = metadata[name][keep]
-            mcm._sort_mch_buffers()
-            tbe, index = sharded._table_to_tbe_and_index[table]
-            mine_rows = tbe.split_embedding_weights()[int(index)]  # this process's rows, views into the kernel's
-            mine_rows[:n] = weight[rows].to(mine_rows.dtype)
-            for target, source in zip(tbe.split_optimizer_states()[int(index)], states):
-                target.zero_()
-                target[:n] = source[rows].reshape(target[:n].shape).to(target.dtype)
+            admit(sharded, table, mcm, ids, {name: values[keep] for name, values in metadata.items()},
+                  weight[rows], [source[rows] for source in states])
     if dist.is_initialized() and dist.get_world_size() > 1:
         counts = torch.tensor(list(dropped.values()), dtype=torch.int64)
         dist.all_reduce(counts)
