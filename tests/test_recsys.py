@@ -234,6 +234,17 @@ def test_daily_job_catch_up_rerun_gate_crash_and_lock(tmp_path):
     # keep_versions=3 keeps three real versions: the leftover no longer pushes 000001 out
     assert sorted(p.name for p in (models / "versions").iterdir()) == ["000001", "000002", "000004"]
     assert records(models)["2026-11-06"]["removed_versions"] == ["000003"]
+    # a crash after the pointer swap but before the records (the run's work/staging still there): the next run
+    # writes the records from the version's info.json and trains nothing
+    make_days(data, 1, 20000, start=_date("2026-11-07"), first_index=6)
+    crashed = daily(data, models, crash_at="before-records")
+    assert crashed.returncode == 86 and os.readlink(models / "current") == "versions/000005"
+    assert "2026-11-07" not in records(models) and (models / "work").exists()
+    recovered = daily(data, models)
+    assert recovered.returncode == 0, recovered.stderr[-3000:]
+    assert "published 000005 but stopped before its records; writing them" in recovered.stdout
+    assert "trained on" not in recovered.stdout and "nothing to do" in recovered.stdout
+    assert records(models)["2026-11-07"]["version"] == "000005" and not (models / "work").exists()
 
     # clear failures: a running job's lock, a missing day, too many malformed rows
     from disttrain.recsys.publish import ModelStore
@@ -243,10 +254,10 @@ def test_daily_job_catch_up_rerun_gate_crash_and_lock(tmp_path):
     assert locked.returncode == 1 and "another daily run holds" in locked.stderr
     missing = daily(data, models, "--run-date", "2026-12-25")
     assert missing.returncode == 1 and "no data for --run-date 2026-12-25" in missing.stderr
-    make_days(data, 1, 2000, start=_date("2026-11-07"), first_index=6, bad_rows=100)
+    make_days(data, 1, 2000, start=_date("2026-11-08"), first_index=7, bad_rows=100)
     malformed = daily(data, models)
-    assert malformed.returncode == 1 and "day_2026-11-07.tsv: 100 of 2000 rows are malformed" in malformed.stderr
-    assert os.readlink(models / "current") == "versions/000004"
+    assert malformed.returncode == 1 and "day_2026-11-08.tsv: 100 of 2000 rows are malformed" in malformed.stderr
+    assert os.readlink(models / "current") == "versions/000005"
 
 
 def _date(text: str):

@@ -443,26 +443,21 @@ class DailyJob:
         progress = self._staging_progress()
         unfinished = progress if progress is not None and progress["base_version"] == base else None
         self._set_days_aside(days, run_date, info, unfinished)
-        if progress is not None:
-            if unfinished is not None:
-                return Plan(progress["plan"], list(progress["trained"]), progress["current_metrics"], True,
-                            progress.get("skipped_days", []), progress.get("late_days", []),
-                            progress.get("removed_versions", []), progress.get("quarantined_days", []))
-            if info.get("previous") == progress["base_version"] and set(progress["plan"]) <= set(info["days"]):
-                _log(f"the last run published {base} but stopped before its records; writing them")
-                _rank0(self._finish, progress["plan"], {**info["record"], "status": "published", "version": base})
-            else:
-                _log(f"discarding work/staging: it was trained from {progress['base_version']}, current is {base}")
-                _rank0(shutil.rmtree, self.store.work)
+        if unfinished is not None:
+            return Plan(progress["plan"], list(progress["trained"]), progress["current_metrics"], True,
+                        progress.get("skipped_days", []), progress.get("late_days", []),
+                        progress.get("removed_versions", []), progress.get("quarantined_days", []))
         records = self.store.records()
         last = info.get("record") or {}
-        unrecorded = [d for d in last.get("run_days", []) if d not in records]
-        if progress is None and base is not None and unrecorded:
-            # a run that kept no work/staging (a delta's last period) and ended between the pointer swap and its
-            # records: the version's info.json holds the record
+        if base is not None and any(_older(records.get(d), last["started_at"]) for d in last.get("run_days", [])):
+            # The last run published current but ended between the pointer swap and its records (with or without a
+            # work/staging: a delta's last period keeps none); the version's info.json holds the record.
             _log(f"the last run published {base} but stopped before its records; writing them")
             _rank0(self._finish, last["run_days"], {**last, "status": "published", "version": base})
             records = self.store.records()
+        elif progress is not None:
+            _log(f"discarding work/staging: it was trained from {progress['base_version']}, current is {base}")
+            _rank0(shutil.rmtree, self.store.work)
         in_model = set(info.get("days", []))
         processed = in_model | {d for d, r in records.items() if r.get("status") in TRAINED_STATUSES}
         quarantined = {d: r for d, r in records.items() if r.get("status") == QUARANTINED}
@@ -942,6 +937,12 @@ def operator_name() -> str:
 def _set_aside_by(record: dict[str, Any]) -> str:
     """Who set a quarantined day aside, when and why, for messages."""
     return f"set aside by {record.get('by')} at {record.get('at')}: {record.get('reason')}"
+
+
+def _older(record: Optional[dict[str, Any]], started_at: str) -> bool:
+    """Whether a day's record is missing or written before a run that started at ``started_at`` (a later run's
+    record of the day, e.g. a rejected ``--force`` retraining, is newer and stays)."""
+    return record is None or (record.get("started_at") or record.get("finished_at") or "") < started_at
 
 
 def _now(seconds: float) -> str:
