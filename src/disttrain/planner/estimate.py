@@ -102,13 +102,15 @@ class Estimate:
 @dataclass(frozen=True)
 class Sizes:
     """Bytes per parameter element, from a layout and a precision: parameter, gradient, optimizer state (its
-    moments and any fp32 master copy), compute (activations and gathers) and reduction (gradient collectives)."""
+    moments and any fp32 master copy), compute (activations and gathers), reduction (gradient collectives' buffers)
+    and wire (what the gradient collectives send: the reduction's, or a compressed size)."""
 
     param: int
     grad: int
     optimizer: int
     compute: int
     reduce: int
+    wire: float = 0.0
 
     @classmethod
     def of(cls, layout: Layout, precision: str, optimizer: str) -> Sizes:
@@ -121,7 +123,8 @@ class Sizes:
         return cls(param=layout.params.dtype.bytes(precision), grad=layout.grads.dtype.bytes(precision),
                    optimizer=moments + (4 if opt.master else 0),
                    compute=4 if precision.startswith("32") else 2,
-                   reduce=layout.grads.reduce_dtype.bytes(precision))
+                   reduce=layout.grads.reduce_dtype.bytes(precision),
+                   wire=layout.grads.wire_bytes or layout.grads.reduce_dtype.bytes(precision))
 
 
 @dataclass(frozen=True)
@@ -315,14 +318,14 @@ def _data_parallel(s: Setup) -> Estimate:
     gathers = layout.params.gather.per_step if layout.params.gather is Gather.PER_UNIT else 0
     if grads.reduce is Reduce.ALL_REDUCE:  # over every data-parallel rank
         n = s.dims.dp
-        comm = {"dp": 2 * (n - 1) / n * trained * z.reduce}
+        comm = {"dp": 2 * (n - 1) / n * trained * z.wire}
     else:  # over the ranks sharing the partitions the optimizer updates, then across the replicas of a partition
         n = layout.optimizer.shards(s.dims)
-        comm = {"dp": (n - 1) / n * (P * gathers * z.compute + trained * z.reduce)}
+        comm = {"dp": (n - 1) / n * (P * gathers * z.compute + trained * z.wire)}
         replicas = math.prod(getattr(s.dims, d) for d in ("dp_replicate", "dp_shard")
                              if d not in layout.optimizer.sharded_over)
         if replicas > 1:
-            comm["dp_replicate"] = 2 * (replicas - 1) / replicas * elements[1] * z.reduce
+            comm["dp_replicate"] = 2 * (replicas - 1) / replicas * elements[1] * z.wire
     if layout.params.gather is Gather.AFTER_STEP:  # the updated partitions, once the optimizer step is done
         n = layout.optimizer.shards(s.dims)
         comm["after_step"] = (n - 1) / n * trained * z.compute

@@ -73,11 +73,12 @@ class StepTime:
     critical: float  # traffic on the critical path
     overhead: float = 0.0  # the framework's own work
     overlaps: bool = True  # the device computes while the host dispatches: the longer of compute and overhead
+    codec: float = 0.0  # encoding and decoding compressed gradients
 
     @property
     def total(self) -> float:
         busy = max(self.compute, self.overhead) if self.overlaps else self.compute + self.overhead
-        return busy + self.optimizer + self.dp_exposed + self.critical
+        return busy + self.optimizer + self.dp_exposed + self.critical + self.codec
 
 
 def _compute_bytes(precision: str) -> int:
@@ -361,8 +362,12 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
                 + between("all_to_all", "a2a", 4)  # ids out, embeddings back, their gradients
                 + between("all_gather", "after_step", 1)  # after the optimizer step
                 + c.get("pcie", 0) / hw.pcie_bw + c.get("host_optimizer", 0) / hw.host_optimizer_bw)
+    # compressed gradients: passes over the fp32 gradients of every trained element this rank holds (whole, before
+    # a reduce-scatter), each a read and a write at the measured memory speed
+    codec = grads.codec_passes * 8 * (e.lora_rank and lora_elements(spec, e.lora_rank) or spec.params) / \
+        (d.tp * d.pp) / hw.memory_bw
     return StepTime(compute, optimizer, dp, dp_exposed, critical, overhead(spec, e, hw, loader_batch, factor),
-                    hw.overheads.overlaps)
+                    hw.overheads.overlaps, codec)
 
 
 def step_time(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = False) -> float:

@@ -30,7 +30,7 @@ from disttrain.parallel.engines.tables import refuse_torchrec_tables
 from disttrain.parallel.split.ac import apply_ac, has_ac
 from disttrain.parallel.split.blocks import find_blocks
 from disttrain.parallel.split.compile import compile_blocks, is_compiled
-from disttrain.parallel.split.compress import DDP_HOOKS, HookState, Traffic
+from disttrain.parallel.split.compress import DDP_HOOKS, HookState, Traffic, wire
 
 COMPRESSIONS = ("fp16", "bf16", "int8", "powersgd")
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
@@ -115,10 +115,11 @@ class DDPEngine(Engine):
     def layout(cls, options: DDPOptions) -> Layout:
         """A replica on every rank: parameters, gradients and optimizer state whole, in the precision's parameter
         dtype; gradients all-reduced bucket by bucket while backward runs, from a second copy of them (the
-        buckets); a plain optimizer over plain tensors; plain modules."""
+        buckets), compressed as ``gradient_compression`` says (:func:`disttrain.parallel.split.compress.wire`);
+        a plain optimizer over plain tensors; plain modules."""
         return Layout(
             params=Params(),
-            grads=Grads(reduce=Reduce.ALL_REDUCE, bucket_bytes=BUCKET_BYTES),
+            grads=Grads(reduce=Reduce.ALL_REDUCE, bucket_bytes=BUCKET_BYTES, **wire(options.gradient_compression)),
             optimizer=Optimizer(steps=Steps.TENSORS),
             buffers=Buffers(gradient_copy=True),
             work=Work.PLAIN,

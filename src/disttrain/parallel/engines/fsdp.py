@@ -36,7 +36,7 @@ from disttrain.parallel.engines.layout import (
 )
 from disttrain.parallel.engines.tables import refuse_torchrec_tables
 from disttrain.parallel.mesh import ParallelDims
-from disttrain.parallel.split.compress import Traffic
+from disttrain.parallel.split.compress import Traffic, wire
 from disttrain.parallel.split.fsdp import FSDPOptions, apply_fsdp, claim_root, gathered, set_gradient_sync
 
 
@@ -65,12 +65,13 @@ class FSDPEngine(Engine):
         host memory under ``cpu_offload``. Parameters are gathered unit by unit (each block, sub-network and the
         root) in the compute dtype for forward and again for backward, while the next unit is prefetched; the root
         stays gathered throughout; each unit's gradients are reduce-scattered as its backward ends (and all-reduced
-        across replicas). The optimizer steps the DTensor shards. The planner may replicate across nodes and shard
+        across replicas), compressed as ``gradient_compression`` says. The optimizer steps the DTensor shards. The planner may replicate across nodes and shard
         within one (``dp_replicate``: ``hybrid_shard``)."""
         shard, where = ("dp_shard", "cp"), Where.HOST if options.cpu_offload else Where.DEVICE
         return Layout(
             params=Params(shard, Dtype.PARAM, where, gather=Gather.PER_UNIT, units=Units.FSDP),
-            grads=Grads(shard, Dtype.PARAM, where, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.PARAM),
+            grads=Grads(shard, Dtype.PARAM, where, reduce=Reduce.REDUCE_SCATTER, reduce_dtype=Dtype.PARAM,
+                        **wire(options.gradient_compression, all_gathered=False)),
             optimizer=Optimizer(shard, Dtype.PARAM, where, steps=Steps.DTENSORS),
             partition=Partition.DIM0,
             buffers=Buffers(gathered_units=2, root_gathered=True, unit_gradients=1),
