@@ -52,4 +52,31 @@ def train(spec: str) -> dict:
     return {"losses": losses, "bytes_per_step": sent / STEPS if sent is not None else None, "reported": reported}
 
 
-write_result({spec: train(spec) for spec in SPECS})
+def powersgd_buckets(steps: int = 40) -> dict:
+    """disttrain_ddp's PowerSGD hook (register_compression) on a DDP model of 12 buckets, where torch's own hook on
+    gloo issues a bucket's later all-reduces from gloo's thread, racing the next bucket's (most such runs end in
+    "collective mismatch"): the steps run and the replicas stay equal."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from disttrain.parallel.engines.ddp import DDPOptions, register_compression
+    from disttrain.parallel.split.compress import Traffic
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)]), bucket_cap_mb=0.3)
+    register_compression(model, DDPOptions(gradient_compression="powersgd", powersgd_start_iter=2,
+                                           powersgd_rank=2), Traffic())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        model(torch.randn(8, 256, generator=g)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return {"steps": steps, "replicas_equal": all(torch.equal(gathered[0], x) for x in gathered)}
+
+
+write_result({**{spec: train(spec) for spec in SPECS}, "powersgd_buckets": powersgd_buckets()})
