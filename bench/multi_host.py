@@ -247,7 +247,7 @@ calibrate.calibrate(**json.loads(sys.argv[1]))
 
 
 def predictions(hosts, args, per_host: int, folder: Path) -> tuple[dict[str, float], str]:
-    """The planner's step time for the plans of a layout (PowerSGD's aside: its traffic is not modelled), from
+    """The planner's step time for the plans of a layout, from
     ``disttrain calibrate`` run on the hosts over the same link (collectives within and between hosts, and the bench
     model's own step), and the plan it chooses among the uncompressed ones (disttrain_ddp and disttrain_fsdp, HSDP
     included). The calibration is a full one (collectives at four sizes, nine times each, and the overheads;
@@ -288,7 +288,7 @@ def predictions(hosts, args, per_host: int, folder: Path) -> tuple[dict[str, flo
     # estimates' step times on the same calibration
     spec = model_spec(mapping)
     for per, variant, strategy, options in VARIANTS:
-        if per == per_host and "+" in variant and "PowerSGD" not in variant:
+        if per == per_host and "+" in variant:
             hybrid = {"shard_size": per_host} if options.get("hybrid_shard") else {}
             e = estimate(spec, strategy, hosts.count * per_host, micro_batch=args.batch, seq_len=args.seq,
                          precision="32-true", **options, **hybrid)

@@ -247,7 +247,7 @@ def test_step_time_follows_traffic_and_bandwidth():
 
 def test_compressed_gradients_send_what_they_declare_and_pay_their_codec():
     """gradient_compression in the estimate: the wire bytes the strategies' layouts declare (bf16 half of fp32, int8
-    a quarter plus its scales; HSDP's replicas in bf16 too), PowerSGD charged uncompressed, and the encoding passes
+    a quarter plus its scales; HSDP's replicas in bf16 too), PowerSGD's low-rank factors, and the encoding passes
     at memory speed; across slow nodes int8 makes a step of the 10B model faster, within a node of A100s slower."""
     from dataclasses import replace
 
@@ -260,7 +260,17 @@ def test_compressed_gradients_send_what_they_declare_and_pay_their_codec():
             for kind in ("bf16", "fp16", "int8", "powersgd")}
     assert comm["bf16"] == comm["fp16"] == pytest.approx(plain.comm["dp"] / 2)
     assert comm["int8"] == pytest.approx(plain.comm["dp"] * (1 + 4 / 256) / 4)
-    assert comm["powersgd"] == plain.comm["dp"]
+    # PowerSGD at rank 1: every matrix as its two factors (the 10B model's shapes), the norms whole
+    from disttrain.planner.shards import parameter_shapes
+
+    def factors(rank: int) -> int:
+        return sum((s[0] + math.prod(s) // s[0]) * rank if len(s) > 1 else math.prod(s)
+                   for _, s in parameter_shapes(spec))
+
+    assert comm["powersgd"] == pytest.approx(2 * 31 / 32 * factors(1) * 4) and comm["powersgd"] < plain.comm["dp"] / 400
+    rank4 = estimate(spec, "disttrain_ddp", 32, precision="32-true", gradient_compression="powersgd",
+                     powersgd_rank=4)
+    assert rank4.comm["dp"] == pytest.approx(2 * 31 / 32 * factors(4) * 4)
     fsdp = estimate(spec, "disttrain_fsdp", 32, precision="32-true")
     fsdp8 = estimate(spec, "disttrain_fsdp", 32, precision="32-true", gradient_compression="int8")
     gathers = 31 / 32 * spec.params * 2 * 4  # the fp32 all-gathers stay

@@ -32,7 +32,7 @@ from disttrain.parallel import registry
 from disttrain.parallel.engines.layout import Gather, Layout, Partition, Reduce, State, Units, Where
 from disttrain.parallel.families import family_named
 from disttrain.parallel.mesh import ParallelDims
-from disttrain.planner.shards import fsdp_rank_elements, zero3_partition
+from disttrain.planner.shards import fsdp_rank_elements, low_rank_elements, zero3_partition
 from disttrain.planner.spec import ModelLike, ModelSpec, model_spec
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -318,7 +318,9 @@ def _data_parallel(s: Setup) -> Estimate:
     gathers = layout.params.gather.per_step if layout.params.gather is Gather.PER_UNIT else 0
     if grads.reduce is Reduce.ALL_REDUCE:  # over every data-parallel rank
         n = s.dims.dp
-        comm = {"dp": 2 * (n - 1) / n * trained * z.wire}
+        # PowerSGD sends the gradient matrices' low-rank factors (the whole model's shapes: uncounted, whole)
+        sent = (low_rank_elements(spec, grads.low_rank) if grads.low_rank and not s.lora_rank else None) or trained
+        comm = {"dp": 2 * (n - 1) / n * sent * z.wire}
     else:  # over the ranks sharing the partitions the optimizer updates, then across the replicas of a partition
         n = layout.optimizer.shards(s.dims)
         comm = {"dp": (n - 1) / n * (P * gathers * z.compute + trained * z.wire)}

@@ -33,6 +33,22 @@ def parameter_shapes(spec: ModelSpec) -> Optional[list[tuple[str, torch.Size]]]:
     return spec.extra["shapes"]
 
 
+def low_rank_elements(spec: ModelSpec, rank: int) -> Optional[int]:
+    """Elements a PowerSGD all-reduce of the whole model's gradients sends at ``rank`` (torch's hook): each matrix
+    (dim 0 by the rest) as its two factors, (m + n) x rank, where that is fewer than m x n; vectors and matrices
+    the factors would not shrink whole. None without the model's shapes."""
+    shapes = parameter_shapes(spec)
+    if shapes is None:
+        return None
+    total = 0
+    for _, shape in shapes:
+        numel = math.prod(shape)
+        m = shape[0] if len(shape) > 1 else 0
+        n = numel // m if m else 0
+        total += (m + n) * rank if m and (m + n) * rank < numel else numel
+    return total
+
+
 def tp_local_shape(name: str, shape: torch.Size, plan: dict, tp: int) -> torch.Size:
     """The shape of ``name`` on one tensor-parallel rank under ``plan`` (module paths relative to a block)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel

@@ -324,6 +324,7 @@ def breakdown(spec: ModelSpec, e: Estimate, hw: Hardware, loader_batch: bool = F
 
     if params.gather is not Gather.PER_UNIT:  # gradients reduced bucket by bucket while backward runs
         calls = max(1, math.ceil(e.grads / grads.bucket_bytes)) if grads.bucket_bytes else 1
+        calls *= grads.low_rank_calls or 1  # PowerSGD: the uncompressed tensors, then P, then Q
         op = "all_reduce" if grads.reduce is Reduce.ALL_REDUCE else "reduce_scatter"
         dp = _link(hw, op, c.get("dp", 0), calls, crossing["dp"], share)
         hidden_behind = compute * 2 / 3  # buckets reduce while backward (two thirds of the compute) runs

@@ -133,7 +133,7 @@ class DDPEngine(Engine):
         a plain optimizer over plain tensors; plain modules."""
         return Layout(
             params=Params(),
-            grads=Grads(reduce=Reduce.ALL_REDUCE, bucket_bytes=BUCKET_BYTES, **wire(options.gradient_compression)),
+            grads=Grads(reduce=Reduce.ALL_REDUCE, bucket_bytes=BUCKET_BYTES, **wire(options.gradient_compression, rank=options.powersgd_rank)),
             optimizer=Optimizer(steps=Steps.TENSORS),
             buffers=Buffers(gradient_copy=True),
             work=Work.PLAIN,

@@ -159,13 +159,17 @@ class Grads(State):
     """The gradients, reduced by ``reduce`` (:class:`Reduce`) in ``reduce_dtype``; ``bucket_bytes`` > 0: in buckets
     of that many bytes as backward produces them (DDP), else unit by unit as each unit's backward ends.
     Compressed for the wire (``gradient_compression``): ``wire_bytes`` per element sent instead of the reduce dtype's
-    size, at the cost of ``codec_passes`` passes over the fp32 gradients at memory speed per step (casting,
-    quantising, error feedback, dequantising and summing what arrives)."""
+    size, or (``low_rank`` > 0, PowerSGD) each gradient matrix (dim 0 by the rest) sent as two factors of that rank,
+    (m + n) x rank elements, in ``low_rank_calls`` all-reduces per bucket, vectors and matrices the factors would not
+    shrink sent whole; at the cost of ``codec_passes`` passes over the fp32 gradients at memory speed per step
+    (casting, quantising, error feedback, the factors' products, dequantising and summing what arrives)."""
 
     reduce: Reduce = Reduce.ALL_REDUCE
     reduce_dtype: Dtype = Dtype.PARAM
     bucket_bytes: int = 0
     wire_bytes: float = 0.0
+    low_rank: int = 0
+    low_rank_calls: int = 0
     codec_passes: int = 0
 
 

@@ -36,19 +36,22 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 BLOCK = 256
 
 
-def wire(compression: Optional[str], all_gathered: bool = True) -> dict[str, Any]:
+def wire(compression: Optional[str], all_gathered: bool = True, rank: int = 1) -> dict[str, Any]:
     """What ``compression`` does to a gradient reduction, as the strategies' layouts declare it (``Grads``): bytes
-    per element on the wire, and the time encoding and decoding them takes as passes over the fp32 gradients at
-    memory speed (a pass: ``c = a + b`` over them), as timed on one CPU core for 4.85M elements. 16-bit: a cast out
-    and one back, 2 passes. int8 (:func:`int8_reduce_scatter`): error feedback in and out, the block maxima,
-    scaling, rounding, clamping, packing, and each received part dequantised and summed: 25 passes (its many small
-    temporaries); ``all_gathered`` (DDP) quantises the reduced chunk again and dequantises the gathered whole: 36.
-    PowerSGD's traffic depends on each matrix's shape and rank: not declared (it is charged as the uncompressed
-    all-reduce, an upper bound)."""
+    per element on the wire (or PowerSGD's ``rank``), and the time encoding and decoding them takes as passes over
+    the fp32 gradients at memory speed (a pass: ``c = a + b`` over them), as timed on one CPU core. 16-bit: a cast
+    out and one back, 2 passes. int8 (:func:`int8_reduce_scatter`): error feedback in and out, the block maxima,
+    scaling, rounding, clamping, packing, and each received part dequantised and summed: 25 passes on 4.85M elements
+    (its many small temporaries); ``all_gathered`` (DDP) quantises the reduced chunk again and dequantises the
+    gathered whole: 36. PowerSGD (torch's hook): error feedback, the products with the factors, orthogonalising and
+    the product back: 14 passes on a 1.6M-element model at rank 1; the uncompressed tensors, P, then Q: three
+    all-reduces per bucket."""
     if compression in ("bf16", "fp16"):
         return {"wire_bytes": 2.0, "codec_passes": 2}
     if compression == "int8":
         return {"wire_bytes": 1 + 4 / BLOCK, "codec_passes": 36 if all_gathered else 25}
+    if compression == "powersgd":
+        return {"low_rank": rank, "low_rank_calls": 3, "codec_passes": 14}
     return {}
 
 
