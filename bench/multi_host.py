@@ -182,7 +182,8 @@ def child(args) -> None:
 
 # -- the parent --------------------------------------------------------------------------------------------------
 def threads(hosts, per_host: int) -> str:
-    """Each process's OpenMP threads: the machine's cores shared by every host's processes (the hosts are one machine)."""
+    """Each process's OpenMP threads: the machine's cores shared by every host's processes (the hosts are one
+    machine)."""
     return str(max(1, (os.cpu_count() or 2) // (hosts.count * per_host)))
 
 
@@ -247,12 +248,11 @@ calibrate.calibrate(**json.loads(sys.argv[1]))
 
 
 def predictions(hosts, args, per_host: int, folder: Path) -> tuple[dict[str, float], str]:
-    """The planner's step time for the plans of a layout, from
-    ``disttrain calibrate`` run on the hosts over the same link (collectives within and between hosts, and the bench
-    model's own step), and the plan it chooses among the uncompressed ones (disttrain_ddp and disttrain_fsdp, HSDP
-    included). The calibration is a full one (collectives at four sizes, nine times each, and the overheads;
-    the smoke run's quick one fits a link through two sizes timed three times, whose spread moved DDP's prediction
-    on 2 x 2 by 30% between runs)."""
+    """The planner's step time for the plans of a layout, from ``disttrain calibrate`` run on the hosts over the same
+    link (collectives within and between hosts, and the bench model's own step), and the plan it chooses among the
+    uncompressed ones (disttrain_ddp and disttrain_fsdp, HSDP included). The calibration is a full one (collectives
+    at four sizes, nine times each, and the overheads; the smoke run's quick one fits a link through two sizes timed
+    three times, whose spread moved DDP's prediction on 2 x 2 by 30% between runs)."""
     from disttrain.planner import calibrate as cal
     from disttrain.planner import choose, estimate, hardware, model_spec
     from disttrain.planner.steptime import breakdown

@@ -101,12 +101,13 @@ def register_compression(model: DistributedDataParallel, options: DDPOptions, tr
 
 
 def powersgd_in_order(state, bucket):  # unannotated: DDP checks a hook's annotations against its classes themselves
-    """torch's PowerSGD hook (``state``: its PowerSGDState, ``bucket``: a dist.GradBucket), each bucket's exchange finished before backward goes on to the next bucket (gloo).
-    The hook issues its later all-reduces (the P and Q factors) from the completion callback of the first, which gloo
-    runs on its own thread: there they can overtake the next bucket's all-reduce on one rank and not on another, and
-    gloo ends the run with "Received data size doesn't match expected size ... collective mismatch" (2 of 6 runs
-    across two hosts; most runs of a 12-bucket model on loopback). NCCL orders its collectives on the stream as they
-    are enqueued, and keeps torch's hook. On CPU processes little of an exchange hides behind backward anyway."""
+    """torch's PowerSGD hook (``state``: its PowerSGDState, ``bucket``: a dist.GradBucket), each bucket's exchange
+    finished before backward goes on to the next bucket (gloo). The hook issues its later all-reduces (the P and Q
+    factors) from the completion callback of the first, which gloo runs on its own thread: there they can overtake
+    the next bucket's all-reduce on one rank and not on another, and gloo ends the run with "Received data size
+    doesn't match expected size ... collective mismatch" or hangs (2 of 6 runs across two hosts; most runs of a
+    12-bucket model on loopback). NCCL orders its collectives on the stream as they are enqueued, and keeps torch's
+    hook. On CPU processes little of an exchange hides behind backward anyway."""
     future = powerSGD_hook.powerSGD_hook(state, bucket)
     future.wait()
     return future
@@ -133,7 +134,8 @@ class DDPEngine(Engine):
         a plain optimizer over plain tensors; plain modules."""
         return Layout(
             params=Params(),
-            grads=Grads(reduce=Reduce.ALL_REDUCE, bucket_bytes=BUCKET_BYTES, **wire(options.gradient_compression, rank=options.powersgd_rank)),
+            grads=Grads(reduce=Reduce.ALL_REDUCE, bucket_bytes=BUCKET_BYTES,
+                        **wire(options.gradient_compression, rank=options.powersgd_rank)),
             optimizer=Optimizer(steps=Steps.TENSORS),
             buffers=Buffers(gradient_copy=True),
             work=Work.PLAIN,

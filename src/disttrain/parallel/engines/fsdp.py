@@ -65,8 +65,8 @@ class FSDPEngine(Engine):
         host memory under ``cpu_offload``. Parameters are gathered unit by unit (each block, sub-network and the
         root) in the compute dtype for forward and again for backward, while the next unit is prefetched; the root
         stays gathered throughout; each unit's gradients are reduce-scattered as its backward ends (and all-reduced
-        across replicas), compressed as ``gradient_compression`` says. The optimizer steps the DTensor shards. The planner may replicate across nodes and shard
-        within one (``dp_replicate``: ``hybrid_shard``)."""
+        across replicas), compressed as ``gradient_compression`` says. The optimizer steps the DTensor shards. The
+        planner may replicate across nodes and shard within one (``dp_replicate``: ``hybrid_shard``)."""
         shard, where = ("dp_shard", "cp"), Where.HOST if options.cpu_offload else Where.DEVICE
         return Layout(
             params=Params(shard, Dtype.PARAM, where, gather=Gather.PER_UNIT, units=Units.FSDP),
