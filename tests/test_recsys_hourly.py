@@ -268,27 +268,42 @@ def test_deltas_written_by_two_processes_rebuild_their_model_and_warm_start_one(
 
 
 @pytest.mark.slow
-def test_managed_id_tables_publish_deltas_that_rebuild_the_full_version_run(tmp_path):
-    """Managed-collision tables: their remapping state (sorted raw ids, slots, counts) is sharded with the rows and
-    changes with them; a chain of deltas rebuilds the full-version run bitwise."""
+def test_managed_id_tables_publish_deltas_that_rebuild_the_full_version_run_and_move_to_one_process(tmp_path):
+    """Managed-collision tables on 2 processes: their remapping state (sorted raw ids, slots, counts) is sharded with
+    the rows and changes with them; the 2-process chain of deltas rebuilds the full-version run bitwise. The next
+    hour runs on 1 process, where which process holds an id, and in which row, differs: the job reads the chain in
+    full, moves every held id to the one process, and publishes a full version equal bitwise to the one the
+    full-version run publishes from its own full versions."""
     data = tmp_path / "data"
     make_days(data, 3, 1500, every="1h")
     stores = {}
-    for name, daily in (("deltas", {}), ("full", {"full_every": 0})):
-        config = write_config(tmp_path / f"{name}.yaml", model={"ids": "managed"}, daily=daily)
-        for h in range(3):
-            run = run_daily(data, tmp_path / name, *HOURLY, "--min-auc", "0", "--config", str(config),
-                            "--run-date", hour(h))
-            assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-        stores[name] = tmp_path / name
-    assert info(stores["deltas"], "000003")["kind"] == "delta"
-    changed = info(stores["deltas"], "000003")["changed"]
+    for name, versions in (("deltas", {}), ("full", {"full_every": 0})):
+        config = write_config(tmp_path / f"{name}.yaml", model={"ids": "managed"}, daily=versions)
+        models, args = tmp_path / name, (*HOURLY, "--min-auc", "0", "--config", str(config))
+        for h in range(2):
+            run = run_torchrun(str(RECIPE.relative_to(ROOT)), "--data-root", str(data), "--model-root",
+                               str(models), "--accelerator", "cpu", *args, "--run-date", hour(h))
+            assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        run = run_daily(data, models, *args, "--run-date", hour(2))
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        stores[name] = models
+    deltas, full = stores["deltas"], stores["full"]
+    assert info(deltas, "000002")["kind"] == "delta"
+    assert sorted(info(deltas, "000002")["files"]) == ["dense.pt", "rank00000.pt", "rank00001.pt"]
+    changed = info(deltas, "000002")["changed"]
     assert changed["table_rows"] == 26 * 1000 and 0 < changed["fraction"] < 1
-    materialize(stores["deltas"], "000003", tmp_path / "built")
-    built, reference = flat(read_full(tmp_path / "built")), flat(read_full(stores["full"] / "versions" / "000003"))
-    assert built.keys() == reference.keys() and any("_mch_sorted_raw_ids" in k for k in built)
-    for key, value in built.items():
-        assert torch.equal(value, reference[key]) if isinstance(value, torch.Tensor) else value == reference[key], key
+    materialize(deltas, "000002", tmp_path / "built")
+    for version, built in (("000002", read_full(tmp_path / "built")), ("000003", read_full(deltas / "versions" /
+                                                                                          "000003"))):
+        built, reference = flat(built), flat(read_full(full / "versions" / version))
+        assert built.keys() == reference.keys() and any("_mch_sorted_raw_ids" in k for k in built), version
+        for key, value in built.items():
+            same = torch.equal(value, reference[key]) if isinstance(value, torch.Tensor) else value == reference[key]
+            assert same, (version, key)
+    # on 1 process the chain's layout no longer holds: the job published in full, from the chain read in full
+    assert [info(deltas, v)["kind"] for v in ("000001", "000002", "000003")] == ["full", "delta", "full"]
+    held = [v for k, v in flat(read_full(deltas / "versions" / "000003")).items() if k.endswith("_mch_sorted_raw_ids")]
+    assert held and all(t.numel() > 0 for t in held)
 
 
 def test_make_data_writes_hour_files(tmp_path):

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.parallel.checkpoint import io as ckpt
+from disttrain.parallel.engines.managed_ids import PROCESSES_KEY, saved_world_size
 from disttrain.parallel.engines.recsys import FUSED_OPTIMIZER_KEY, ROW_STATE_KEY, fused_optimizer_state, \
     load_fused_optimizer_state, load_model_state, row_states
 from disttrain.parallel.guards.diskspace import remove, writing
@@ -564,12 +565,14 @@ def load_chain(root: nn.Module, store: ModelStore, info: dict[str, Any], load_fu
 
 def apply_deltas(store: ModelStore, names: list[str], state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """Apply the delta versions ``names`` in order to ``state`` (see :func:`apply_delta_to`); returns the metadata
-    of the last, whole again (:func:`patch_meta` from ``meta``, the base's), with its per-row state's column split."""
+    of the last, whole again (:func:`patch_meta` from ``meta``, the base's), with its per-row state's column split
+    and the base's managed-table layout (a delta is written only on the layout of its base: :func:`same_layout`)."""
+    layout = {PROCESSES_KEY: meta[PROCESSES_KEY]} if PROCESSES_KEY in meta else {}
     for name in names:
         folder = store.versions / name
         step = read_json(folder / INFO_FILE, "point current at an earlier version")
         dense = apply_delta_to(state, folder, step.get("files", {}), delta_ranks(step))
-        meta = {**patch_meta(meta, dense["meta"]), ROW_STATE_KEY: dense[ROW_STATE_KEY]}
+        meta = {**patch_meta(meta, dense["meta"]), ROW_STATE_KEY: dense[ROW_STATE_KEY], **layout}
     return meta
 
 
@@ -578,8 +581,6 @@ def same_layout(root: nn.Module, store: ModelStore, info: dict[str, Any]) -> boo
     describes (another number of ranks may split a table's columns otherwise; a delta must then not go on it), and
     its managed tables (if any) are over as many processes (which process holds an id, and in which row, depends
     on their number)."""
-    from disttrain.parallel.engines.managed_ids import saved_world_size
-
     base = store.versions / chain_of(info)[0]
     if saved_world_size(base, root) is not None:
         return False

@@ -19,6 +19,10 @@ from torch import nn
 
 EMPTY = torch.iinfo(torch.int64).max  # torchrec's marker of a free slot in _mch_sorted_raw_ids
 MC_BUFFER = "_mch_sorted_raw_ids"
+# The checkpoint metadata entry naming the number of processes the managed tables' ids were laid out for. A folder
+# written by one process from full tensors (a version rebuilt from a chain of deltas) holds every table in one
+# chunk, so only this entry tells its layout apart from a one-process model's.
+PROCESSES_KEY = "managed_table_processes"
 
 
 def managed_sharder(ebc_sharder: Any) -> Any:
@@ -105,21 +109,32 @@ def finish_admissions(root: nn.Module) -> None:
             sharded._evict(evictions)
 
 
-def saved_world_size(path: str | Path, root: nn.Module) -> tuple[int, int] | None:
-    """(processes a checkpoint's managed tables were saved on, processes now) when they differ, else None."""
-    import torch.distributed as dist
+def has_managed(root: nn.Module) -> bool:
+    return any(True for _ in sharded_managed(root))
 
+
+def layout_processes(root: nn.Module) -> dict[str, int]:
+    """The metadata entry a checkpoint of ``root`` records its managed tables' layout with (empty without any)."""
+    if not has_managed(root):
+        return {}
+    return {PROCESSES_KEY: dist.get_world_size() if dist.is_initialized() else 1}
+
+
+def saved_world_size(path: str | Path, root: nn.Module) -> tuple[int, int] | None:
+    """(processes a checkpoint's managed tables were laid out for, processes now) when they differ, else None. Read
+    from the checkpoint's metadata (:func:`layout_processes`); a checkpoint written before it was recorded, from the
+    number of chunks its ids were saved in (one per process of a sharded save)."""
     from disttrain.parallel.checkpoint import io as ckpt
 
-    if not any(True for _ in sharded_managed(root)):
+    if not has_managed(root):
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    stored = ckpt.CheckpointReader(path).metadata.state_dict_metadata
-    for key, meta in stored.items():
-        if key.endswith(MC_BUFFER) and hasattr(meta, "chunks"):
-            saved = len(meta.chunks)
-            return (saved, world) if saved != world else None
-    return None
+    saved = ckpt.read_meta(path).get(PROCESSES_KEY)
+    if saved is None:
+        stored = ckpt.CheckpointReader(path).metadata.state_dict_metadata
+        saved = next((len(meta.chunks) for key, meta in stored.items()
+                      if key.endswith(MC_BUFFER) and hasattr(meta, "chunks")), None)
+    return (int(saved), world) if saved is not None and int(saved) != world else None
 
 
 def one_bucket_per_process(module: nn.Module, world_size: int) -> None:

@@ -23,7 +23,8 @@ from torch import nn
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import Engine
 from disttrain.parallel.engines.ddp import BUCKET_BYTES
-from disttrain.parallel.engines.managed_ids import managed_sharder, one_bucket_per_process, readmit, saved_world_size
+from disttrain.parallel.engines.managed_ids import layout_processes, managed_sharder, one_bucket_per_process, readmit, \
+    saved_world_size
 from disttrain.parallel.engines.layout import (
     Buffers,
     Capabilities,
@@ -423,11 +424,12 @@ class RecsysEngine(Engine):
     def save(path: str | os.PathLike, root: nn.Module, metadata: dict[str, Any]) -> Path:
         """Collective: the model's (sharded) state dict and the fused optimizer states go through DCP (each rank
         writes its shards); ``metadata`` (dense optimizer state, loop state) is written by rank 0, with the column
-        split of every per-row optimizer state so that :meth:`load` can reshard it."""
+        split of every per-row optimizer state so that :meth:`load` can reshard it, and the number of processes the
+        managed tables' ids are laid out for (:func:`~disttrain.parallel.engines.managed_ids.layout_processes`)."""
         fused = fused_optimizer_state(root)
         tensors = {"state_dict": root.state_dict(), FUSED_OPTIMIZER_KEY: fused}
         layout = {state.key: state.columns for state in row_states(root, fused)}
-        return ckpt.save_sharded(path, tensors, {**metadata, ROW_STATE_KEY: layout})
+        return ckpt.save_sharded(path, tensors, {**metadata, ROW_STATE_KEY: layout, **layout_processes(root)})
 
     @staticmethod
     def load(path: str | os.PathLike, root: nn.Module, strict: bool = True, optimizer: bool = True) -> dict[str, Any]:
