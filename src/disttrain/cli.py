@@ -114,12 +114,29 @@ def rendezvous_port(main_port: int | None, num_nodes: int = 1, node_rank: int = 
     return suggestion
 
 
+def check_strategy_name(name: str, prog: str) -> None:
+    """Exit with one line unless ``name`` is a registered strategy. A disttrain name is checked against disttrain's
+    registry; any other against Lightning's (which then holds disttrain's too), imported only for such a name: the
+    launcher itself needs nothing of Lightning, whose import takes seconds of every launch's start."""
+    from disttrain.parallel.registry import closest_names, names
+
+    if name in names():
+        return
+    import disttrain  # noqa: F401  (registers disttrain's names in Lightning's registry when it is first read)
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    if name in STRATEGY_REGISTRY:
+        return
+    available = STRATEGY_REGISTRY.available_strategies()
+    close = closest_names(name, available, n=2)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    raise SystemExit(f"{prog}: error: --strategy {name!r} is not a registered strategy; {hint}choose one of:"
+                     f" {', '.join(sorted(available))}")
+
+
 def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEFAULT_PORT) -> int:
     """Parse launcher options, set Fabric's LT_* variables and run torchrun on the bootstrap (``default_port``:
     the rendezvous port when ``--main-port`` is not given)."""
-    import disttrain  # noqa: F401  (registers the names we validate against)
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
     script_args: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
@@ -128,14 +145,8 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
     script_args = unknown + script_args
     if not Path(args.script).is_file():
         raise SystemExit(f"script {args.script!r} does not exist; pass the path of a Python file")
-    if args.strategy is not None and args.strategy not in STRATEGY_REGISTRY:
-        from disttrain.parallel.registry import closest_names
-
-        available = STRATEGY_REGISTRY.available_strategies()
-        close = closest_names(args.strategy, available, n=2)
-        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
-        raise SystemExit(f"{prog}: error: --strategy {args.strategy!r} is not a registered strategy; {hint}choose one"
-                         f" of: {', '.join(sorted(available))}")
+    if args.strategy is not None:
+        check_strategy_name(args.strategy, prog)
     nproc = _num_processes(args.accelerator, args.devices)
     port = rendezvous_port(args.main_port, args.num_nodes, args.node_rank, args.max_restarts, prog, default_port)
 
@@ -666,14 +677,21 @@ def main(argv: list[str] | None = None) -> int:
     if command not in commands:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    try:
+        return commands[command](rest)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"disttrain {command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The failures a command ends in one line (imported when one happens: the launcher needs neither module)."""
     from disttrain.parallel.checkpoint.io import CheckpointError
     from disttrain.parallel.guards.diskspace import DiskFullError
 
-    try:
-        return commands[command](rest)
-    except (CheckpointError, FileNotFoundError, ValueError, DiskFullError) as e:
-        print(f"disttrain {command}: error: {e}", file=sys.stderr)
-        return 1
+    return CheckpointError, FileNotFoundError, ValueError, DiskFullError
 
 
 def lightning_main(argv: list[str] | None = None) -> int:

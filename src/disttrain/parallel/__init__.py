@@ -17,17 +17,31 @@ The Trainer strategies (``disttrain.strategies``) and Fabric strategies (``distt
 over the engines.
 """
 
-from disttrain.parallel.checkpoint.io import CheckpointError, consolidate, export_safetensors
-from disttrain.parallel.engines.ddp import DDPOptions
-from disttrain.parallel.engines.deepspeed import ZeroOptions
-from disttrain.parallel.engines.megatron import MegatronOptions
-from disttrain.parallel.engines.memory import rank_state_bytes, unsharded_param_bytes
-from disttrain.parallel.mesh import ParallelDims
-from disttrain.parallel.split.blocks import block_candidates, find_blocks
-from disttrain.parallel.split.fsdp import FSDPOptions, apply_fsdp
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointError", "DDPOptions", "FSDPOptions", "MegatronOptions", "ParallelDims", "ZeroOptions", "apply_fsdp",
-    "block_candidates", "consolidate", "export_safetensors", "find_blocks", "rank_state_bytes",
-    "unsharded_param_bytes",
-]
+import importlib
+from typing import Any
+
+# What ``disttrain.parallel`` re-exports, imported on first use: importing any one room (``guards``, ``registry``)
+# then loads that room alone, not every engine and the pipelining and checkpoint modules of torch.distributed
+# (seconds of start-up in the launcher, which needs only the guards and the names).
+_EXPORTS = {
+    "CheckpointError": "disttrain.parallel.checkpoint.io", "consolidate": "disttrain.parallel.checkpoint.io",
+    "export_safetensors": "disttrain.parallel.checkpoint.io", "DDPOptions": "disttrain.parallel.engines.ddp",
+    "ZeroOptions": "disttrain.parallel.engines.deepspeed", "MegatronOptions": "disttrain.parallel.engines.megatron",
+    "rank_state_bytes": "disttrain.parallel.engines.memory",
+    "unsharded_param_bytes": "disttrain.parallel.engines.memory", "ParallelDims": "disttrain.parallel.mesh",
+    "block_candidates": "disttrain.parallel.split.blocks", "find_blocks": "disttrain.parallel.split.blocks",
+    "FSDPOptions": "disttrain.parallel.split.fsdp", "apply_fsdp": "disttrain.parallel.split.fsdp",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'disttrain.parallel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
