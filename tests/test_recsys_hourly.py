@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,11 @@ def test_a_reader_polling_current_during_20_publishes_never_reads_a_mixed_versio
     reader = subprocess.Popen([sys.executable, "-c", READER, str(models), str(out), str(stop)], env=child_env(),
                               cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
+        # the publishes start once the reader reads (a fresh interpreter's imports take a loaded machine a while)
+        deadline = time.monotonic() + 300
+        while not (out.is_file() and out.read_text()) and reader.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert out.is_file() and out.read_text(), "the reader read nothing"
         for h in range(1, 21):
             run = run_daily(data, models, *args, "--run-date", f"2026-11-01_{h:02d}")
             assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
