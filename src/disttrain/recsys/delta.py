@@ -582,10 +582,11 @@ def same_layout(root: nn.Module, store: ModelStore, info: dict[str, Any]) -> boo
     its managed tables (if any) are over as many processes (which process holds an id, and in which row, depends
     on their number)."""
     base = store.versions / chain_of(info)[0]
-    if saved_world_size(base, root) is not None:
+    meta = ckpt.read_meta(base)
+    if saved_world_size(base, root, meta) is not None:
         return False
     live = {s.key: s.columns for s in row_states(root, fused_optimizer_state(root))}
-    saved = ckpt.read_meta(base).get(ROW_STATE_KEY) or {}
+    saved = meta.get(ROW_STATE_KEY) or {}
     def plain(layout: dict[str, Any]) -> dict[str, Any]:
         return {k: None if v is None else [int(c) for c in v] for k, v in layout.items()}
 

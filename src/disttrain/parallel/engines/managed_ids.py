@@ -120,16 +120,18 @@ def layout_processes(root: nn.Module) -> dict[str, int]:
     return {PROCESSES_KEY: dist.get_world_size() if dist.is_initialized() else 1}
 
 
-def saved_world_size(path: str | Path, root: nn.Module) -> tuple[int, int] | None:
+def saved_world_size(path: str | Path, root: nn.Module,
+                     metadata: dict[str, Any] | None = None) -> tuple[int, int] | None:
     """(processes a checkpoint's managed tables were laid out for, processes now) when they differ, else None. Read
     from the checkpoint's metadata (:func:`layout_processes`); a checkpoint written before it was recorded, from the
-    number of chunks its ids were saved in (one per process of a sharded save)."""
+    number of chunks its ids were saved in (one per process of a sharded save). ``metadata``: the checkpoint's, when
+    the caller has read it already (``ckpt.read_meta``)."""
     from disttrain.parallel.checkpoint import io as ckpt
 
     if not has_managed(root):
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    saved = ckpt.read_meta(path).get(PROCESSES_KEY)
+    saved = (ckpt.read_meta(path) if metadata is None else metadata).get(PROCESSES_KEY)
     if saved is None:
         stored = ckpt.CheckpointReader(path).metadata.state_dict_metadata
         saved = next((len(meta.chunks) for key, meta in stored.items()

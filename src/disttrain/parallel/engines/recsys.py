@@ -443,8 +443,8 @@ class RecsysEngine(Engine):
         # Managed-collision tables saved on another number of processes: torchrec places each id on the process of
         # its input range, so after DCP's load by offsets their ids, rows and optimizer state are admitted again on
         # the processes they belong to now (readmit).
-        moved = saved_world_size(path, root)
         metadata = ckpt.read_meta(path)
+        moved = saved_world_size(path, root, metadata)
         saved_columns = metadata.pop(ROW_STATE_KEY, None)
         tensors: dict[str, Any] = {"state_dict": root.state_dict()}
         regroup: dict[str, tuple[RowState, list[int]]] = {}
