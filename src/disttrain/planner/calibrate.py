@@ -214,20 +214,21 @@ LOCAL_SAMPLE = 0.02  # seconds: a sample of work local to a rank lasts at least 
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, sync: Callable[[], None],
-           fastest: bool = False, min_seconds: float = 0.0) -> float:
+           fastest: bool = False, min_seconds: float = 0.0, start: Optional[Callable[[], None]] = None) -> float:
     """Median (``fastest``: least) seconds of one call of ``fn`` over ``repeats`` samples after one warm-up call.
     ``min_seconds``: each sample loops as many calls as its warm-up says last that long (a sub-millisecond call
     timed alone is mostly the timer's and the scheduler's noise: single matmuls of one shape measured 112-171
     GFLOP/s on a 2-core machine, looped ones 150-160). Only for work local to the rank: ranks would loop different
-    counts of a collective."""
-    sync()
+    counts of a collective. ``start``: what each sample starts with instead of ``sync`` (which still ends it)."""
+    start = start or sync
+    start()
     t0 = time.perf_counter()
     fn()
     sync()
     calls = max(1, min(1000, math.ceil(min_seconds / max(time.perf_counter() - t0, 1e-9)))) if min_seconds else 1
     times = []
     for _ in range(repeats):
-        sync()
+        start()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -289,13 +290,15 @@ def measure_link(op: str, sizes: Iterable[int], device: torch.device, group: Any
     return _fit(link_points(op, sizes, device, group, repeats))
 
 
-def link_points(op: str, sizes: Iterable[int], device: torch.device, group: Any = None, repeats: int = 5
-                ) -> list[tuple[float, float]]:
-    """(bytes one rank sends, seconds) of ``op`` over ``group`` at each total size (:func:`measure_link`)."""
+def link_points(op: str, sizes: Iterable[int], device: torch.device, group: Any = None, repeats: int = 5,
+                start_group: Any = None) -> list[tuple[float, float]]:
+    """(bytes one rank sends, seconds) of ``op`` over ``group`` at each total size (:func:`measure_link`). Each
+    sample starts with a barrier over ``start_group`` (default: ``group``) and ends with one over ``group``."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     barrier_sync = _barrier_sync(device, group)
+    start = None if start_group is None else _barrier_sync(device, start_group)
     points = []
     for size in sizes:
         elements = max(n, size // 4 // n * n)
@@ -316,7 +319,7 @@ def link_points(op: str, sizes: Iterable[int], device: torch.device, group: Any 
             sent = (n - 1) / n * elements * 4
         else:
             raise ValueError(f"collective {op!r} is not measured; choose one of {', '.join(OPS)}")
-        points.append((sent, _timed(fn, device, repeats, barrier_sync)))
+        points.append((sent, _timed(fn, device, repeats, barrier_sync, start=start)))
     return points
 
 
@@ -357,8 +360,12 @@ def measure_node_links(nodes: list[list[int]], sizes: Iterable[int], device: tor
         groups["within"] = within[node]
     found: dict[str, dict[str, Link]] = {}
     for kind, group in groups.items():
-        dist.barrier()  # every group starts together: the nodes' groups compete as they do in a step
-        points = {op: link_points(op, sizes, device, group, repeats) for op in OPS}
+        # every sample of every group starts together (a barrier of all ranks): the groups compete for the node's
+        # link as they do in a step. Started by a barrier of their group alone they drifted apart on a loaded
+        # machine, one group's samples running while the other's ranks waited, and measured 2x the link's share.
+        # A sample still ends with its group's barrier: its time holds no other group's.
+        points = {op: link_points(op, sizes, device, group, repeats, start_group=dist.group.WORLD)
+                  for op in OPS}
         times = torch.tensor([[t for _, t in points[op]] for op in OPS], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         found[kind] = {op: _fit([(sent, t) for (sent, _), t in zip(points[op], row)])
