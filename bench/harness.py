@@ -11,7 +11,6 @@ import os
 import random
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -209,9 +208,9 @@ def write_ranks(path: str, value: object) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from disttrain.ports import free_port as below_ephemeral  # a port no connection's local port can take
+
+    return below_ephemeral("127.0.0.1")
 
 
 # ---------------------------------------------------------------------------------------------------------------

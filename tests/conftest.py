@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,9 @@ from pathlib import Path
 
 import pytest
 from zygote import Launcher
+
+from disttrain import ports
+from disttrain.ports import SPAN, ephemeral_ports
 
 pytest_plugins = ["scheduling"]  # how make test's workers share the files (tests/scheduling.py)
 
@@ -36,10 +38,21 @@ LAUNCHER = os.environ.get("DISTTRAIN_TEST_LAUNCHER", "zygote")
 _launcher = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-ranks-")))
 
 
+def worker_ports() -> range:
+    """This pytest worker's own ports for its rendezvous stores: a share of the 9,000 below the ports a launcher
+    picks by default (disttrain.ports), which lie below the kernel's ephemeral range, and away from torchrun's
+    default ports (29400, 29500). Another worker's test, or a connection's local port, never takes one between
+    its pick and its store's listen (bind(0) picked from the ephemeral range: EADDRINUSE at rendezvous)."""
+    top = ephemeral_ports().start - SPAN - 1000
+    ports = range(max(1024, top - 9000), top)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    share = len(ports) // workers
+    return range(ports.start + worker * share, ports.start + (worker + 1) * share)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port(within=worker_ports())
 
 
 def child_env() -> dict[str, str]:

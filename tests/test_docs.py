@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from typing import Optional
 
 import pytest
 from zygote import Launcher
+
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -457,12 +458,6 @@ def test_the_cron_line_shown_is_the_one_deploy_ships():
 
 
 # ---- running the pages ---------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def with_ports(command: str, ports: dict[str, str]) -> str:
     """The command with its own free ports: a fixed port could be taken by another run on this machine."""

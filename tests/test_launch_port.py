@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, worker_ports
+from disttrain import ports
 from disttrain.cli import port_taken, rendezvous_port
 
 BIN = Path(sys.executable).parent
@@ -67,6 +68,34 @@ def test_several_nodes_must_agree_so_node_zero_ends_the_launch_in_one_line(held)
     # the other nodes only connect to node 0's port; with restarts (c10d) torchrun decides who hosts the store
     assert rendezvous_port(None, num_nodes=4, node_rank=2, default=held) == held
     assert rendezvous_port(held, num_nodes=4, node_rank=0, max_restarts=1) == held
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_and_skips_a_taken_one():
+    """A picked port is one no outgoing connection can be given meanwhile (below the kernel's ephemeral range, where
+    bind(0) picks), not in use, and successive picks differ; a port a program listens on is passed over."""
+    ephemeral = ports.ephemeral_ports()
+    picked = [ports.free_port() for _ in range(3)]
+    assert all(ephemeral.start - ports.SPAN <= p < ephemeral.start and not port_taken(p) for p in picked), picked
+    assert len(set(picked)) == 3
+    with socket.socket() as server:
+        server.bind(("", picked[0]))
+        server.listen()
+        assert [ports.free_port(within=range(picked[0], picked[0] + 2)) for _ in range(2)] == [picked[0] + 1] * 2
+        with pytest.raises(RuntimeError, match=f"every port from {picked[0]} to {picked[0]} is in use"):
+            ports.free_port(within=range(picked[0], picked[0] + 1))
+
+
+def test_each_test_worker_has_ports_of_its_own_apart_from_the_launchers(monkeypatch):
+    """make test's workers pick from disjoint ranges, none of them the launchers' default span or torchrun's
+    default ports: two tests never race for one port."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    shares = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        shares.append(set(worker_ports()))
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    launcher = set(range(ports.ephemeral_ports().start - ports.SPAN, ports.ephemeral_ports().start))
+    assert not (shares[0] | shares[1]) & (launcher | {29400, 29500})
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from disttrain.ports import free_port
 from gpu_checks.common import ROOT, TINY_LLAMA, Context, Row, build_llama, child_env, fabric, free_memory, \
     guarded, learnable_batches, max_relative_diff, skipped
 
@@ -116,7 +117,8 @@ def tensor_parallel_two_processes(ctx: Context) -> Row:
     with tempfile.TemporaryDirectory(dir=ctx.work) as tmp:
         result = Path(tmp) / "result"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", str(ROOT / "bench" / "gpu_checks" / "tp_worker.py"), str(result),
+               f"--master_port={free_port('127.0.0.1')}", str(ROOT / "bench" / "gpu_checks" / "tp_worker.py"),
+               str(result),
                ctx.device.type, json.dumps(model(ctx)), str(STEPS), str(16 if ctx.dry else 64)]
         env = child_env(OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -130,14 +132,6 @@ def tensor_parallel_two_processes(ctx: Context) -> Row:
     return Row(CHECK, item, f"max loss diff {diff:.1e} over {STEPS} steps; q_proj rows per rank "
                             f"{ranks[0]['local_rows']} of {ranks[0]['full_rows']}", target, ok,
                "" if ok else f"loss diff {diff:.1e}", value=diff, details={"ranks": ranks})
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(ctx: Context) -> Iterator[Row]:

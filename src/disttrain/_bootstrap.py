@@ -6,12 +6,12 @@ them)."""
 
 import os
 import runpy
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 import disttrain  # noqa: F401
+from disttrain.ports import free_port
 
 
 def _fresh_store_after_restart() -> None:
@@ -31,9 +31,7 @@ def _fresh_store_after_restart() -> None:
                      timeout=timedelta(minutes=5))
     key = f"disttrain/attempt_{attempt}/master_port"
     if os.environ.get("RANK") == "0":
-        with socket.socket() as s:
-            s.bind((os.environ["MASTER_ADDR"], 0))
-            port = s.getsockname()[1]
+        port = free_port(os.environ["MASTER_ADDR"])
         agent.set(key, str(port))
     port = int(agent.get(key))
     os.environ["MASTER_PORT"] = str(port)

@@ -9,15 +9,15 @@ script runs, so ``Fabric()`` in the script finds the strategy that ``LT_STRATEGY
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from disttrain.ports import free_port, port_taken
 
 BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
 DEFAULT_PORT = 29400  # torchrun's default rendezvous port
@@ -69,24 +69,6 @@ def _num_processes(accelerator: str | None, devices: str) -> int:
     if count < 1:
         raise SystemExit(f"--devices={count} must be at least 1")
     return count
-
-
-def port_taken(port: int) -> bool:
-    """Whether a program on this machine already listens on ``port``, so that the rendezvous store cannot."""
-    with socket.socket() as probe:
-        # bound as torchrun's store binds (address reuse): a finished run's connections in TIME_WAIT do not count
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as e:
-            return e.errno == errno.EADDRINUSE
-    return False
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def rendezvous_port(main_port: int | None, num_nodes: int = 1, node_rank: int = 0, max_restarts: int = 0,

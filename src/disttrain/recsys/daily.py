@@ -51,6 +51,7 @@ from disttrain.parallel.guards import watchdog
 from disttrain.parallel.guards.diskspace import DiskFullError, ensure_free, remove
 from disttrain.parallel.engines.managed_ids import finish_admissions, held_ids
 from disttrain.parallel.guards.failures import describe
+from disttrain.ports import free_port
 from disttrain.recsys.data import CADENCES, BadDataError, Day, DayBatches, cache_size_estimate, cached, \
     convert_day, day_stats, folder_bytes, is_hour, list_periods, load_day, parse_period, period_key, period_start, \
     split_rows
@@ -202,9 +203,7 @@ def init_processes(accelerator: str, timeout: float = 300, prog: str = "deepfm_d
         if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):  # torchrun
             dist.init_process_group(backend, timeout=collective)
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port("127.0.0.1")
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                                     timeout=collective)
     watchdog.start(timeout, label=f"{prog}: error",

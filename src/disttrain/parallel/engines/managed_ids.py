@@ -109,6 +109,11 @@ def finish_admissions(root: nn.Module) -> None:
             sharded._evict(evictions)
 
 
+def _processes() -> int:
+    """The processes of the run (1 without a process group: a model loaded in a plain process)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def has_managed(root: nn.Module) -> bool:
     return any(True for _ in sharded_managed(root))
 
@@ -117,7 +122,7 @@ def layout_processes(root: nn.Module) -> dict[str, int]:
     """The metadata entry a checkpoint of ``root`` records its managed tables' layout with (empty without any)."""
     if not has_managed(root):
         return {}
-    return {PROCESSES_KEY: dist.get_world_size() if dist.is_initialized() else 1}
+    return {PROCESSES_KEY: _processes()}
 
 
 def saved_world_size(path: str | Path, root: nn.Module,
@@ -130,7 +135,7 @@ def saved_world_size(path: str | Path, root: nn.Module,
 
     if not has_managed(root):
         return None
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = _processes()
     saved = (ckpt.read_meta(path) if metadata is None else metadata).get(PROCESSES_KEY)
     if saved is None:
         stored = ckpt.CheckpointReader(path).metadata.state_dict_metadata
@@ -198,7 +203,7 @@ def readmit(path: str | Path, root: nn.Module, fused_key: str) -> dict[str, int]
 
     state = _flat(ckpt.read_full(path, keys={"state_dict", fused_key}))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = _processes()
     dropped: dict[str, int] = {}
     for sharded in sharded_managed(root):
         for table, mcm in sharded._managed_collision_collection._managed_collision_modules.items():
