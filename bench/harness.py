@@ -75,9 +75,14 @@ def deepspeed_rank(args) -> torch.device:
     process group started for it (nccl / gloo): what a raw ``deepspeed.initialize`` baseline expects."""
     import deepspeed
 
+    from disttrain.patches import skip_deepspeed_shm_op
+
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # started as disttrain's ZeRO engines start it: on the CPU without JIT-compiling DeepSpeed's inference-only
+    # shared-memory all-reduce (training reduces through torch.distributed either way; the steps are the same)
+    skip_deepspeed_shm_op()
     deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
     return device
 

@@ -215,6 +215,8 @@ ZERO_INIT_SCRIPT = """
 import os, json, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import deepspeed, torch
+from disttrain.patches import skip_deepspeed_shm_op
+skip_deepspeed_shm_op()  # no C++ build of DeepSpeed's inference-only op: not what this script is about
 deepspeed.init_distributed("gloo", verbose=False)
 from contextlib import nullcontext
 from disttrain.parallel.engines.deepspeed import keep_decorated_inits

@@ -651,7 +651,9 @@ def measure_zero3(device: torch.device, eager: float, repeats: int = 5, blocks: 
     except ImportError:
         return None
     from disttrain.parallel.engines.deepspeed import ZeroOptions, zero3_config
+    from disttrain.patches import skip_deepspeed_shm_op
 
+    skip_deepspeed_shm_op()  # DeepSpeed's backend starts here: no inference-only C++ op compiled on the CPU
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Block() for _ in range(blocks)]).to(device)
     config = zero3_config(ZeroOptions(), precision="32-true", micro_batch_size=1, accumulation=1,
