@@ -15,7 +15,6 @@ import pytest
 from zygote import Launcher
 
 from disttrain import ports
-from disttrain.ports import SPAN, ephemeral_ports
 
 pytest_plugins = ["scheduling"]  # how make test's workers share the files (tests/scheduling.py)
 
@@ -43,12 +42,12 @@ def worker_ports() -> range:
     picks by default (disttrain.ports), which lie below the kernel's ephemeral range, and away from torchrun's
     default ports (29400, 29500). Another worker's test, or a connection's local port, never takes one between
     its pick and its store's listen (bind(0) picked from the ephemeral range: EADDRINUSE at rendezvous)."""
-    top = ephemeral_ports().start - SPAN - 1000
-    ports = range(max(1024, top - 9000), top)
+    top = ports.ephemeral_ports().start - ports.SPAN - 1000
+    tests = range(max(1024, top - 9000), top)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
-    share = len(ports) // workers
-    return range(ports.start + worker * share, ports.start + (worker + 1) * share)
+    share = len(tests) // workers
+    return range(tests.start + worker * share, tests.start + (worker + 1) * share)
 
 
 def free_port() -> int:
