@@ -157,6 +157,25 @@ def test_processes_exit_cleanly_right_after_a_collective(tmp_path, strategy):
     assert [r["total"] for r in results] == [50 * 4.0] * 4
 
 
+# -- SIGTERM: the ranks learn rank 0's about once a second, not with a broadcast every step ----------------------
+def test_rank_zeros_sigterm_reaches_every_rank_from_checks_a_second_apart(tmp_path):
+    """Lightning's ``ddp`` broadcasts rank 0's SIGTERM flag before every step (if this changes, SigtermCheck, which
+    replaces that broadcast under disttrain's strategies, has nothing left to replace); disttrain_ddp's fit of the
+    same 40 short steps makes a handful of checks instead. SigtermCheck over 10 ms steps: the flag rank 0 sets
+    before step 120 ends both ranks at the same step, about a second later, after a few checks."""
+    from sigterm_check import FLAG_STEP, STEPS
+
+    results = run_dist("sigterm_check.py", tmp_path)
+    for fits in (r["fits"] for r in results):
+        assert fits["ddp"].get("_broadcast_sigterm_tensor") == STEPS, fits
+        assert "_broadcast_sigterm_tensor" not in fits["disttrain_ddp"], fits
+        assert 1 <= fits["disttrain_ddp"]["__call__"] <= 6, fits  # 40 steps of ~5 ms: the first two, then ~1 s
+    ended = {r["ended_at"] for r in results}
+    assert len(ended) == 1 and FLAG_STEP <= ended.pop() <= FLAG_STEP + 110, results
+    assert 0 < results[0]["seconds_after_flag"] < 2.0, results[0]
+    assert all(2 <= r["checks"] <= 6 for r in results), results
+
+
 def test_exit_handler_leaves_process_groups_alone_after_an_uncaught_exception(monkeypatch):
     """Other ranks may wait in a collective for the one that died; destroying the groups could then hang."""
     import sys
