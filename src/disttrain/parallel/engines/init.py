@@ -10,6 +10,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -113,3 +115,23 @@ def materialize(module: nn.Module, device: torch.device, cpu_offload: bool = Fal
             " uninitialised memory. Add reset_parameters() to them or load a checkpoint after setup.",
             stacklevel=2,
         )
+
+
+@torch.no_grad()
+def same_across(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Give every tensor of ``module`` that ``mesh`` does not split the values of the mesh's first rank.
+
+    The ranks of a tensor-parallel group each hold a copy of what tensor parallelism leaves whole (a ViT's patch
+    embedding, position embedding and head; norms): after a meta-device model is initialised, each rank's copy holds
+    its own random draw (:func:`materialize` gives the ranks of a CPU run distinct streams so that shards differ),
+    and the group would compute with different weights. Called once after initialisation; DTensors placed over
+    ``mesh`` keep their copies themselves and are left alone."""
+    group = mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    names = set(mesh.mesh_dim_names or ())
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if isinstance(tensor, DTensor):
+            if names & set(tensor.device_mesh.mesh_dim_names or ()):
+                continue
+            tensor = tensor.to_local()
+        dist.broadcast(tensor, src=src, group=group)
