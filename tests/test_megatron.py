@@ -25,16 +25,6 @@ def megatron(**options: object) -> str:
 
 
 # -- sizes and plans, no processes ----------------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_meta_device_model_has_the_same_whole_tensors_on_every_rank_of_a_tp_group(tmp_path):
-    """empty_init under tp=2: each rank initialised its own copy of what TP leaves whole (the patch and position
-    embeddings, the head), and the group then computed different logits for the same images (a ViT's differed by
-    0.76); the copies now hold the first rank's values."""
-    first, second = run_dist("meta_tp_copies.py", tmp_path)
-    assert first["sums"] == second["sums"]
-    assert first["logits"] == second["logits"]
-
-
 def test_indivisible_sizes_are_rejected_with_the_valid_choices():
     with pytest.raises(ValueError, match=r"world_size=4 is not divisible by tp=3; choose sizes"):
         ParallelDims(world_size=4, tp=3)
@@ -131,6 +121,16 @@ def test_fused_qkv_reorder_gives_each_rank_its_heads_and_is_undone_for_export():
 
 
 # -- tensor parallel: forward and backward equal one process ----------------------------------------------------
+@pytest.mark.slow
+def test_a_meta_device_model_has_the_same_whole_tensors_on_every_rank_of_a_tp_group(tmp_path):
+    """empty_init under tp=2: each rank initialised its own copy of what TP leaves whole (the patch and position
+    embeddings, the head), and the group then computed different logits for the same images (a ViT's differed by
+    0.76); the copies now hold the first rank's values."""
+    first, second = run_dist("meta_tp_copies.py", tmp_path)
+    assert first["sums"] == second["sums"]
+    assert first["logits"] == second["logits"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "vit"])
 def test_tp2_forward_and_backward_match_one_process(tmp_path, family):
