@@ -150,8 +150,9 @@ class ParallelDims:
         if self.hybrid and self.cp > 1:
             raise ValueError(f"dp_replicate={self.dp_replicate} with cp={self.cp}: hybrid sharding and context"
                              " parallelism together are not supported; use dp_replicate=1")
-        # HSDP: fully_shard takes a 2-D (replicate, shard) mesh.
-        fsdp = world["dp_replicate", "dp_shard"] if self.hybrid else shard
+        # Replicas (HSDP; also of unsharded copies, dp_shard=1): fully_shard takes a 2-D (replicate, shard) mesh and
+        # all-reduces gradients over its first dimension. On the shard mesh alone the replicas would never meet.
+        fsdp = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else shard
         experts: dict[str, DeviceMesh] = {}
         if self.ep > 1:
             # Each rank dispatches the tokens it holds itself (ranks of one tensor-parallel group hold the same
@@ -159,6 +160,7 @@ class ParallelDims:
             own = init_device_mesh(device_type, (self.world_size, 1), mesh_dim_names=("all", "own"))["own"]
             experts = dict(ep=world["ep"], expert_fsdp=world["dp_shard_mod_ep"], ep_tokens=own)
         return Meshes(world=world, dp=dp, fsdp=fsdp, cp=world["cp"] if self.cp > 1 else None,
+                      replicate=world["dp_replicate"] if self.dp_replicate > 1 else None,
                       tp=world["tp"] if self.tp > 1 else None, pp=world["pp"] if self.pp > 1 else None, **experts)
 
 
@@ -166,14 +168,15 @@ class ParallelDims:
 class Meshes:
     """The device meshes of one :class:`ParallelDims`, by use. ``world``: every dimension above 1 (what Lightning's
     ``device_mesh`` shows); ``dp``: the ranks that see different samples (samplers, buffers); ``fsdp``: what
-    ``fully_shard`` shards over (``dp_shard x cp``; 2-D for HSDP); ``cp``/``tp``/``pp``: those dimensions, None when
-    their degree is 1. Under expert parallelism: ``ep`` (the ranks that split the experts), ``expert_fsdp`` (the
-    ranks holding the same experts, which FSDP shards them over) and ``ep_tokens`` (the ranks holding this rank's
-    tokens: itself)."""
+    ``fully_shard`` shards over (``dp_shard x cp``; 2-D with ``dp_replicate`` for HSDP); ``replicate``/``cp``/``tp``/
+    ``pp``: those dimensions, None when their degree is 1. Under expert parallelism: ``ep`` (the ranks that split the
+    experts), ``expert_fsdp`` (the ranks holding the same experts, which FSDP shards them over) and ``ep_tokens`` (the
+    ranks holding this rank's tokens: itself)."""
 
     world: DeviceMesh
     dp: DeviceMesh
     fsdp: DeviceMesh
+    replicate: Optional[DeviceMesh] = None
     cp: Optional[DeviceMesh] = None
     tp: Optional[DeviceMesh] = None
     pp: Optional[DeviceMesh] = None

@@ -11,12 +11,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import Engine, Optimizers, refuse_user_sharding
 from disttrain.parallel.engines.buffers import has_plain_batchnorm
-from disttrain.parallel.engines.init import materialize
+from disttrain.parallel.engines.init import has_meta_tensors, materialize, same_across
 from disttrain.parallel.engines.layout import (
     Buffers,
     Capabilities,
@@ -165,9 +166,23 @@ class FSDPEngine(Engine):
             apply_fsdp(module, self.meshes.fsdp, self.sharding_options, precision, device, traffic=self.traffic)
             register_forward_methods(module, forward_methods)
         if self.allocates:
-            materialize(module, device, cpu_offload=self.options.cpu_offload)
+            self.materialize(module, device)
             claim_root(module)
         return module
+
+    def materialize(self, module: nn.Module, device: torch.device) -> None:
+        """Allocate and initialise a meta-device model; what ranks hold copies of then takes the values of the first
+        rank of each copy (:meth:`copies`): each had drawn its own."""
+        if not has_meta_tensors(module):
+            return
+        materialize(module, device, cpu_offload=self.options.cpu_offload)
+        for mesh in self.copies():
+            same_across(module, mesh)
+
+    def copies(self) -> list[DeviceMesh]:
+        """The one-dimension meshes whose ranks hold the same values of what they hold: HSDP's replicas."""
+        assert self.meshes is not None, "setup_mesh() first"
+        return [self.meshes.replicate] if self.meshes.replicate is not None else []
 
     @property
     def sharding_options(self) -> FSDPOptions:

@@ -119,19 +119,20 @@ def materialize(module: nn.Module, device: torch.device, cpu_offload: bool = Fal
 
 @torch.no_grad()
 def same_across(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Give every tensor of ``module`` that ``mesh`` does not split the values of the mesh's first rank.
+    """Give every tensor of ``module`` that ``mesh`` (one dimension) does not split the values of the mesh's first rank.
 
-    The ranks of a tensor-parallel group each hold a copy of what tensor parallelism leaves whole (a ViT's patch
-    embedding, position embedding and head; norms): after a meta-device model is initialised, each rank's copy holds
-    its own random draw (:func:`materialize` gives the ranks of a CPU run distinct streams so that shards differ),
-    and the group would compute with different weights. Called once after initialisation; DTensors placed over
-    ``mesh`` keep their copies themselves and are left alone."""
+    Ranks along such a dimension each hold a copy: HSDP's replicas hold the same shards, the ranks of a
+    tensor-parallel group what tensor parallelism leaves whole (a ViT's patch and position embeddings and head;
+    norms). After a meta-device model is initialised each copy holds its own random draw (:func:`materialize` gives
+    the ranks of a CPU run distinct streams so that shards differ), and the copies would compute with different
+    weights. Called once after initialisation; DTensors sharded over ``mesh`` are left alone."""
+    (dim,) = mesh.mesh_dim_names or (None,)
     group = mesh.get_group()
     src = dist.get_global_rank(group, 0)
-    names = set(mesh.mesh_dim_names or ())
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         if isinstance(tensor, DTensor):
-            if names & set(tensor.device_mesh.mesh_dim_names or ()):
+            names = tensor.device_mesh.mesh_dim_names or ()
+            if dim in names and not tensor.placements[names.index(dim)].is_replicate():
                 continue
             tensor = tensor.to_local()
         dist.broadcast(tensor, src=src, group=group)

@@ -16,12 +16,12 @@ from typing import Any, ClassVar, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import refuse_user_sharding
 from disttrain.parallel.engines.clip import clip_grad_norm_
 from disttrain.parallel.engines.fsdp import FSDPEngine, register_forward_methods
-from disttrain.parallel.engines.init import has_meta_tensors, materialize, same_across
 from disttrain.parallel.engines.layout import Accumulation, Layout, Units
 from disttrain.parallel.families import family_of, find_model
 from disttrain.parallel.mesh import ParallelDims
@@ -213,7 +213,7 @@ class MegatronEngine(FSDPEngine):
                     forward_methods: tuple[str, ...] = ()) -> nn.Module:
         assert self.meshes is not None and self.dims is not None, "setup_mesh() first"
         if self.is_parallelized(module):  # set up before (a Trainer re-setup): only materialise
-            self._materialize(module, device)
+            self.materialize(module, device)
             return module
         refuse_user_sharding(module, self.name)
         module._disttrain_megatron = True
@@ -247,21 +247,17 @@ class MegatronEngine(FSDPEngine):
             apply_fsdp(module, meshes.fsdp, opts, precision, device, dynamic=dynamic)
             register_forward_methods(module, forward_methods)
         if self.allocates:
-            self._materialize(module, device)
+            self.materialize(module, device)
             if dims.pp == 1:  # under PP each stage module is a root of its own, called by the schedule
                 claim_root(module)
             else:
                 self.pipeline.sync_tied()  # a tied head's copy starts as the embedding (each rank initialised its own)
         return module
 
-    def _materialize(self, module: nn.Module, device: torch.device) -> None:
-        """Initialise a meta-device model; what tensor parallelism leaves whole is then the same on every rank of a
-        tensor-parallel group (each had drawn its own)."""
-        if not has_meta_tensors(module):
-            return
-        materialize(module, device)
-        if self.dims is not None and self.dims.tp > 1 and self.meshes is not None:
-            same_across(module, self.meshes.tp)
+    def copies(self) -> list[DeviceMesh]:
+        """Also the tensor-parallel group: its ranks hold copies of what tensor parallelism leaves whole."""
+        assert self.meshes is not None, "setup_mesh() first"
+        return super().copies() + ([self.meshes.tp] if self.meshes.tp is not None else [])
 
     def clip_grad_norm_(self, module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
