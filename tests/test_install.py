@@ -65,6 +65,7 @@ def test_the_wheel_holds_the_package_and_both_console_scripts(installed):
     names = zipfile.ZipFile(wheel).namelist()
     assert all(n.startswith(("disttrain/", "disttrain-")) for n in names), [n for n in names if "/" not in n]
     assert "disttrain/_bootstrap.py" in names  # what the launcher runs in each process
+    assert "disttrain/vision/digits.npz" in names  # the ViT demo's data
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "disttrain = disttrain.cli:main" in entry_points and "lightning = disttrain.cli:lightning_main" in entry_points
 

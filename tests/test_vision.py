@@ -3,11 +3,13 @@ the strategy/config defaults, and multi-process runs through Fabric and the Trai
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 from disttrain.vision import (ImageFolderData, SkippingSampler, TrainConfig, ViTClassifier, build_vit, count_parameters,
                               data_config, default_config, default_strategy, export_timm, read_yaml, write_digits)
 from disttrain.vision.config import TIMM_ARCHITECTURE, train_config
+from disttrain.vision.data import stratified_split
 from disttrain.vision.defaults import reference_options
 from disttrain.vision.export import PREFIX
 from vision_fabric import MODEL, batch, classifier, reference
@@ -62,14 +65,28 @@ def test_digits_tree_is_deterministic_and_atomic(tmp_path):
     a, b = write_digits(tmp_path / "a"), write_digits(tmp_path / "b")
     files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*.png"))
     assert files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*.png"))
-    assert len([f for f in files if f.startswith("train/")]) == 1437 and len(files) == 1797
-    assert len({f.split("/")[1] for f in files if f.startswith("val/")}) == 10  # stratified: every class in val
+    assert len([f for f in files if f.startswith("train/")]) == 1437 and len(files) == 1797  # 360 in val
+    per_class = collections.Counter(f.split("/")[1] for f in files)  # stratified: each digit's share of the 360
+    val = collections.Counter(f.split("/")[1] for f in files if f.startswith("val/"))
+    assert all(abs(val[d] - n * 360 / 1797) < 1 for d, n in per_class.items()), val
     assert not list(tmp_path.glob(".*tmp"))  # the temporary tree was renamed into place
     assert write_digits(a) == a  # a complete tree is kept
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not a complete digits tree"):
         write_digits(tmp_path / "other")
+
+
+def test_stratified_split_is_seeded_and_refuses_fractions_outside_0_1():
+    labels = np.repeat(np.arange(3), [10, 20, 30])
+    train, val = stratified_split(labels, 0.2, seed=0)
+    assert sorted([*train, *val]) == list(range(60)) and np.bincount(labels[val]).tolist() == [2, 4, 6]
+    uneven = np.repeat(np.arange(3), [1, 1, 5])  # ceil(3.5) = 4 in val; the largest remainders get the rounding
+    assert np.bincount(uneven[stratified_split(uneven, 0.5, seed=0)[1]], minlength=3).tolist() == [1, 0, 3]
+    assert (stratified_split(labels, 0.2, seed=0)[1] == val).all()
+    assert not (stratified_split(labels, 0.2, seed=1)[1] == val).all()
+    with pytest.raises(ValueError, match="val_fraction=1.5 must lie between 0 and 1"):
+        stratified_split(labels, 1.5, seed=0)
 
 
 def test_data_module_checks_class_folders(tmp_path):

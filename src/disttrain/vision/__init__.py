@@ -1,5 +1,5 @@
 """The ViT trainer: a timm VisionTransformer classifier (up to the ~2B config), ImageFolder data with timm
-augmentation, the scikit-learn digits demo tree, fine-tuning from a timm checkpoint, and an export timm loads."""
+augmentation, the digits demo tree, fine-tuning from a timm checkpoint, and an export timm loads."""
 
 from disttrain.vision.config import TrainConfig, build_vit, count_parameters, read_yaml, train_config
 from disttrain.vision.data import DataConfig, ImageFolderData, SkippingSampler, data_config, write_digits

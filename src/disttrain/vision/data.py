@@ -1,5 +1,5 @@
 """Image data for the ViT trainer: ImageFolder trees (``train/`` and ``val/``, one sub-folder per class), timm's
-transforms and augmentation, and the demo data: scikit-learn's bundled digits written as such a tree.
+transforms and augmentation, and the demo data: the package's 1,797 handwritten digits written as such a tree.
 
 Distributed sampling comes from the entry point: the Trainer and ``fabric.setup_dataloaders`` put a
 ``DistributedSampler`` over the data-parallel ranks (``strategy.distributed_sampler_kwargs``) on these loaders.
@@ -8,6 +8,7 @@ Distributed sampling comes from the entry point: the Trainer and ``fabric.setup_
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ class DataConfig:
     """The ``data:`` section.
 
     root: an ImageFolder tree with ``train/`` and ``val/``, each holding one sub-folder of images per class.
-    digits: write scikit-learn's digits into ``root`` when it is missing (the demo data; never overwrites).
+    digits: write the package's digits into ``root`` when it is missing (the demo data; never overwrites).
     batch_size: images per process per step. num_workers: DataLoader worker processes.
     mean, std: normalisation. scale, ratio: RandomResizedCrop's area and aspect ranges. hflip: horizontal flip
     probability. rand_augment: a timm RandAugment spec such as "rand-m9-mstd0.5-inc1" (None: off).
@@ -79,15 +80,17 @@ class SkippingSampler(DistributedSampler):
 
 
 def write_digits(root: Union[str, os.PathLike], size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
-    """Write scikit-learn's 1,797 digits (8x8, 0-16) as ``size`` x ``size`` RGB PNGs into ``root/{train,val}/<d>/``.
+    """Write the package's 1,797 handwritten digits (8x8, 0-16) as ``size`` x ``size`` RGB PNGs into
+    ``root/{train,val}/<d>/``.
 
-    The split is stratified and fixed by ``seed``. The tree is written in a temporary folder and renamed into
-    place, so a reader never sees half of it; an existing complete tree is kept. Call from one process.
+    The digits are UCI's "Optical Recognition of Handwritten Digits" test set (CC BY 4.0), the images scikit-learn's
+    ``load_digits`` returns, shipped as ``digits.npz`` (``tools/digits_data.py`` wrote it). The split is stratified
+    (:func:`stratified_split`, drawn with ``seed``). The tree is written in a temporary
+    folder and renamed into place, so a reader never sees half of it; an existing complete tree is kept. Call from
+    one process.
     """
     import numpy as np
     from PIL import Image
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
     root = Path(root)
     if (root / _DONE).is_file():
@@ -95,9 +98,8 @@ def write_digits(root: Union[str, os.PathLike], size: int = 32, val_fraction: fl
     if root.exists() and any(root.iterdir()):
         raise FileExistsError(f"{str(root)!r} exists but is not a complete digits tree (no {_DONE}); remove it"
                               " or point data.root at an empty or missing folder")
-    digits = load_digits()
-    index = np.arange(len(digits.target))
-    train, val = train_test_split(index, test_size=val_fraction, random_state=seed, stratify=digits.target)
+    images, labels = load_digits()
+    train, val = stratified_split(labels, val_fraction, seed)
     tmp = root.with_name(f".{root.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -105,15 +107,44 @@ def write_digits(root: Union[str, os.PathLike], size: int = 32, val_fraction: fl
         for label in range(10):
             (tmp / split / str(label)).mkdir(parents=True)
         for i in rows:
-            grey = (digits.images[i] * (255.0 / 16.0)).astype(np.uint8)  # (8, 8), 0..255
+            grey = (images[i] * (255.0 / 16.0)).astype(np.uint8)  # (8, 8), 0..255
             image = Image.fromarray(grey, mode="L").resize((size, size), Image.BILINEAR).convert("RGB")
-            image.save(tmp / split / str(digits.target[i]) / f"{i:04d}.png")
-    (tmp / _DONE).write_text(f"scikit-learn digits, {size}x{size} RGB, val_fraction={val_fraction}, seed={seed}\n")
+            image.save(tmp / split / str(labels[i]) / f"{i:04d}.png")
+    (tmp / _DONE).write_text(f"UCI digits, {size}x{size} RGB, val_fraction={val_fraction}, seed={seed}\n")
     if root.exists():
         root.rmdir()  # empty (checked above)
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(root)
     return root
+
+
+def load_digits() -> tuple[Any, Any]:
+    """The shipped digits: (images (1797, 8, 8) uint8 of counts 0-16, labels (1797,) uint8)."""
+    import numpy as np
+
+    with np.load(Path(__file__).with_name("digits.npz"), allow_pickle=False) as data:
+        return data["images"], data["labels"]
+
+
+def stratified_split(labels: Any, val_fraction: float, seed: int) -> tuple[Any, Any]:
+    """(train indices, val indices), both sorted: ``ceil(val_fraction x N)`` of the N indices go to val, shared among
+    the labels in proportion to their counts (the largest remainders get the rounding), each label's drawn with
+    ``seed``. These are the sizes scikit-learn's ``train_test_split(stratify=...)`` gives; the package does not depend
+    on scikit-learn, which brings scipy, which torchmetrics imports when installed: every process that imports
+    Lightning paid ~0.9 s of CPU for it."""
+    import numpy as np
+
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must lie between 0 and 1 (e.g. 0.2)")
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = counts * (math.ceil(val_fraction * len(labels)) / len(labels))
+    sizes = np.floor(quota).astype(np.int64)
+    sizes[np.argsort(sizes - quota, kind="stable")[:math.ceil(val_fraction * len(labels)) - sizes.sum()]] += 1
+    rng = np.random.default_rng(seed)
+    held = np.zeros(len(labels), dtype=bool)
+    for label, size in zip(classes, sizes):
+        held[rng.choice(np.flatnonzero(labels == label), size=int(size), replace=False)] = True
+    return np.flatnonzero(~held), np.flatnonzero(held)
 
 
 def transforms(config: DataConfig, img_size: int) -> tuple[Any, Any]:
