@@ -126,9 +126,21 @@ def test_a_meta_device_model_has_the_same_whole_tensors_on_every_rank_of_a_tp_gr
     """empty_init under tp=2: each rank initialised its own copy of what TP leaves whole (the patch and position
     embeddings, the head), and the group then computed different logits for the same images (a ViT's differed by
     0.76); the copies now hold the first rank's values."""
-    first, second = run_dist("meta_tp_copies.py", tmp_path)
+    first, second = run_dist("meta_copies.py", tmp_path, "tp")
     assert first["sums"] == second["sums"]
     assert first["logits"] == second["logits"]
+
+
+@pytest.mark.slow
+def test_a_meta_device_vits_class_token_is_the_same_on_the_data_parallel_ranks_of_a_stage(tmp_path):
+    """empty_init under pp=2 x dp=2: a ViT's class token and position embedding belong to no stage module (they
+    stay whole on the first stage's ranks, their gradients averaged over data parallel), and each data-parallel
+    rank had drawn its own (position embeddings summing to -0.13 and -0.46): the replicas trained different
+    copies. They now hold the first data-parallel rank's values."""
+    results = run_dist("meta_copies.py", tmp_path, "pp", nproc=4)
+    assert results[0]["plain"] == ["cls_token", "pos_embed"]  # the parameters this is about, on the first stage
+    assert results[0]["sums"] == results[1]["sums"] and results[2]["sums"] == results[3]["sums"]
+    assert results[0]["sums"].keys() != results[2]["sums"].keys()  # two stages, each holding its own blocks
 
 
 @pytest.mark.slow

@@ -251,7 +251,10 @@ class MegatronEngine(FSDPEngine):
             if dims.pp == 1:  # under PP each stage module is a root of its own, called by the schedule
                 claim_root(module)
             else:
-                self.pipeline.sync_tied()  # a tied head's copy starts as the embedding (each rank initialised its own)
+                # each rank initialised its own: a tied head's copy starts as the embedding, and the parameters no
+                # stage owns (a ViT's class token and position embedding) as the first data-parallel rank's
+                self.pipeline.sync_tied()
+                self.pipeline.sync_stray()
         return module
 
     def copies(self) -> list[DeviceMesh]:
