@@ -135,4 +135,15 @@ def same_across(module: nn.Module, mesh: DeviceMesh) -> None:
             if dim in names and not tensor.placements[names.index(dim)].is_replicate():
                 continue
             tensor = tensor.to_local()
+        _broadcast(tensor, src, group)
+
+
+def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
+    """``dist.broadcast``, also of a host tensor (offloaded parameters) over a group whose backend moves device
+    tensors only (NCCL): through a device copy."""
+    if tensor.device.type == "cpu" and torch.cuda.is_available() and "gloo" not in str(dist.get_backend(group)):
+        on_device = tensor.to(torch.cuda.current_device())
+        dist.broadcast(on_device, src=src, group=group)
+        tensor.copy_(on_device)
+    else:
         dist.broadcast(tensor, src=src, group=group)
