@@ -154,12 +154,13 @@ def test_hybrid_shard_replicas_start_the_same_and_train_as_ddp(tmp_path):
     """hybrid_shard=True, shard_size=1 on 2 processes (two replicas of one unsharded copy): the replicas' gradients
     were never all-reduced (fully_shard had the one-rank shard mesh only), and a meta-device model's replicas
     each drew their own weights on CPU. Both now start the same and train as Lightning's ddp from the same
-    weights."""
+    weights, gradients clipped by the whole model's norm."""
     first, second = run_dist("hsdp_replicas.py", tmp_path)
     assert first["meta_sums"] == second["meta_sums"]
     assert len(set(first["meta_sums"].values())) > 2  # initialised, not left at zeros or copied from one tensor
     for rank in (first, second):
         assert relative_diff(rank["hsdp_losses"], rank["ddp_losses"]) <= 1e-5
+        assert relative_diff(rank["hsdp_norms"], rank["ddp_norms"]) <= 1e-5 and min(rank["ddp_norms"]) > 0.5  # clipped
         for name, weights in rank["ddp_weights"].items():
             assert max(abs(x - y) for x, y in zip(rank["hsdp_weights"][name], weights)) <= 1e-6, name
     assert first["hsdp_weights"] == second["hsdp_weights"]

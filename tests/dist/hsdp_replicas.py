@@ -28,21 +28,24 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def train(fabric: L.Fabric, model: torch.nn.Module, steps: int = 3) -> tuple[list[float], dict[str, list]]:
-    """SGD steps on this rank's own images; the losses averaged over ranks and the final weights."""
+def train(fabric: L.Fabric, model: torch.nn.Module, steps: int = 3) -> tuple[list[float], list[float], dict[str, list]]:
+    """SGD steps on this rank's own images, gradients clipped; the losses averaged over ranks, the gradient norms and
+    the final weights."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = fabric.setup(model, optimizer)
     images = torch.Generator().manual_seed(100 + fabric.global_rank)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         x = torch.randn(4, 3, 16, 16, generator=images)
         y = torch.randint(0, 10, (4,), generator=images)
         loss = F.cross_entropy(model(x), y)
         fabric.backward(loss)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=0.5).item())  # the whole model's norm
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
-    return losses, {name: whole(p).detach().flatten()[:8].tolist() for name, p in model.module.named_parameters()}
+    weights = {name: whole(p).detach().flatten()[:8].tolist() for name, p in model.module.named_parameters()}
+    return losses, norms, weights
 
 
 def main() -> None:
@@ -60,10 +63,11 @@ def main() -> None:
     start.configure_model()
     ddp = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
     ddp.launch()  # in the launched processes: joins the process group already there
-    ddp_losses, ddp_weights = train(ddp, copy.deepcopy(start.model))
-    hsdp_losses, hsdp_weights = train(hsdp, copy.deepcopy(start.model))
-    write_result({"rank": dist.get_rank(), "meta_sums": meta_sums, "ddp_losses": ddp_losses,
-                  "hsdp_losses": hsdp_losses, "ddp_weights": ddp_weights, "hsdp_weights": hsdp_weights})
+    ddp_losses, ddp_norms, ddp_weights = train(ddp, copy.deepcopy(start.model))
+    hsdp_losses, hsdp_norms, hsdp_weights = train(hsdp, copy.deepcopy(start.model))
+    write_result({"rank": dist.get_rank(), "meta_sums": meta_sums, "ddp_losses": ddp_losses, "ddp_norms": ddp_norms,
+                  "hsdp_losses": hsdp_losses, "hsdp_norms": hsdp_norms, "ddp_weights": ddp_weights,
+                  "hsdp_weights": hsdp_weights})
 
 
 if __name__ == "__main__":
