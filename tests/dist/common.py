@@ -232,6 +232,21 @@ def tiny_vit(seed: int = 0):
                              depth=2, num_heads=4, num_classes=10)
 
 
+def meta_vit_classifier(fabric, model: dict):
+    """The ViT recipe's module (``disttrain.vision.ViTClassifier`` of timm keywords ``model``) launched and seeded
+    with 0, its model built on the meta device as the recipe builds it, then set up: each rank initialises what it
+    holds."""
+    from disttrain.vision import TrainConfig, ViTClassifier
+
+    fabric.launch()
+    fabric.seed_everything(0)
+    vit = ViTClassifier(model, TrainConfig(), total_steps=1)
+    with fabric.init_module(empty_init=True):
+        vit.configure_model()
+    fabric.setup(vit)
+    return vit
+
+
 def vit_batch(step: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of images and labels at ``step`` (the same whatever the world size)."""
     g = torch.Generator().manual_seed(100 + step)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_result  # noqa: E402
+from common import meta_vit_classifier, write_result  # noqa: E402
 
 from disttrain.fabric import FSDPStrategy  # noqa: E402
 from disttrain.vision import TrainConfig, ViTClassifier  # noqa: E402
@@ -50,12 +50,7 @@ def train(fabric: L.Fabric, model: torch.nn.Module, steps: int = 3) -> tuple[lis
 
 def main() -> None:
     hsdp = L.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(hybrid_shard=True, shard_size=1))
-    hsdp.launch()
-    hsdp.seed_everything(0)
-    vit = ViTClassifier(MODEL, TrainConfig(), total_steps=1)
-    with hsdp.init_module(empty_init=True):
-        vit.configure_model()
-    hsdp.setup(vit)
+    vit = meta_vit_classifier(hsdp, MODEL)
     meta_sums = {name: whole(p).double().sum().item() for name, p in vit.model.named_parameters()}
 
     torch.manual_seed(1)

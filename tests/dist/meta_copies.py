@@ -15,10 +15,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_result  # noqa: E402
+from common import meta_vit_classifier, write_result  # noqa: E402
 
 from disttrain.fabric import MegatronStrategy  # noqa: E402
-from disttrain.vision import TrainConfig, ViTClassifier  # noqa: E402
 
 MODEL = dict(img_size=16, patch_size=4, num_classes=10, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2.0)
 LAYOUTS = {"tp": (2, dict(tensor_parallel_size=2)), "pp": (4, dict(pipeline_parallel_size=2, microbatches=2))}
@@ -27,12 +26,7 @@ LAYOUTS = {"tp": (2, dict(tensor_parallel_size=2)), "pp": (4, dict(pipeline_para
 def main() -> None:
     processes, options = LAYOUTS[sys.argv[2]]
     fabric = L.Fabric(accelerator="cpu", devices=processes, strategy=MegatronStrategy(**options))
-    fabric.launch()
-    fabric.seed_everything(0)
-    vit = ViTClassifier(MODEL, TrainConfig(), total_steps=1)
-    with fabric.init_module(empty_init=True):
-        vit.configure_model()
-    fabric.setup(vit)
+    vit = meta_vit_classifier(fabric, MODEL)
     sums, plain = {}, []
     for name, tensor in vit.model.named_parameters():
         whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
