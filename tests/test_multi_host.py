@@ -99,15 +99,21 @@ def test_tensor_parallel_within_a_host_and_data_parallel_across_matches_one_proc
 @pytest.mark.slow
 def test_a_slow_lossy_link_gives_the_same_losses(hosts, tmp_path):
     """50 ms +- 10 ms of delay and 1% loss on what each host sends (about 100 ms between hosts, retransmissions):
-    the run is slower, its losses those of one process."""
+    the run is slower, its losses those of one process. The strategy is hybrid sharding with its default shard
+    group, the processes of a host: one here, so each host holds a whole replica and only the gradient all-reduce
+    crosses (the replicas once never met: each host trained its own model)."""
     from common import reference_losses
 
     for i in range(2):
         hosts.shape(i, delay_ms=50, jitter_ms=10, loss_percent=1)
     out, steps = tmp_path / "lossy", 3
     start = time.monotonic()
-    finish(torchrun(hosts, out, "disttrain_fsdp", steps))
-    assert close(results(out, 2)[0]["losses"], reference_losses(steps, world_size=2))
+    finish(torchrun(hosts, out, "disttrain_fsdp:hybrid_shard=true", steps))
+    ranks = results(out, 2)
+    assert ranks[0]["mesh"] == ["dp_replicate", "dp_shard"] and ranks[0]["shape"] == [2, 1]
+    assert all(r["local"] == r["total"] for r in ranks)  # a whole copy on each host
+    for rank in ranks:
+        assert close(rank["losses"], reference_losses(steps, world_size=2))
     assert time.monotonic() - start > 5  # the delay was there: hundreds of round trips of 100 ms
 
 
