@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -127,14 +127,24 @@ def same_across(module: nn.Module, mesh: DeviceMesh) -> None:
     the ranks of a CPU run distinct streams so that shards differ), and the copies would compute with different
     weights. Called once after initialisation; DTensors sharded over ``mesh`` are left alone."""
     (dim,) = mesh.mesh_dim_names or (None,)
-    group = mesh.get_group()
+
+    def copies() -> Iterator[torch.Tensor]:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if isinstance(tensor, DTensor):
+                names = tensor.device_mesh.mesh_dim_names or ()
+                if dim in names and not tensor.placements[names.index(dim)].is_replicate():
+                    continue
+                tensor = tensor.to_local()
+            yield tensor
+
+    from_first_rank(copies(), mesh.get_group())
+
+
+@torch.no_grad()
+def from_first_rank(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Give each of ``tensors`` (held by every rank of ``group``) the values of the group's first rank."""
     src = dist.get_global_rank(group, 0)
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if isinstance(tensor, DTensor):
-            names = tensor.device_mesh.mesh_dim_names or ()
-            if dim in names and not tensor.placements[names.index(dim)].is_replicate():
-                continue
-            tensor = tensor.to_local()
+    for tensor in tensors:
         _broadcast(tensor, src, group)
 
 

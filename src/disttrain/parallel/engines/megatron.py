@@ -22,6 +22,7 @@ from disttrain.parallel.checkpoint import io as ckpt
 from disttrain.parallel.engines.base import refuse_user_sharding
 from disttrain.parallel.engines.clip import clip_grad_norm_
 from disttrain.parallel.engines.fsdp import FSDPEngine, register_forward_methods
+from disttrain.parallel.engines.init import from_first_rank
 from disttrain.parallel.engines.layout import Accumulation, Layout, Units
 from disttrain.parallel.families import family_of, find_model
 from disttrain.parallel.mesh import ParallelDims
@@ -254,7 +255,8 @@ class MegatronEngine(FSDPEngine):
                 # each rank initialised its own: a tied head's copy starts as the embedding, and the parameters no
                 # stage owns (a ViT's class token and position embedding) as the first data-parallel rank's
                 self.pipeline.sync_tied()
-                self.pipeline.sync_stray()
+                if meshes.dp.size() > 1:
+                    from_first_rank(self.pipeline.stray_parameters(), meshes.dp.get_group())
         return module
 
     def copies(self) -> list[DeviceMesh]:

@@ -358,18 +358,6 @@ class Pipeline:
         owned = {id(p) for m in self.stage_modules for p in m.parameters()}
         return [p for p in self.model.parameters() if id(p) not in owned]
 
-    @torch.no_grad()
-    def sync_stray(self) -> None:
-        """Give the stray parameters the values of the data-parallel group's first rank: after a meta-device model
-        is initialised each rank holds its own draw (on CPU the ranks draw from distinct streams), and the replicas
-        would train different copies. Collective over the data-parallel group."""
-        dp = getattr(self, "dp_group", None)
-        if dp is None or dist.get_world_size(dp) == 1:
-            return
-        src = dist.get_global_rank(dp, 0)
-        for param in self.stray_parameters():
-            dist.broadcast(param.data, src=src, group=dp)
-
     # -- a tied embedding and head -----------------------------------------------------------------------------
     def _tied_pair(self) -> tuple[Optional[nn.Parameter], Optional[nn.Parameter]]:
         """(embedding, head) weights of a :class:`TiedHead` that live on this rank (the parameters FSDP put there)."""
