@@ -137,9 +137,10 @@ def stratified_split(labels: Any, val_fraction: float, seed: int) -> tuple[Any, 
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must lie between 0 and 1 (e.g. 0.2)")
     classes, counts = np.unique(labels, return_counts=True)
-    quota = counts * (math.ceil(val_fraction * len(labels)) / len(labels))
+    held_out = math.ceil(val_fraction * len(labels))
+    quota = counts * (held_out / len(labels))
     sizes = np.floor(quota).astype(np.int64)
-    sizes[np.argsort(sizes - quota, kind="stable")[:math.ceil(val_fraction * len(labels)) - sizes.sum()]] += 1
+    sizes[np.argsort(sizes - quota, kind="stable")[:held_out - sizes.sum()]] += 1
     rng = np.random.default_rng(seed)
     held = np.zeros(len(labels), dtype=bool)
     for label, size in zip(classes, sizes):
