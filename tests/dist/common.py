@@ -232,6 +232,13 @@ def tiny_vit(seed: int = 0):
                              depth=2, num_heads=4, num_classes=10)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor a DTensor (sharded or replicated) stands for; a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def meta_vit_classifier(fabric, model: dict):
     """The ViT recipe's module (``disttrain.vision.ViTClassifier`` of timm keywords ``model``) launched and seeded
     with 0, its model built on the meta device as the recipe builds it, then set up: each rank initialises what it

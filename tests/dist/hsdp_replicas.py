@@ -13,19 +13,14 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import meta_vit_classifier, write_result  # noqa: E402
+from common import meta_vit_classifier, whole, write_result  # noqa: E402
 
 from disttrain.fabric import FSDPStrategy  # noqa: E402
 from disttrain.vision import TrainConfig, ViTClassifier  # noqa: E402
 
 MODEL = dict(img_size=16, patch_size=4, num_classes=10, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2.0)
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def train(fabric: L.Fabric, model: torch.nn.Module, steps: int = 3) -> tuple[list[float], list[float], dict[str, list]]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import meta_vit_classifier, write_result  # noqa: E402
+from common import meta_vit_classifier, whole, write_result  # noqa: E402
 
 from disttrain.fabric import MegatronStrategy  # noqa: E402
 
@@ -29,8 +29,7 @@ def main() -> None:
     vit = meta_vit_classifier(fabric, MODEL)
     sums, plain = {}, []
     for name, tensor in vit.model.named_parameters():
-        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        sums[name] = whole.double().sum().item()
+        sums[name] = whole(tensor).double().sum().item()
         if not isinstance(tensor, DTensor):
             plain.append(name)
     logits = None
