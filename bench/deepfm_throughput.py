@@ -1,10 +1,11 @@
 """DeepFM throughput on 2 CPU processes: rows/s of a raw torchrec loop (DMP, fused sparse optimizer, Adam, a plain
-Python loop) against our Trainer with disttrain_recsys, its plain loop (pipeline="none") and torchrec's sparse-dist
-pipeline (pipeline="sparse_dist"), and against Fabric with that pipeline driving the loop (torchrec's own
-``progress``, no Lightning loop around it), on the same data and model, measured side by side in each round (fresh
-processes per round, the order rotated); then the bytes the tables' all-to-alls send per step with comm_precision
-fp16 and bf16 against fp32; then the wall time of the daily job (a fresh subprocess, conversion included) on a day
-of --daily-rows rows.
+Python loop) against torchrec's own sparse-dist pipeline over the same DMP (``TrainPipelineSparseDist.progress``,
+neither disttrain nor Lightning: what the overlap alone gives on this machine), our Trainer with disttrain_recsys,
+its plain loop (pipeline="none") and torchrec's sparse-dist pipeline (pipeline="sparse_dist"), and Fabric with that
+pipeline driving the loop (torchrec's own ``progress``, no Lightning loop around it), on the same data and model,
+measured side by side in each round (fresh processes per round, the order rotated); then the bytes the tables'
+all-to-alls send per step with comm_precision fp16 and bf16 against fp32; then the wall time of the daily job (a
+fresh subprocess, conversion included) on a day of --daily-rows rows.
 
     python bench/deepfm_throughput.py                      # 100k rows, 5 rounds, a 1M-row daily job
     python bench/deepfm_throughput.py --rows 50000 --daily-rows 0   # throughput only, quick
@@ -32,8 +33,9 @@ from tables import write_table  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "recsys" / "deepfm_tiny.yaml"
 DEVICES = 2
-# the raw torchrec loop, the Trainer's two pipelines, Fabric with torchrec's sparse-dist pipeline driving the loop
-LOOPS = ("raw", "none", "sparse_dist", "fabric_sparse_dist")
+# the raw torchrec loop, torchrec's own pipeline over it, the Trainer's two pipelines, Fabric with torchrec's
+# sparse-dist pipeline driving the loop
+LOOPS = ("raw", "raw_pipeline", "none", "sparse_dist", "fabric_sparse_dist")
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
@@ -59,22 +61,41 @@ def dataset(data_file: Path, batch_size: int) -> RankShare:
     return RankShare(DayBatches(day, slice(0, day.rows), batch_size * dist.get_world_size(), sizes))
 
 
-def raw_torchrec(data, model_config: dict, lr: float, warmup: int) -> tuple[int, float]:
-    """torchrec's DMP and a plain loop: forward, BCE-with-logits, backward (tables step inside), Adam."""
+class WithLoss(torch.nn.Module):
+    """DeepFMNet and its loss as torchrec's pipeline takes a model: ``model(batch) -> (loss, output)``, the batch's
+    fields named as the tables' network reads them."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net, self.loss_fn = net, torch.nn.BCEWithLogitsLoss()
+
+    def forward(self, batch):
+        return self.loss_fn(self.net(batch.dense, batch.sparse), batch.labels), None
+
+
+def raw_model(net: torch.nn.Module, sparse_optimizer, lr: float):
+    """``net`` in torchrec's DMP (our planner's plan and sharders, as disttrain_recsys gives them) and plain Adam
+    over its dense parameters."""
     from torchrec.distributed import DistributedModelParallel
 
     from disttrain.parallel.engines.recsys import RecsysOptions, dense_parameters, fused_params, plan, sharders
-    from disttrain.recsys.model import DeepFMNet, feature_names, to_kjt
 
-    torch.manual_seed(0)
-    net = DeepFMNet(**model_config)
     options = RecsysOptions()
-    module_sharders = sharders(fused_params(options, net.sparse_optimizer))
+    module_sharders = sharders(fused_params(options, sparse_optimizer))
     cpu = torch.device("cpu")
     model = DistributedModelParallel(net, device=cpu, sharders=module_sharders,
                                      plan=plan(net, options, dist.get_world_size(), cpu, module_sharders,
                                                dist.group.WORLD))
-    adam = torch.optim.Adam(dense_parameters(model), lr=lr)
+    return model, torch.optim.Adam(dense_parameters(model), lr=lr)
+
+
+def raw_torchrec(data, model_config: dict, lr: float, warmup: int) -> tuple[int, float]:
+    """torchrec's DMP and a plain loop: forward, BCE-with-logits, backward (tables step inside), Adam."""
+    from disttrain.recsys.model import DeepFMNet, feature_names, to_kjt
+
+    torch.manual_seed(0)
+    net = DeepFMNet(**model_config)
+    model, adam = raw_model(net, net.sparse_optimizer, lr)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     keys = feature_names()
     start, rows = 0.0, 0
@@ -88,6 +109,42 @@ def raw_torchrec(data, model_config: dict, lr: float, warmup: int) -> tuple[int,
         adam.step()
         adam.zero_grad()
         rows += labels.shape[0]
+    return rows, time.perf_counter() - start
+
+
+def raw_torchrec_pipeline(data, model_config: dict, lr: float, warmup: int) -> tuple[int, float]:
+    """torchrec's own ``TrainPipelineSparseDist`` over the raw loop's DMP and Adam (no disttrain strategy, no
+    Lightning): ``progress`` runs forward, backward and the Adam step, the next batch's ids in flight meanwhile."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.streamable import Pipelineable
+
+    from disttrain.parallel.engines.sparse_pipeline import TableBatch
+    from disttrain.recsys.model import DeepFMNet
+
+    Pipelineable.register(TableBatch)
+    torch.manual_seed(0)
+    net = DeepFMNet(**model_config)
+    model, adam = raw_model(WithLoss(net), net.sparse_optimizer, lr)
+    pipe = TrainPipelineSparseDist(model, adam, torch.device("cpu"))
+    return timed_progress(pipe, data, warmup)
+
+
+def timed_progress(pipe, data, warmup: int) -> tuple[int, float]:
+    """torchrec's ``pipe.progress`` over ``data``'s batches until they run out, timed from batch ``warmup`` on."""
+    from disttrain.recsys.model import table_batch
+
+    batches = iter(map(table_batch, (data[i] for i in range(len(data)))))
+    start, rows, step = 0.0, 0, 0
+    while True:
+        if step == warmup:
+            dist.barrier()
+            start, rows = time.perf_counter(), 0
+        try:
+            pipe.progress(batches)
+        except StopIteration:
+            break
+        rows += data[step][2].shape[0] if step < len(data) else 0
+        step += 1
     return rows, time.perf_counter() - start
 
 
@@ -130,7 +187,7 @@ def fabric_loop(data, model_config: dict, lr: float, warmup: int, pipeline: str)
 
     from disttrain.fabric import RecsysStrategy
     from disttrain.parallel.engines.recsys import dense_parameters
-    from disttrain.recsys.model import DeepFMNet, table_batch
+    from disttrain.recsys.model import DeepFMNet
 
     fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=RecsysStrategy(pipeline=pipeline))
     fabric.launch()
@@ -139,19 +196,7 @@ def fabric_loop(data, model_config: dict, lr: float, warmup: int, pipeline: str)
     model, adam = fabric.setup(net, torch.optim.Adam(dense_parameters(net), lr=lr))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     pipe = fabric.strategy.train_pipeline(model, adam, lambda b: (loss_fn(model(b.dense, b.sparse), b.labels), None))
-    batches = iter(map(table_batch, (data[i] for i in range(len(data)))))
-    start, rows, step = 0.0, 0, 0
-    while True:
-        if step == warmup:
-            dist.barrier()
-            start, rows = time.perf_counter(), 0
-        try:
-            pipe.progress(batches)
-        except StopIteration:
-            break
-        rows += data[step][2].shape[0] if step < len(data) else 0
-        step += 1
-    return rows, time.perf_counter() - start
+    return timed_progress(pipe, data, warmup)
 
 
 def rank_main(args) -> None:
@@ -179,6 +224,8 @@ def rank_main(args) -> None:
         for loop in order:
             if loop == "raw":
                 rows, seconds = raw_torchrec(data, model, lr, warmup)
+            elif loop == "raw_pipeline":
+                rows, seconds = raw_torchrec_pipeline(data, model, lr, warmup)
             elif loop.startswith("fabric_"):
                 rows, seconds = fabric_loop(data, model, lr, warmup, loop[len("fabric_"):])
             else:
@@ -238,8 +285,8 @@ def main() -> None:
         sys.argv[1:] = base
     rates = {loop: [rows_per_s(ranks, loop) for ranks in rounds] for loop in LOOPS}
     ratio = {loop: [rows_per_s(ranks, loop) / rows_per_s(ranks, "raw") for ranks in rounds] for loop in LOOPS}
-    names = {"raw": "raw torchrec loop", "none": "Trainer, pipeline=none", "sparse_dist": "Trainer, sparse_dist",
-             "fabric_sparse_dist": "Fabric, sparse_dist"}
+    names = {"raw": "raw torchrec loop", "raw_pipeline": "torchrec's own pipeline", "none": "Trainer, pipeline=none",
+             "sparse_dist": "Trainer, sparse_dist", "fabric_sparse_dist": "Fabric, sparse_dist"}
     print(f"throughput, {args.rows} rows, batch {args.batch_size} per rank, {DEVICES} CPU processes,"
           f" {args.rounds} rounds (ratios to the raw loop of the same round):")
     for loop in LOOPS:
