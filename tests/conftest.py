@@ -33,6 +33,12 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
 # saved), and the suite's next run reuses it. Set here, before any launch, because the zygotes serve only launches
 # with the environment they started in: a variable a test added later would send its ranks to torchrun.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "torchinductor"))
+# OpenMP threads that run out of work sleep at once instead of spinning first (libgomp's default: they busy-wait for
+# the next parallel region): two workers on 2 cores, each with torch's default threads, spin on cores the other
+# worker's processes wait for. Set before anything imports torch (libgomp reads it when loaded); the processes the
+# tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+assert "torch" not in sys.modules, "conftest.py sets OMP_WAIT_POLICY before torch is imported"
 # "torchrun": every rank of run_dist a fresh interpreter under torchrun, as a user launches the scripts.
 LAUNCHER = os.environ.get("DISTTRAIN_TEST_LAUNCHER", "zygote")
 _launcher = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-ranks-")))
