@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from zygote import Launcher
+from zygote import Launcher, freeze_imported, importing_without_gc
 
 from disttrain import ports
 
@@ -180,19 +180,15 @@ def rank_logs(logs: list[Path], tail: int = 6000) -> str:
 
 def pytest_configure(config) -> None:
     """No cyclic GC while the test files are imported (torch, Lightning, transformers, DeepSpeed...), in the process
-    that collects them (a worker, or the run without workers; xdist's controller imports none): every object an
-    import creates lives on, and each collection of the oldest generation, triggered again and again as they pile
-    up, examines them all and frees nothing (~20% of an import's CPU). Collection done, they are collected once and
-    frozen out of later collections (``gc.freeze``); what the tests create is collected as usual."""
+    that collects them (a worker, or the run without workers; xdist's controller imports none); collection done,
+    what they imported is frozen out of later collections (zygote.importing_without_gc, freeze_imported)."""
     if "PYTEST_XDIST_WORKER" in os.environ or not getattr(config.option, "numprocesses", None):
-        gc.disable()
+        importing_without_gc()
 
 
 def pytest_collection_finish(session) -> None:
     if not gc.isenabled():  # pytest_configure disabled it
-        gc.collect()
-        gc.freeze()
-        gc.enable()
+        freeze_imported()
 
 
 def pytest_sessionfinish(session) -> None:

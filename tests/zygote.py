@@ -26,6 +26,7 @@ where torchrun's ranks use the agent's: the rendezvous ``init_process_group`` do
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -61,14 +62,25 @@ def volatile_free(env: dict[str, str]) -> dict[str, str]:
 # The zygote (this file run as a script)
 
 
+def importing_without_gc() -> None:
+    """No cyclic collection from now until :func:`freeze_imported`, while a process imports its libraries: every
+    object an import creates lives on, so each collection of the oldest generation (triggered again and again as
+    they pile up) examines ever more objects and frees none, ~20% of an import of Lightning's CPU."""
+    gc.disable()
+
+
+def freeze_imported() -> None:
+    """One collection, then everything alive now frozen out of every later collection (``gc.freeze``), and the GC
+    back on: what the process creates from here on is collected as usual."""
+    gc.collect()
+    gc.freeze()
+    gc.enable()
+
+
 def preload() -> None:
-    import gc
     import importlib
 
-    # No cyclic collection while importing: imports create objects that all live on, so each collection of the
-    # oldest generation (triggered again and again as they pile up) examines ever more objects and frees none;
-    # ~20% of an import of Lightning's CPU. One collection follows (below).
-    gc.disable()
+    importing_without_gc()
     for name in PRELOAD:
         importlib.import_module(name)
     # Each DeepSpeed rank on CPU probes which ops can build (compiler runs) when it starts its communication
@@ -83,9 +95,7 @@ def preload() -> None:
     # examines, and a child's collections and interpreter shutdown would so copy nearly every inherited page
     # (~1.5 s of CPU per child, most of a short rank's cost); gc.freeze(), CPython's tool for pre-fork servers,
     # leaves what exists now out of every later collection. What a script creates is collected as before.
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+    freeze_imported()
 
 
 def write(fd: int, message: dict) -> None:
