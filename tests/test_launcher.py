@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_dist
+from conftest import run_dist, run_python
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +41,12 @@ def test_each_rank_has_its_own_seeds_and_runs_its_atexit_handlers(both):
 def test_a_failing_rank_stops_the_run(tmp_path, launcher):
     with pytest.raises(pytest.fail.Exception, match="ValueError: rank 1 fails on purpose"):
         run_dist("launch_env.py", tmp_path, "fail", launcher=launcher, timeout=120)
+
+
+def test_processes_the_suite_starts_import_its_site_module():
+    """tests/site/sitecustomize.py runs in every process a test starts (conftest.py puts it on PYTHONPATH), and only
+    changes the GC's youngest threshold."""
+    proc = run_python("-c", "import gc, sitecustomize; print(gc.get_threshold(), sitecustomize.__file__)")
+    assert proc.returncode == 0, proc.stderr
+    threshold, path = proc.stdout.split(") ")
+    assert threshold + ")" == "(20000, 10, 10)" and Path(path.strip()).parent.name == "site", proc.stdout
