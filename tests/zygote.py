@@ -37,8 +37,13 @@ import time
 from pathlib import Path
 
 # What the test scripts import; deepspeed, timm and torchrec are imported here too (by the scripts that need them)
-# because a third of the launches use one of them and each costs seconds of CPU per rank.
-PRELOAD = ("torch", "lightning", "transformers", "disttrain", "deepspeed", "timm", "torchrec")
+# because a third of the launches use one of them and each costs seconds of CPU per rank. The rest are what most
+# ranks import after the fork (recorded over the suite's forks), ~1.1 s of CPU each: transformers and disttrain
+# load their parts lazily (a Llama model: transformers' modelling code, ~0.45 s; the strategies: disttrain's
+# engines), and DeepSpeed's engine imports its Muon optimizer, and so networkx, when it starts (~0.6 s).
+PRELOAD = ("torch", "lightning", "transformers", "disttrain", "deepspeed", "timm", "torchrec",
+           "transformers.models.llama.modeling_llama", "disttrain.strategies", "disttrain.fabric",
+           "deepspeed.runtime.zero.muon.muon_optimizer")
 # torchrun gives a worker these besides its own environment (torch/distributed/elastic/agent/server).
 GRACE_S = 30  # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one fails
 
