@@ -3,6 +3,7 @@ interpreter state and Lightning view, distinct hash seeds, atexit handlers run, 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,8 @@ def test_a_failing_rank_stops_the_run(tmp_path, launcher):
 def test_processes_the_suite_starts_import_its_site_module():
     """tests/site/sitecustomize.py runs in every process a test starts (conftest.py puts it on PYTHONPATH), and only
     changes the GC's youngest threshold."""
-    proc = run_python("-c", "import gc, sitecustomize; print(gc.get_threshold(), sitecustomize.__file__)")
+    code = "import gc, json, sitecustomize; print(json.dumps([gc.get_threshold(), sitecustomize.__file__]))"
+    proc = run_python("-c", code)
     assert proc.returncode == 0, proc.stderr
-    threshold, path = proc.stdout.split(") ")
-    assert threshold + ")" == "(20000, 10, 10)" and Path(path.strip()).parent.name == "site", proc.stdout
+    threshold, path = json.loads(proc.stdout)
+    assert threshold == [20000, 10, 10] and Path(path).parent.name == "site", proc.stdout
