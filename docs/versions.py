@@ -42,6 +42,9 @@ def spec_text(requirement: Requirement) -> str:
     return f"`{','.join(str(s) for s in specs)}`" if specs else "any version"
 
 
+INSTALLER = re.compile(r"pip install -q uv==")  # the line that installs the installer (uv) into the environment
+
+
 def makefile_installs(makefile: str) -> tuple[list[tuple[str, str, bool]], list[str]]:
     """What the Makefile's install rule passes to pip: ``(name, shown version, with --no-deps)`` per pinned
     package, and the extras of its ``-e ".[...]"``. A ``$(VAR)`` is expanded; ``$(shell command -v TOOL ... &&
@@ -53,11 +56,11 @@ def makefile_installs(makefile: str) -> tuple[list[tuple[str, str, bool]], list[
     pins: list[tuple[str, str, bool]] = []
     extras: list[str] = []
     for line in rule.group(1).splitlines():
-        if "pip install" not in line:
-            continue
-        no_deps = "--no-deps" in line
         for name, value in variables.items():
             line = line.replace(f"$({name})", value)
+        if "pip install" not in line or INSTALLER.search(line):
+            continue
+        no_deps = "--no-deps" in line
         found = re.search(r'-e\s+"?\.\[([\w,-]+)\]', line)
         if found:
             extras += found.group(1).split(",")
