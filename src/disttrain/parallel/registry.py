@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
-from disttrain.parallel.engines.base import Engine
-from disttrain.parallel.engines.ddp import DDPEngine
-from disttrain.parallel.engines.fsdp import FSDPEngine
-from disttrain.parallel.engines.layout import Layout
-from disttrain.parallel.engines.megatron import MegatronEngine
-from disttrain.parallel.engines.recsys import RecsysEngine
-from disttrain.parallel.engines.zero import ZeroEngine
-from disttrain.parallel.mesh import ParallelDims
 from disttrain.parallel.options import OptionError, build_options
+
+if TYPE_CHECKING:
+    from disttrain.parallel.engines.base import Engine
+    from disttrain.parallel.engines.layout import Layout
+    from disttrain.parallel.mesh import ParallelDims
 
 
 @dataclass
@@ -60,13 +58,26 @@ class AutoOptions:
 
 @dataclass(frozen=True)
 class Registered:
-    """One registered strategy name. ``engine``: its engine class (None for ``disttrain_auto``, which runs as the
-    strategy the planner picks); ``defaults``: options this name sets (users' keywords override them)."""
+    """One registered strategy name. ``engine_path``: where its engine class is, ``"module:Class"`` (None for
+    ``disttrain_auto``, which runs as the strategy the planner picks), imported the first time ``engine`` is read;
+    ``defaults``: options this name sets (users' keywords override them).
+
+    The engines are imported on first use, not with the registry: what only needs the names (``disttrain run``
+    checking ``--strategy`` before it starts any process, ``import disttrain`` registering them with Lightning)
+    does not pay for importing FSDP, DTensor and torch's pipelining (~0.8 s of CPU at every launch)."""
 
     name: str
-    engine: Optional[type[Engine]]
+    engine_path: Optional[str]
     description: str
     defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> Optional[type[Engine]]:
+        """The engine class (None for ``disttrain_auto``)."""
+        if self.engine_path is None:
+            return None
+        module, _, name = self.engine_path.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     @property
     def options_cls(self) -> type:
@@ -107,30 +118,32 @@ class Registered:
         return non_default(options, self.defaults)
 
 
-DDP = Registered("disttrain_ddp", DDPEngine,
+ENGINES = "disttrain.parallel.engines."  # the engines' package: a row names its engine's module and class in it
+DDP = Registered("disttrain_ddp", ENGINES + "ddp:DDPEngine",
                  "DDP with optional gradient compression (fp16, bf16, int8, PowerSGD); CPU (gloo) and GPU (nccl)")
-FSDP = Registered("disttrain_fsdp", FSDPEngine,
+FSDP = Registered("disttrain_fsdp", ENGINES + "fsdp:FSDPEngine",
                   "FSDP2 fully_shard, one unit per block found automatically, full shard; CPU (gloo) and GPU (nccl)")
-FSDP_OFFLOAD = Registered("disttrain_fsdp_offload", FSDPEngine,
-                          "FSDP2 with parameters, gradients and optimizer state offloaded to CPU", {"cpu_offload": True})
-ZERO3 = Registered("disttrain_zero3", ZeroEngine,
+FSDP_OFFLOAD = Registered("disttrain_fsdp_offload", ENGINES + "fsdp:FSDPEngine",
+                          "FSDP2 with parameters, gradients and optimizer state offloaded to CPU",
+                          {"cpu_offload": True})
+ZERO3 = Registered("disttrain_zero3", ENGINES + "zero:ZeroEngine",
                    "DeepSpeed ZeRO stage 3; batch settings from the Trainer/Fabric; CPU (gloo) and GPU (nccl)")
-ZERO3_OFFLOAD = Registered("disttrain_zero3_offload", ZeroEngine,
+ZERO3_OFFLOAD = Registered("disttrain_zero3_offload", ENGINES + "zero:ZeroEngine",
                            "DeepSpeed ZeRO-3 with optimizer state and parameters offloaded to CPU (or NVMe:"
                            " offload_*='nvme', nvme_path=)", {"offload_optimizer": "cpu", "offload_parameters": "cpu"})
-ZERO1 = Registered("disttrain_zero1", ZeroEngine,
+ZERO1 = Registered("disttrain_zero1", ENGINES + "zero:ZeroEngine",
                    "DeepSpeed ZeRO stage 1: optimizer state and fp32 master weights partitioned, parameters and"
                    " gradients whole; CPU (gloo) and GPU (nccl)", {"stage": 1})
-ZERO2 = Registered("disttrain_zero2", ZeroEngine,
+ZERO2 = Registered("disttrain_zero2", ENGINES + "zero:ZeroEngine",
                    "DeepSpeed ZeRO stage 2: gradients, optimizer state and fp32 master weights partitioned, parameters"
                    " whole; CPU (gloo) and GPU (nccl)", {"stage": 2})
-ZERO2_OFFLOAD = Registered("disttrain_zero2_offload", ZeroEngine,
+ZERO2_OFFLOAD = Registered("disttrain_zero2_offload", ENGINES + "zero:ZeroEngine",
                            "DeepSpeed ZeRO-2 with optimizer state and fp32 master weights offloaded to CPU"
                            " (ZeRO-Offload)", {"stage": 2, "offload_optimizer": "cpu"})
-MEGATRON = Registered("disttrain_megatron", MegatronEngine,
+MEGATRON = Registered("disttrain_megatron", ENGINES + "megatron:MegatronEngine",
                       "Megatron-style 3D: tensor parallel (heads/MLP) x pipeline parallel (torch pipelining) x context"
                       " parallel (long sequences) x FSDP2 data parallel")
-RECSYS = Registered("disttrain_recsys", RecsysEngine,
+RECSYS = Registered("disttrain_recsys", ENGINES + "recsys:RecsysEngine",
                     "torchrec DistributedModelParallel: tables sharded by the planner, dense part data-parallel; CPU"
                     " and GPU")
 AUTO = Registered("disttrain_auto", None,
