@@ -148,7 +148,7 @@ def launch(argv: list[str], prog: str = "disttrain run", default_port: int = DEF
 
     from torch.distributed import run as torchrun
 
-    from disttrain.parallel.guards.failures import VERBOSE_ENV, verbose
+    from disttrain.parallel.guards.reports import VERBOSE_ENV, verbose
 
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"  # the processes let their tracebacks through too

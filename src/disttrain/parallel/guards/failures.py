@@ -15,15 +15,9 @@ import torch.distributed as dist
 
 from disttrain.parallel.checkpoint.integrity import CheckpointError, unwrap_dcp_error
 from disttrain.parallel.guards.diskspace import DiskFullError, disk_full_cause, full_disk_error
+from disttrain.parallel.guards.reports import verbose
 from disttrain.parallel.guards.watchdog import describe_collective_timeout
 from disttrain.parallel.options import OptionError
-
-VERBOSE_ENV = "DISTTRAIN_VERBOSE"
-
-
-def verbose() -> bool:
-    """Whether ``$DISTTRAIN_VERBOSE`` asks for tracebacks (1, true, yes or on)."""
-    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def describe(error: BaseException, where: str = ".") -> Optional[str]:

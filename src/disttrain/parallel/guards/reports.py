@@ -10,6 +10,14 @@ from typing import Optional
 
 # The folder where a launched process leaves its one-line failure for the launcher.
 REPORT_ENV = "DISTTRAIN_LAUNCH_REPORTS"
+# Set (``disttrain run --verbose``) to keep every failure's traceback instead of its one line. Here rather than in
+# guards.failures, whose imports (torch's checkpointing, DTensor: ~0.5 s) the launcher does not need.
+VERBOSE_ENV = "DISTTRAIN_VERBOSE"
+
+
+def verbose() -> bool:
+    """Whether ``$DISTTRAIN_VERBOSE`` asks for tracebacks (1, true, yes or on)."""
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def leave(line: str) -> bool:
