@@ -160,3 +160,21 @@ def test_import_has_no_side_effect_beyond_registration(torch_only_import):
     assert result["after"] == result["before"]
     before, after = torch_only_import["finders"]
     assert after == ["_WhenLightningLoads"] + before
+
+
+def test_the_launcher_checks_a_name_without_importing_the_engines():
+    """``disttrain run`` checks ``--strategy`` and starts torchrun without importing the engines (FSDP, DTensor,
+    torch's pipelining and checkpointing: ~1 s of CPU at every launch, before any process starts): the registry
+    imports a row's engine when ``row.engine`` is first read, and the launcher's ``--verbose`` switch lives in
+    guards.reports, away from guards.failures' imports."""
+    heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.pipelining",
+             "torch.distributed.checkpoint", "disttrain.parallel.engines", "lightning")
+    result = fresh("import json, sys\nfrom torch.distributed import run\nfrom disttrain import cli\n"
+                   "cli.check_strategy_name('disttrain_fsdp', 'disttrain run')\n"
+                   "from disttrain.parallel.guards.reports import VERBOSE_ENV, verbose\n"
+                   f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({heavy!r}))))")
+    assert result == []
+    from disttrain.parallel.registry import FSDP
+    from disttrain.parallel.engines.fsdp import FSDPEngine
+
+    assert FSDP.engine is FSDPEngine  # read: imported
