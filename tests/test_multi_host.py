@@ -49,6 +49,18 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
     return outputs
 
 
+def workers(hosts: Hosts, i: int) -> list[int]:
+    """The processes torchrun's agent started on host ``i`` (disttrain's bootstrap), not the agent itself."""
+    found = []
+    for pid in hosts.pids(i):
+        try:
+            if b"_bootstrap.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
 def results(out: Path, world_size: int) -> list[dict]:
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(world_size)]
 
@@ -161,9 +173,14 @@ def test_a_partitioned_host_ends_every_rank_within_the_timeout_naming_what_was_l
 @pytest.mark.slow
 def test_a_lost_host_comes_back_and_the_run_resumes_from_the_last_checkpoint(hosts, tmp_path):
     """`disttrain run --max-restarts 1` on 2 hosts, a checkpoint after every step (on storage both hosts share); every
-    process of host 1, its torchrun agent too, is SIGKILLed mid-run, and host 1's command is started again. Host 0's
-    agent restarts its process, the new agent of host 1 joins it (a lost node replaced), both resume from the newest
-    complete checkpoint, and the steps after it equal an uninterrupted run's. Host 0 says it restarted, and why."""
+    process of host 1, its torchrun agent too, is SIGKILLed mid-run, and once host 0's process has ended on the loss,
+    host 1's command is started again. Host 0's agent restarts its process, the new agent of host 1 joins it (a lost
+    node replaced), both resume from the newest complete checkpoint, and the steps after it equal an uninterrupted
+    run's. Host 0 says it restarted, and why.
+
+    Host 1 comes back after host 0's agent has seen its process fail, as an operator's restart does: a new node that
+    joins while the old process still runs is, to torchrun, a node added to a healthy run, whose processes it
+    restarts without counting a restart (attempt 0, no line), which a launch quick enough can reach first."""
     from common import reference_losses
 
     out, ckpts, steps = tmp_path / "resumed", tmp_path / "ckpts", 6
@@ -180,8 +197,12 @@ def test_a_lost_host_comes_back_and_the_run_resumes_from_the_last_checkpoint(hos
     while not (ckpts / "step-000002").exists():
         assert time.monotonic() < deadline and first.poll() is None and lost.poll() is None, lost.communicate()[0]
         time.sleep(0.05)
+    survivor = workers(hosts, 0)
     assert len(hosts.kill(1)) >= 2  # the agent and its process
     lost.wait(timeout=30)
+    while set(survivor) & set(workers(hosts, 0)):  # ends on its next collective, within the 20 s timeout
+        assert time.monotonic() < deadline and first.poll() is None, "host 0's process outlived the loss"
+        time.sleep(0.05)
     back = time.monotonic()
     text = finish([first, start(1)], timeout=240)
     took = time.monotonic() - back

@@ -271,9 +271,13 @@ class Hosts:
             if self._hub.stdout is None or self._hub.stdout.readline().strip() != "ready":
                 raise HostsError("the switch's forwarder did not start (it needs AF_PACKET sockets: root)")
 
+    def pids(self, i: int) -> list[int]:
+        """The processes running on host ``i``."""
+        return _pids(self.host(i))
+
     def kill(self, i: int) -> list[int]:
         """SIGKILL every process running on host ``i`` (the whole host fails); returns their pids."""
-        pids = _pids(self.host(i))
+        pids = self.pids(i)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
