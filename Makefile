@@ -9,7 +9,8 @@ FBGEMM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo fbgemm-gpu==1.9.
 # byte-compiled, as pip does. uv reads no pip configuration: the package index pip is told to use (PIP_INDEX_URL, or
 # index-url in pip.conf) is handed to it; otherwise it installs from PyPI.
 PIP_INDEX  = $(or $(PIP_INDEX_URL),$(shell python3 -m pip config get global.index-url 2>/dev/null))
-UV_INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode $(if $(PIP_INDEX),--default-index $(PIP_INDEX))
+UV_INDEX   = $(if $(PIP_INDEX),--default-index $(PIP_INDEX))
+UV_INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode $(UV_INDEX)
 
 .PHONY: install demo test test-fast durations bench docs clean gpu-wheels gpu-check multi-host
 
