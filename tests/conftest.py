@@ -98,11 +98,13 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: int = 600,
-             launcher: str | None = None) -> list[dict]:
+             launcher: str | None = None, full_exit: bool = False) -> list[dict]:
     """Run tests/dist/<script> on ``nproc`` CPU processes; return the per-rank JSON results (rank order).
 
     The ranks are forked from pre-imported zygotes (tests/zygote.py: the same processes as torchrun's, seconds of
-    imports cheaper); ``launcher="torchrun"`` or DISTTRAIN_TEST_LAUNCHER=torchrun runs them under torchrun."""
+    imports cheaper); ``launcher="torchrun"`` or DISTTRAIN_TEST_LAUNCHER=torchrun runs them under torchrun. They
+    end without the interpreter's teardown of the modules (zygote.run_and_exit: what is tested is what they
+    wrote); ``full_exit=True`` where the exit itself is."""
     if not _current_is_slow:
         pytest.fail(f"this test launches {script} on {nproc} processes: mark it @pytest.mark.slow, so that "
                     "`make test-fast` stays a quick loop (CI runs slow tests too)")
@@ -118,7 +120,8 @@ def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: in
     else:
         logs = _launcher.logs(script, nproc)
         try:
-            codes = _launcher.run([str(DIST / script), str(out), *args], env, nproc, free_port(), logs, timeout)
+            codes = _launcher.run([str(DIST / script), str(out), *args], env, nproc, free_port(), logs, timeout,
+                                  full_exit=full_exit)
         except TimeoutError as timeout_error:
             pytest.fail(f"{timeout_error}\n{rank_logs(logs)}")
         if any(codes):

@@ -1,5 +1,6 @@
 """The test launcher (tests/zygote.py) starts ranks that behave as torchrun's: same environment, arguments, path,
-interpreter state and Lightning view, distinct hash seeds, atexit handlers run, a failing rank stops the run."""
+interpreter state and Lightning view, distinct hash seeds, atexit handlers run, a failing rank stops the run, and a
+rank ends as the interpreter's shutdown ends a script."""
 
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def test_each_rank_has_its_own_seeds_and_runs_its_atexit_handlers(both):
 def test_a_failing_rank_stops_the_run(tmp_path, launcher):
     with pytest.raises(pytest.fail.Exception, match="ValueError: rank 1 fails on purpose"):
         run_dist("launch_env.py", tmp_path, "fail", launcher=launcher, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_rank_ends_as_a_fresh_interpreter_does(tmp_path):
+    """The zygotes' ranks end without the teardown of the modules (zygote.run_and_exit), and otherwise as the
+    interpreter's shutdown ends a script: sys.exit's status, a non-daemon thread finished first, a file the script
+    left open flushed."""
+    with pytest.raises(pytest.fail.Exception, match=r"failed \(exit codes \[3, 3\]\)"):
+        run_dist("launch_env.py", tmp_path, "exit", timeout=120)
+    for rank in range(2):
+        assert (tmp_path / f"result.{rank}.open").read_text() == "written, never closed"
+        assert (tmp_path / f"result.{rank}.thread").read_text() == "done"
 
 
 def test_processes_the_suite_starts_import_its_site_module():

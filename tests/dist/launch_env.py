@@ -1,6 +1,7 @@
 """What a rank sees of how it was started: torchrun's environment, argv, path, interpreter state, Lightning's view,
 a collective, and its exit. tests/test_launcher.py runs it under torchrun and from the test zygotes and compares.
-Usage: launch_env.py OUT MODE (MODE "ok", or "fail": rank 1 raises while rank 0 waits in a collective)."""
+Usage: launch_env.py OUT MODE (MODE "ok"; "fail": rank 1 raises while rank 0 waits in a collective; "exit": each
+rank leaves a file open with text in its buffer and a thread still working, and calls ``sys.exit(3)``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 
 THREADS_AT_START = len(os.listdir("/proc/self/task"))
 
@@ -20,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import write_result  # noqa: E402
 
+LEFT_OPEN = []  # what the interpreter's shutdown must still flush
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                  "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -37,6 +40,19 @@ def main() -> None:
         if dist.get_rank() == 1:
             raise ValueError("rank 1 fails on purpose")
         dist.barrier()  # never completes: the launcher must stop this rank
+    if mode == "exit":
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        LEFT_OPEN.append(open(f"{out}.{rank}.open", "w"))
+        LEFT_OPEN[0].write("written, never closed")
+
+        def finish_later() -> None:
+            time.sleep(0.5)
+            with open(f"{out}.{rank}.thread", "w") as f:
+                f.write("done")
+
+        threading.Thread(target=finish_later).start()
+        sys.exit(3)
     marker = f"{out}.{dist.get_rank()}.atexit"
     atexit.register(lambda: open(marker, "w").close())
     write_result({
