@@ -379,7 +379,7 @@ def run(kind: str, target: str) -> None:
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
     if kind == "module":  # what `python -m` calls: the module's code in the __main__ module's globals
-        runpy._run_module_as_main(target, alter_argv=False)
+        runpy._run_module_as_main(target, alter_argv=True)
     elif kind == "code":
         exec(compile(target, "<string>", "exec"), main.__dict__)
     else:
