@@ -23,11 +23,12 @@ def test_ranks_see_what_torchrun_gives(both):
         assert zygote["env"] == {**torchrun["env"], "MASTER_PORT": zygote["env"]["MASTER_PORT"]}
         for key in ("script_dir_first", "name", "cwd", "threads_at_start", "threads", "stdin_empty",
                     "write_through", "rank_zero_at_import", "elastic", "lightning_elastic", "sum",
-                    "session_leader"):
+                    "session_leader", "annotations"):
             assert zygote[key] == torchrun[key], key
         assert zygote["argv"][1:] == torchrun["argv"][1:] == ["ok"]
     assert [r["rank_zero_at_import"] for r in both["zygote"]] == [0, 1]
     assert both["zygote"][0]["threads_at_start"] == 1 and both["zygote"][0]["sum"] == 3.0
+    assert both["zygote"][0]["annotations"] == "{'return': None}"  # evaluated: not the zygote's __future__ import
 
 
 @pytest.mark.slow

@@ -370,7 +370,8 @@ def run(kind: str, target: str) -> None:
     """Run the script (``path``), module (``module``) or code (``code``) as ``python`` does: in a new module
     ``__main__``, which stays in ``sys.modules`` after it ends, so that the shutdown clears it first and in order
     (runpy.run_path's module is dropped when the script ends, and what its globals hold is then freed by the cyclic
-    GC in any order: a file the script left open can be closed under its unflushed text)."""
+    GC in any order: a file the script left open can be closed under its unflushed text). ``dont_inherit``: the
+    script's code is compiled without this file's ``from __future__ import annotations``."""
     import builtins
     import runpy
     import types
@@ -381,12 +382,12 @@ def run(kind: str, target: str) -> None:
     if kind == "module":  # what `python -m` calls: the module's code in the __main__ module's globals
         runpy._run_module_as_main(target, alter_argv=True)
     elif kind == "code":
-        exec(compile(target, "<string>", "exec"), main.__dict__)
+        exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
     else:
         main.__file__, main.__cached__ = target, None
         with open(target, "rb") as f:
             source = f.read()
-        exec(compile(source, target, "exec"), main.__dict__)
+        exec(compile(source, target, "exec", dont_inherit=True), main.__dict__)
 
 
 def clear_main() -> None:

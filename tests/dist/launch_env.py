@@ -3,8 +3,8 @@ a collective, and its exit. tests/test_launcher.py runs it under torchrun and fr
 Usage: launch_env.py OUT MODE (MODE "ok"; "fail": rank 1 raises while rank 0 waits in a collective; "exit": each
 rank leaves a file open with text in its buffer and a thread still working, and calls ``sys.exit(3)``)."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: the annotations of the script's own code are evaluated, as
+# python evaluates them (the "annotations" key).
 import atexit
 import os
 import sys
@@ -63,7 +63,7 @@ def main() -> None:
         "rank_zero_at_import": rank_zero_at_import, "elastic": dist.is_torchelastic_launched(),
         "lightning_elastic": TorchElasticEnvironment.detect(), "first_random": first_random,
         "hash": hash("disttrain"), "sum": total.item(), "session_leader": os.getsid(0) == os.getpid(),
-        "marker": marker,
+        "marker": marker, "annotations": str(main.__annotations__),
     })
     dist.destroy_process_group()
 
