@@ -244,13 +244,18 @@ def torchrun(argv: list[str], nproc: int, env: Optional[dict] = None, cwd: Optio
                    check=True, env=env, cwd=cwd, stdout=out, stderr=out)
 
 
-def fork_ranks(argv: list[str], nproc: int, env: Optional[dict], cwd: Optional[str], quiet: bool) -> bool:
+def fork_ranks(argv: list[str], nproc: int, env: Optional[dict], cwd: Optional[str], quiet: bool,
+               hosts: Any = None, logs: Optional[list[str]] = None, port: Optional[int] = None) -> bool:
     """Run ``python ARGV`` on ``nproc`` ranks forked from this process, each with the environment torchrun gives
     its worker (the ranks' own store on rank 0, as ``TORCHELASTIC_USE_AGENT_STORE=False`` says); raise
     ``subprocess.CalledProcessError`` with the first failing rank's exit code, the others stopped as torchrun stops
     them. False, with nothing run, when this process has started a thread (an OpenMP pool, a tensor operation's):
     a fork would copy it half-done, so the caller launches fresh processes. tests/zygote.py forks the test suite's
-    ranks the same way; unlike its ranks, these share the parent's string-hash seed."""
+    ranks the same way; unlike its ranks, these share the parent's string-hash seed.
+
+    ``hosts``: tools/hosts.py's hosts, as many ranks on each, node by node; each rank enters its host (network,
+    hostname, /etc/hosts: ``hosts.enter``) and gets the host's variables, the rendezvous on host 0 at ``port``.
+    ``logs``: a file per rank for its output (appended)."""
     for name in SMOKE_PRELOAD:
         try:
             importlib.import_module(name)
@@ -265,14 +270,19 @@ def fork_ranks(argv: list[str], nproc: int, env: Optional[dict], cwd: Optional[s
         return False
     sys.stdout.flush()
     sys.stderr.flush()
-    port, base = free_port(), dict(os.environ if env is None else env)
+    port, base = port or free_port(), dict(os.environ if env is None else env)
+    nodes = hosts.count if hosts is not None else 1
     pids: list[int] = []
     codes: dict[int, int] = {}  # rank -> exit code, once reaped
     try:
         for rank in range(nproc):
+            node = rank * nodes // nproc
+            rank_env = {**base, **_worker_env(rank, nproc, port, nodes, hosts.main if hosts else "127.0.0.1"),
+                        **(hosts.variables(node) if hosts else {})}
             pid = os.fork()
-            if pid == 0:
-                _run_rank(argv, {**base, **_worker_env(rank, nproc, port)}, cwd, quiet)  # never returns
+            if pid == 0:  # never returns
+                _run_rank(argv, rank_env, cwd, quiet, hosts.placement(node) if hosts else None,
+                          logs[rank] if logs else None)
             pids.append(pid)
         _wait_ranks(pids, codes)
     except BaseException:  # Ctrl-C, a failed fork: no rank outlives the bench
@@ -287,29 +297,37 @@ def fork_ranks(argv: list[str], nproc: int, env: Optional[dict], cwd: Optional[s
     return True
 
 
-def _worker_env(rank: int, nproc: int, port: int) -> dict[str, str]:
-    """torchrun's worker environment for ``rank`` of a one-node run of ``nproc`` processes."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
-            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+def _worker_env(rank: int, nproc: int, port: int, nodes: int = 1, master: str = "127.0.0.1") -> dict[str, str]:
+    """torchrun's worker environment for ``rank`` of a run of ``nproc`` processes on ``nodes`` nodes (as many on
+    each, node by node), its rendezvous at ``master``."""
+    local = nproc // nodes
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank % local), "GROUP_RANK": str(rank // local),
+            "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(local), "WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": str(nodes), "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": master,
             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
 
-def _run_rank(argv: list[str], env: dict[str, str], cwd: Optional[str], quiet: bool) -> None:
+def _run_rank(argv: list[str], env: dict[str, str], cwd: Optional[str], quiet: bool,
+              placement: Optional[dict] = None, log: Optional[str] = None) -> None:
     """In a forked rank: run ``python ARGV`` as a fresh interpreter would from here on, then exit. It never returns
-    into the parent's frames (their ``finally`` blocks would remove the parent's temporary folders)."""
+    into the parent's frames (their ``finally`` blocks would remove the parent's temporary folders). ``placement``:
+    the host of tools/hosts.py it enters first; ``log``: where its output goes."""
     code = 1
     try:
         # The parent's finalizers are the parent's (its TemporaryDirectory among them): not run at this rank's exit.
         # The exit handlers the libraries registered at import run, as in a fresh interpreter that imported them.
         for finalizer in list(weakref.finalize._registry):
             finalizer.atexit = False
-        if quiet:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, 1)
-            os.dup2(null, 2)
-            os.close(null)
+        if placement is not None:
+            from hosts import enter  # tools/hosts.py, on the path of the bench that made the hosts
+
+            enter(**placement)
+        if quiet or log:
+            out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
         if cwd is not None:
             os.chdir(cwd)
         os.environ.clear()

@@ -44,7 +44,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tools"))
-from harness import add_model_args, build_model, parse_smoke  # noqa: E402
+from harness import add_model_args, build_model, fork_ranks, parse_smoke  # noqa: E402
 from tables import write_table  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
@@ -189,12 +189,23 @@ def threads(hosts, per_host: int) -> str:
 
 def run_layout(hosts, argv: list[str], per_host: int, folder: Path, timeout: float) -> dict:
     """This script's processes on both hosts (one torchrun agent each), ``per_host`` processes per host; their
-    output goes to ``folder`` and is shown when they fail or outlast ``timeout`` seconds."""
+    output goes to ``folder`` and is shown when they fail or outlast ``timeout`` seconds. Under ``--smoke`` the
+    ranks are forked from this process into the hosts instead (harness.fork_ranks)."""
     procs, logs, result = [], [], folder / f"result{per_host}.json"
+    child = [str(Path(__file__).resolve()), *argv, "--child", str(result), "--per-host", str(per_host)]
+    if "--smoke" in argv:
+        ranks = [str(folder / f"host{r // per_host}-{per_host}.log") for r in range(hosts.count * per_host)]
+        try:
+            env = {**os.environ, "OMP_NUM_THREADS": threads(hosts, per_host)}
+            forked = fork_ranks(child, hosts.count * per_host, env, str(HERE.parent), False, hosts=hosts, logs=ranks,
+                                port=PORT)
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"multi_host: a rank failed (exit {e.returncode}):\n{Path(ranks[0]).read_text()[-6000:]}")
+        if forked:
+            return json.loads(result.read_text())
     for i in range(hosts.count):
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts.count}", f"--node-rank={i}",
-                   f"--nproc_per_node={per_host}", f"--master_addr={hosts.main}", f"--master_port={PORT}",
-                   str(Path(__file__).resolve()), *argv, "--child", str(result), "--per-host", str(per_host)]
+                   f"--nproc_per_node={per_host}", f"--master_addr={hosts.main}", f"--master_port={PORT}", *child]
         env = {**os.environ, "OMP_NUM_THREADS": threads(hosts, per_host)}
         logs.append(folder / f"host{i}-{per_host}.log")
         with logs[-1].open("w") as log:

@@ -98,19 +98,32 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: int = 600,
-             launcher: str | None = None, full_exit: bool = False) -> list[dict]:
+             launcher: str | None = None, full_exit: bool = False, hosts=None) -> list[dict]:
     """Run tests/dist/<script> on ``nproc`` CPU processes; return the per-rank JSON results (rank order).
 
     The ranks are forked from pre-imported zygotes (tests/zygote.py: the same processes as torchrun's, seconds of
     imports cheaper); ``launcher="torchrun"`` or DISTTRAIN_TEST_LAUNCHER=torchrun runs them under torchrun. They
     end without the interpreter's teardown of the modules (zygote.run_and_exit: what is tested is what they
-    wrote); ``full_exit=True`` where the exit itself is."""
+    wrote); ``full_exit=True`` where the exit itself is. ``hosts``: tools/hosts.py's hosts (network namespaces),
+    as many ranks on each, node by node, in the host's network, under its name (a forked rank enters its host,
+    keeping the machine's pid namespace); under torchrun, one agent per host (its c10d rendezvous at host 0)."""
     if not _current_is_slow:
         pytest.fail(f"this test launches {script} on {nproc} processes: mark it @pytest.mark.slow, so that "
                     "`make test-fast` stays a quick loop (CI runs slow tests too)")
     out = out_dir / "result"
     env = child_env()
-    if (launcher or LAUNCHER) == "torchrun" or not _launcher.serves(env):
+    if ((launcher or LAUNCHER) == "torchrun" or not _launcher.serves(env)) and hosts is not None:
+        procs = [hosts.popen(i, [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts.count}",
+                                 f"--node-rank={i}", f"--nproc_per_node={nproc // hosts.count}",
+                                 f"--master_addr={hosts.main}", f"--master_port={HOSTS_PORT}", str(DIST / script),
+                                 str(out), *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(hosts.count)]
+        for i, proc in enumerate(procs):
+            output = proc.communicate(timeout=timeout)[0]
+            if proc.returncode != 0:
+                pytest.fail(f"{script} {' '.join(args)} failed on host {i} (exit {proc.returncode}):\n"
+                            f"{output[-8000:]}")
+    elif (launcher or LAUNCHER) == "torchrun" or not _launcher.serves(env):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(DIST / script), str(out), *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -119,14 +132,20 @@ def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: in
                         f"{proc.stderr[-8000:]}")
     else:
         logs = _launcher.logs(script, nproc)
+        nodes = None if hosts is None else [{"placement": hosts.placement(i), "env": hosts.variables(i)}
+                                            for i in range(hosts.count)]
         try:
-            codes = _launcher.run([str(DIST / script), str(out), *args], env, nproc, free_port(), logs, timeout,
-                                  full_exit=full_exit)
+            codes = _launcher.run([str(DIST / script), str(out), *args], env, nproc,
+                                  free_port() if hosts is None else HOSTS_PORT, logs, timeout, full_exit=full_exit,
+                                  hosts=nodes)
         except TimeoutError as timeout_error:
             pytest.fail(f"{timeout_error}\n{rank_logs(logs)}")
         if any(codes):
             pytest.fail(f"{script} {' '.join(args)} failed (exit codes {codes}):\n{rank_logs(logs)}")
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(nproc)]
+
+
+HOSTS_PORT = 29500  # the rendezvous port on host 0 of tools/hosts.py's hosts: a network stack of its own, all free
 
 
 def run_python(*argv: str, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -1,8 +1,11 @@
 """Runs across hosts that are really separate network stacks: tools/hosts.py's network namespaces (each host its own
-eth0, address and hostname, cabled to a bridge), one torchrun agent per host with its c10d rendezvous on host 0's
-address and GLOO_SOCKET_IFNAME=eth0, as docs/multi-node.md prescribes. Traffic between hosts crosses their
-interfaces, and the faults are the link's: a host cut off, a slow and lossy link. Needs root (CI runs as
-root)."""
+eth0, address and hostname, cabled to a bridge), GLOO_SOCKET_IFNAME=eth0. The launches of `disttrain run`, torchrun
+and `disttrain calibrate` start one agent per host with its rendezvous on host 0's address, as docs/multi-node.md
+prescribes, and so does the HSDP run of tests/dist/multi_node.py (the documented command); the strategies' other
+runs of it fork their ranks into the hosts (conftest.run_dist with ``hosts``: the ranks torchrun would start, in the
+host's network under its name, seconds of imports cheaper; DISTTRAIN_TEST_LAUNCHER=torchrun starts agents there
+too). Traffic between hosts crosses their interfaces, and the faults are the link's: a host cut off, a slow and lossy
+link. Needs root (CI runs as root)."""
 
 from __future__ import annotations
 
@@ -16,29 +19,27 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, free_port
+from conftest import HOSTS_PORT as PORT  # free on every host: each has a network stack of its own
+from conftest import ROOT, child_env, free_port, run_dist
 
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
+# common imports Lightning, which sets PYTORCH_NVML_BASED_CUDA_CHECK when imported: here, not in the first test, or
+# the zygotes of its launch would take an environment the later tests' launches no longer have (they then use torchrun)
+from common import reference_losses  # noqa: E402
 from hosts import Hosts, HostsError, namespaces  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
 NAME = "dttest"  # this file's hosts: dttest-h0, dttest-h1 and the switch dttest-sw
-PORT = 29500  # free on every host: each has a network stack of its own
 
 
-def torchrun(hosts: Hosts, out: Path, spec: str, steps: int, nproc: int = 1, env: dict | None = None,
-             ) -> list[subprocess.Popen]:
-    """tests/dist/multi_node.py on every host: one torchrun agent each, ``nproc`` processes per host."""
-    procs = []
-    for i in range(hosts.count):
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts.count}", f"--node-rank={i}",
-                f"--nproc_per_node={nproc}", f"--master_addr={hosts.main}", f"--master_port={PORT}",
-                "tests/dist/multi_node.py", str(out), spec, str(steps)]
-        procs.append(hosts.popen(i, argv, env={**child_env(), **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True))
-    return procs
+def on_hosts(hosts: Hosts, tmp_path: Path, spec: str, steps: int, per_host: int = 1,
+             launcher: str | None = None) -> list[dict]:
+    """tests/dist/multi_node.py on every host, ``per_host`` processes each: each rank's result. ``launcher``:
+    "torchrun" for one torchrun agent per host, as docs/multi-node.md's command starts them."""
+    return run_dist("multi_node.py", tmp_path, spec, str(steps), nproc=per_host * hosts.count, timeout=300,
+                    hosts=hosts, launcher=launcher)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
@@ -79,12 +80,11 @@ def hosts():
 @pytest.mark.slow
 def test_hybrid_sharding_across_two_hosts_shards_within_a_host_and_matches_one_process(hosts, tmp_path):
     """HSDP on 2 hosts x 2 processes: sharded within a host, replicated across; only the replicas' gradient
-    all-reduce crosses the link (each host sends about one copy of the gradients per step)."""
-    from common import reference_losses
-
-    out, steps = tmp_path / "hsdp", 3
-    finish(torchrun(hosts, out, "disttrain_fsdp:hybrid_shard=true", steps, nproc=2))
-    ranks = results(out, 4)
+    all-reduce crosses the link (each host sends about one copy of the gradients per step). Launched as
+    docs/multi-node.md's command does: `python -m torch.distributed.run --nnodes 2 --node-rank {rank}
+    --nproc_per_node 2 --master_addr {main} --master_port 29500 tests/dist/multi_node.py ...` on each host."""
+    steps = 3
+    ranks = on_hosts(hosts, tmp_path, "disttrain_fsdp:hybrid_shard=true", steps, per_host=2, launcher="torchrun")
     assert [(r["node"], r["hostname"]) for r in ranks] == [(0, "host0"), (0, "host0"), (1, "host1"), (1, "host1")]
     assert ranks[0]["mesh"] == ["dp_replicate", "dp_shard"] and ranks[0]["shape"] == [2, 2]
     assert all(abs(r["local"] - r["total"] / 2) <= r["total"] * 0.01 for r in ranks)
@@ -98,11 +98,8 @@ def test_hybrid_sharding_across_two_hosts_shards_within_a_host_and_matches_one_p
 def test_tensor_parallel_within_a_host_and_data_parallel_across_matches_one_process(hosts, tmp_path):
     """disttrain_megatron tp=2 on each host's 2 processes, dp=2 across the hosts: the tensor-parallel all-reduces
     (every block, forward and backward) stay on a host, FSDP's traffic crosses."""
-    from common import reference_losses
-
-    out, steps = tmp_path / "tp_dp", 3
-    finish(torchrun(hosts, out, "disttrain_megatron:tensor_parallel_size=2", steps, nproc=2))
-    ranks = results(out, 4)
+    steps = 3
+    ranks = on_hosts(hosts, tmp_path, "disttrain_megatron:tensor_parallel_size=2", steps, per_host=2)
     assert [r["hostname"] for r in ranks] == ["host0", "host0", "host1", "host1"]
     assert ranks[0]["mesh"] == ["dp_shard", "tp"] and ranks[0]["shape"] == [2, 2]
     assert close(ranks[0]["losses"], reference_losses(steps, world_size=2))
@@ -114,14 +111,11 @@ def test_a_slow_lossy_link_gives_the_same_losses(hosts, tmp_path):
     the run is slower, its losses those of one process. The strategy is hybrid sharding with its default shard
     group, the processes of a host: one here, so each host holds a whole replica and only the gradient all-reduce
     crosses (the replicas once never met: each host trained its own model)."""
-    from common import reference_losses
-
     for i in range(2):
         hosts.shape(i, delay_ms=50, jitter_ms=10, loss_percent=1)
-    out, steps = tmp_path / "lossy", 3
+    steps = 3
     start = time.monotonic()
-    finish(torchrun(hosts, out, "disttrain_fsdp:hybrid_shard=true", steps))
-    ranks = results(out, 2)
+    ranks = on_hosts(hosts, tmp_path, "disttrain_fsdp:hybrid_shard=true", steps)
     assert ranks[0]["mesh"] == ["dp_replicate", "dp_shard"] and ranks[0]["shape"] == [2, 1]
     assert all(r["local"] == r["total"] for r in ranks)  # a whole copy on each host
     for rank in ranks:
@@ -181,8 +175,6 @@ def test_a_lost_host_comes_back_and_the_run_resumes_from_the_last_checkpoint(hos
     Host 1 comes back after host 0's agent has seen its process fail, as an operator's restart does: a new node that
     joins while the old process still runs is, to torchrun, a node added to a healthy run, whose processes it
     restarts without counting a restart (attempt 0, no line), which a launch quick enough can reach first."""
-    from common import reference_losses
-
     out, ckpts, steps = tmp_path / "resumed", tmp_path / "ckpts", 6
 
     def start(i: int) -> subprocess.Popen:
@@ -220,8 +212,6 @@ def test_after_a_partition_the_same_commands_resume_from_the_last_complete_check
     step; both hosts end within the timeout (exit 1), no checkpoint is left half-written under its name, and once the
     cable is back the same two commands resume from the newest complete checkpoint; the steps after it equal an
     uninterrupted run's."""
-    from common import reference_losses
-
     from disttrain.parallel.checkpoint.io import is_complete
 
     out, ckpts, steps, timeout = tmp_path / "run", tmp_path / "ckpts", 6, 10
@@ -257,11 +247,8 @@ def test_after_a_partition_the_same_commands_resume_from_the_last_complete_check
 def test_zero3_across_two_hosts_matches_one_process(hosts, tmp_path):
     """disttrain_zero3 (DeepSpeed's engine) on 2 hosts x 1 process: each holds half of every parameter, the
     all-gathers and reduce-scatters cross the link, the losses are one process's."""
-    from common import reference_losses
-
-    out, steps = tmp_path / "zero3", 3
-    finish(torchrun(hosts, out, "disttrain_zero3", steps))
-    ranks = results(out, 2)
+    steps = 3
+    ranks = on_hosts(hosts, tmp_path, "disttrain_zero3", steps)
     assert [r["hostname"] for r in ranks] == ["host0", "host1"]
     assert all(abs(r["local"] - r["total"] / 2) <= r["total"] * 0.01 for r in ranks)
     assert close(ranks[0]["losses"], reference_losses(steps, world_size=2))

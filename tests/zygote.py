@@ -50,11 +50,14 @@ PRELOAD = ("torch", "lightning", "transformers", "disttrain", "deepspeed", "timm
 GRACE_S = 30  # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one fails
 
 
-def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file: str) -> dict[str, str]:
-    """torchrun's worker environment for ``rank`` of a one-node run of ``nproc`` processes."""
-    return {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
-            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file: str, nodes: int = 1,
+             master: str = "127.0.0.1") -> dict[str, str]:
+    """torchrun's worker environment for ``rank`` of a run of ``nproc`` processes on ``nodes`` nodes (as many on
+    each, node by node), whose rendezvous is at ``master``."""
+    local = nproc // nodes
+    return {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % local), "GROUP_RANK": str(rank // local),
+            "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(local), "WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": str(nodes), "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": master,
             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
@@ -146,6 +149,8 @@ def become(request: dict) -> tuple[str, str]:
     import random
 
     os.setsid()
+    if request.get("host"):  # a rank of a host of tools/hosts.py: its network, hostname and /etc/hosts
+        enter_host(request["host"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -178,6 +183,18 @@ def become(request: dict) -> tuple[str, str]:
 
     rank_zero_only.rank = _get_rank() or 0
     return kind, target
+
+
+def enter_host(placement: dict[str, str]) -> None:
+    """tools/hosts.py's ``enter``: this fork becomes a process of the host ``placement`` names."""
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    sys.path.insert(0, tools)
+    try:
+        import hosts
+    finally:
+        sys.path.remove(tools)
+    del sys.modules["hosts"]  # the name stays free for the script's own modules
+    hosts.enter(**placement)
 
 
 def zygote_main() -> dict | None:
@@ -269,20 +286,26 @@ class Launcher:
 
     def run(self, argv: list[str], env: dict[str, str], nproc: int, port: int, logs: list[Path],
             timeout: float, run_env: dict[str, str] | None = None, errs: list[Path] | None = None,
-            cwd: Path | None = None, full_exit: bool = True) -> list[int]:
+            cwd: Path | None = None, full_exit: bool = True, hosts: list[dict] | None = None) -> list[int]:
         """Run ``argv`` (script, args) on ``nproc`` ranks; return their exit codes. As torchrun does, when a rank
         fails the others get SIGTERM, then SIGKILL after a grace period. Raises TimeoutError past ``timeout``.
         ``run_env``: variables read only after the imports (a launcher's LT_*); ``errs``: stderr files apart from
         the logs; ``cwd``: where the ranks run (default: the launcher's folder); ``full_exit=False``: the ranks end
-        without the teardown of the modules (see ``run_and_exit``), for scripts whose output is what they write."""
+        without the teardown of the modules (see ``run_and_exit``), for scripts whose output is what they write.
+        ``hosts``: the ranks are spread over these nodes, as many on each, node by node: each node a dict with the
+        ``placement`` of a host of tools/hosts.py (the rank enters it) and the ``env`` of its processes (there the
+        rendezvous address, ``MASTER_ADDR``)."""
         zygotes = self._zygotes(nproc, env)
         deadline = time.monotonic() + timeout
         pids = []
+        nodes = len(hosts) if hosts else 1
         for rank, (zygote, log) in enumerate(zip(zygotes, logs)):
+            node = hosts[rank * nodes // nproc] if hosts else {}
             zygote.send({"argv": argv, "cwd": str(cwd or self.cwd), "log": str(log), "err": str((errs or logs)[rank]),
-                         "full_exit": full_exit,
-                         "env": {**rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json"))),
-                                 **(run_env or {})}})
+                         "full_exit": full_exit, "host": node.get("placement"),
+                         "env": {**rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json")), nodes,
+                                            node.get("env", {}).get("MASTER_ADDR", "127.0.0.1")),
+                                 **(run_env or {}), **node.get("env", {})}})
             reply = zygote.read(time.monotonic() + 60)
             if reply is None or "pid" not in reply:
                 raise RuntimeError(f"the zygote did not start rank {rank}: {reply}")

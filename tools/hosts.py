@@ -26,11 +26,13 @@ From the command line, one command per host, ``{rank}``, ``{main}`` (host 0's ad
 from __future__ import annotations
 
 import argparse
+import ctypes
 import fcntl
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -205,12 +207,19 @@ class Hosts:
 
     # -- running ---------------------------------------------------------------------------------------------
     def env(self, i: int, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-        """The environment of a process of host ``i``: ``base`` (default: this process's) with the interface
-        collectives use (``GLOO_SOCKET_IFNAME``, ...), the rendezvous address and the node rank."""
-        env = dict(os.environ if base is None else base)
-        env.update({key: IFNAME for key in LINK_ENV})
-        env.update(MASTER_ADDR=self.main, NODE_RANK=str(i))
-        return env
+        """The environment of a process of host ``i``: ``base`` (default: this process's) with :meth:`variables`."""
+        return {**(os.environ if base is None else base), **self.variables(i)}
+
+    def variables(self, i: int) -> dict[str, str]:
+        """What a process of host ``i`` finds in its environment besides its own: the interface collectives use
+        (``GLOO_SOCKET_IFNAME``, ...), the rendezvous address and the node rank."""
+        self.host(i)
+        return {**{key: IFNAME for key in LINK_ENV}, "MASTER_ADDR": self.main, "NODE_RANK": str(i)}
+
+    def placement(self, i: int) -> dict[str, str]:
+        """What :func:`enter` needs to make a running process one of host ``i``'s (JSON: it may travel to the process
+        that calls it)."""
+        return {"namespace": self.host(i), "hostname": f"host{i}", "names": self._names}
 
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
         """``argv`` as run on host ``i``: in its network namespace, under its own hostname ``host<i>``, which resolves to
@@ -289,6 +298,38 @@ class Hosts:
         """Bytes host ``i``'s interface has sent (its kernel counter, IP headers included)."""
         proc = _ip("-j", "-s", "link", "show", IFNAME, namespace=self.host(i))
         return int(json.loads(proc.stdout)[0]["stats64"]["tx"]["bytes"])
+
+
+# Linux's flags for unshare/setns and mount (sched.h, sys/mount.h); Python 3.11's os module has neither call.
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
+MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 0x1000, 0x4000, 0x80000, 2
+
+
+def enter(namespace: str, hostname: str, names: str) -> None:
+    """Make this process one of a host's (the arguments: :meth:`Hosts.placement`), as :meth:`Hosts.command` starts a
+    new one: its network namespace, a UTS namespace under the host's name, and a mount namespace where ``/etc/hosts``
+    is the hosts' file and ``/sys`` shows the host's own interfaces (what ``ip netns exec`` mounts). For a process
+    that is already running, such as the fork of one that has imported its libraries; it keeps the machine's pid
+    namespace. The process must have one thread (a mount namespace of its own is refused to a threaded one)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise HostsError(f"{what} failed for host {hostname} ({namespace}): {os.strerror(errno)}")
+
+    fd = os.open(os.path.join("/run/netns", namespace), os.O_RDONLY)
+    try:
+        check(libc.setns(fd, CLONE_NEWNET), "joining the network namespace")
+    finally:
+        os.close(fd)
+    check(libc.unshare(CLONE_NEWUTS | CLONE_NEWNS), "unshare")
+    socket.sethostname(hostname)
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None), "making the mounts private")
+    libc.umount2(b"/sys", MNT_DETACH)  # the machine's sysfs, whose net/ is the machine's network namespace
+    check(libc.mount(namespace.encode(), b"/sys", b"sysfs", 0, None), "mounting /sys")
+    check(libc.mount(names.encode(), b"/etc/hosts", None, MS_BIND, None), "binding /etc/hosts")
 
 
 def hub(ports: Sequence[str], impairments: Sequence[Sequence[float]], seed: int = 0) -> None:
