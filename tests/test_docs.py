@@ -560,8 +560,8 @@ def run_ranks(script: Path, ranks: int, work: Path, env: dict[str, str],
     """``torchrun --nproc_per_node RANKS script`` with the ranks forked from zygotes: the example's Trainer or
     Fabric finds torchrun's variables and starts no process of its own. What a ``python example.py`` run saves is a
     second interpreter importing torch, Lightning and the rest (Lightning starts rank 1 with ``sys.executable``);
-    README's examples still run that way, so the launch a reader's first run takes stays checked here. Rank 0's
-    output, then the others', as the combined output."""
+    README's first such example (the quick start) still runs that way, so the launch a reader's first run takes
+    stays checked here. Rank 0's output, then the others', as the combined output."""
     logs = zygote.logs(script.stem, ranks)
     try:
         codes = zygote.run([script.name], env, ranks, free_port(), logs, COMMAND_TIMEOUT, cwd=work)
@@ -569,6 +569,16 @@ def run_ranks(script: Path, ranks: int, work: Path, env: dict[str, str],
         raise subprocess.TimeoutExpired([sys.executable, script.name], COMMAND_TIMEOUT) from None
     output = "".join(log.read_text(errors="replace") for log in logs)
     return subprocess.CompletedProcess([sys.executable, script.name], Launcher.exit_code(codes), output, "")
+
+
+def first_launch() -> Optional[Block]:
+    """README's first example that runs on several processes: the one a reader runs first, as ``python``."""
+    readme = PARSED.get(ROOT / "README.md")
+    return next((b for b in readme.blocks if b.runs and b.lang in PYTHON and launched_ranks(b) > 1), None) \
+        if readme else None
+
+
+FIRST_LAUNCH = first_launch()
 
 
 def run_block(block: Block, work: Path, env: dict[str, str],
@@ -579,7 +589,7 @@ def run_block(block: Block, work: Path, env: dict[str, str],
         script.write_text(block.text)
         commands = [f"python {script.name}"]
         ranks = launched_ranks(block)
-        if ranks > 1 and zygote is not None and block.page.name != "README.md":
+        if ranks > 1 and zygote is not None and block is not FIRST_LAUNCH:
             start = time.perf_counter()
             proc = run_ranks(script, ranks, work, env, zygote)
             timings = [f"{time.perf_counter() - start:6.1f}s  {block.where}  torchrun --nproc_per_node {ranks} "
