@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from zygote import Launcher, freeze_imported, importing_without_gc
+from zygote import Launcher, freeze_imported, importing_without_gc, rank_env
 
 from disttrain import ports
 
@@ -161,11 +161,23 @@ def run_python(*argv: str, env: dict[str, str] | None = None, timeout: float = 9
 
 
 def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str] | None = None,
-                 timeout: float = 900) -> subprocess.CompletedProcess:
+                 timeout: float = 900, nodes: int = 1) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node N script args`` on one node (CPU), the ranks forked from the zygotes
     (tests/zygote.py); stdout and stderr are the ranks' in rank order, as torchrun's console shows them, the exit
-    code the first failing rank's. ``run_env``: variables the script reads only after its imports."""
+    code the first failing rank's. ``run_env``: variables the script reads only after its imports. ``nodes``: the
+    ``nproc`` ranks split over that many nodes of this machine (torchrun's variables of a multi-node run, one
+    rendezvous on 127.0.0.1)."""
     base = child_env()
+    if nodes > 1 and (LAUNCHER == "torchrun" or not _launcher.serves(base)):  # fresh processes, torchrun's variables
+        port, errors = free_port(), Path(tempfile.mkdtemp(prefix="disttrain-nodes-"))
+        procs = [subprocess.Popen([sys.executable, script, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, env={**rank_env(base, rank, nproc, port,
+                                                                          str(errors / f"{rank}.json"), nodes),
+                                                               **(run_env or {})}) for rank in range(nproc)]
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+        shutil.rmtree(errors, ignore_errors=True)
+        return subprocess.CompletedProcess([script, *args], Launcher.exit_code([p.returncode for p in procs]),
+                                           "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
     if LAUNCHER == "torchrun" or not _launcher.serves(base):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", script, *args]
@@ -175,7 +187,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
     outs, errs = logs[:nproc], logs[nproc:]
     try:
         codes = _launcher.run([str(ROOT / script), *args], base, nproc, free_port(), outs, timeout,
-                              run_env=run_env, errs=errs)
+                              run_env=run_env, errs=errs, hosts=[{}] * nodes if nodes > 1 else None)
     except TimeoutError:
         raise subprocess.TimeoutExpired(script, timeout) from None
     read = lambda files: "".join(f.read_text(errors="replace") for f in files if f.exists())  # noqa: E731

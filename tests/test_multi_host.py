@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HOSTS_PORT as PORT  # free on every host: each has a network stack of its own
-from conftest import ROOT, child_env, free_port, run_dist
+from conftest import ROOT, child_env, run_dist, run_python, run_torchrun
 
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
@@ -281,18 +281,12 @@ def test_the_daily_job_on_two_hosts_shards_its_tables_across_them(hosts, tmp_pat
     assert all(hosts.sent_bytes(i) > 1_000_000 for i in range(2))  # the ids' all-to-alls crossed the link
     # The same layout on one network stack: 2 processes that each see a node of their own (torchrec's planner lays
     # the tables out for the links between nodes, and a different plan initialises the tables differently).
-    port, one_host = free_port(), []
-    for rank in range(2):
-        env = {**child_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        one_host.append(subprocess.Popen([sys.executable, *args, "--model-root", str(tmp_path / "one")], env=env,
-                                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    finish(one_host)
+    one_host = run_torchrun(*args, "--model-root", str(tmp_path / "one"), nproc=2, nodes=2, timeout=300)
+    assert one_host.returncode == 0, one_host.stderr[-3000:]
     day = "2026-11-01"
     assert records(tmp_path / "hosts")[day]["metrics"] == records(tmp_path / "one")[day]["metrics"]
     make_days(data, 1, 6000, start=__import__("datetime").date(2026, 11, 2), first_index=1)
-    next_day = subprocess.run([sys.executable, *args, "--model-root", str(tmp_path / "hosts")], env=child_env(),
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    next_day = run_python(*args, "--model-root", str(tmp_path / "hosts"), timeout=300)
     assert next_day.returncode == 0, next_day.stderr[-3000:]
     assert "current model 000001" in next_day.stdout and "published version 000002" in next_day.stdout
 
