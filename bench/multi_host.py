@@ -193,10 +193,10 @@ def run_layout(hosts, argv: list[str], per_host: int, folder: Path, timeout: flo
     ranks are forked from this process into the hosts instead (harness.fork_ranks)."""
     procs, logs, result = [], [], folder / f"result{per_host}.json"
     child = [str(Path(__file__).resolve()), *argv, "--child", str(result), "--per-host", str(per_host)]
+    env = {**os.environ, "OMP_NUM_THREADS": threads(hosts, per_host)}
     if "--smoke" in argv:
         ranks = [str(folder / f"host{r // per_host}-{per_host}.log") for r in range(hosts.count * per_host)]
         try:
-            env = {**os.environ, "OMP_NUM_THREADS": threads(hosts, per_host)}
             forked = fork_ranks(child, hosts.count * per_host, env, str(HERE.parent), False, hosts=hosts, logs=ranks,
                                 port=PORT)
         except subprocess.CalledProcessError as e:
@@ -206,7 +206,6 @@ def run_layout(hosts, argv: list[str], per_host: int, folder: Path, timeout: flo
     for i in range(hosts.count):
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts.count}", f"--node-rank={i}",
                    f"--nproc_per_node={per_host}", f"--master_addr={hosts.main}", f"--master_port={PORT}", *child]
-        env = {**os.environ, "OMP_NUM_THREADS": threads(hosts, per_host)}
         logs.append(folder / f"host{i}-{per_host}.log")
         with logs[-1].open("w") as log:
             procs.append(hosts.popen(i, command, env=env, cwd=str(HERE.parent), stdout=log,

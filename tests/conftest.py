@@ -106,13 +106,14 @@ def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: in
     end without the interpreter's teardown of the modules (zygote.run_and_exit: what is tested is what they
     wrote); ``full_exit=True`` where the exit itself is. ``hosts``: tools/hosts.py's hosts (network namespaces),
     as many ranks on each, node by node, in the host's network, under its name (a forked rank enters its host,
-    keeping the machine's pid namespace); under torchrun, one agent per host (its c10d rendezvous at host 0)."""
+    keeping the machine's pid namespace); under torchrun, one agent per host (the rendezvous at host 0)."""
     if not _current_is_slow:
         pytest.fail(f"this test launches {script} on {nproc} processes: mark it @pytest.mark.slow, so that "
                     "`make test-fast` stays a quick loop (CI runs slow tests too)")
     out = out_dir / "result"
     env = child_env()
-    if ((launcher or LAUNCHER) == "torchrun" or not _launcher.serves(env)) and hosts is not None:
+    fresh = (launcher or LAUNCHER) == "torchrun" or not _launcher.serves(env)
+    if fresh and hosts is not None:
         procs = [hosts.popen(i, [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts.count}",
                                  f"--node-rank={i}", f"--nproc_per_node={nproc // hosts.count}",
                                  f"--master_addr={hosts.main}", f"--master_port={HOSTS_PORT}", str(DIST / script),
@@ -123,7 +124,7 @@ def run_dist(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: in
             if proc.returncode != 0:
                 pytest.fail(f"{script} {' '.join(args)} failed on host {i} (exit {proc.returncode}):\n"
                             f"{output[-8000:]}")
-    elif (launcher or LAUNCHER) == "torchrun" or not _launcher.serves(env):
+    elif fresh:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(DIST / script), str(out), *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -168,7 +169,8 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
     ``nproc`` ranks split over that many nodes of this machine (torchrun's variables of a multi-node run, one
     rendezvous on 127.0.0.1)."""
     base = child_env()
-    if nodes > 1 and (LAUNCHER == "torchrun" or not _launcher.serves(base)):  # fresh processes, torchrun's variables
+    fresh = LAUNCHER == "torchrun" or not _launcher.serves(base)
+    if fresh and nodes > 1:  # fresh processes with torchrun's variables
         port, errors = free_port(), Path(tempfile.mkdtemp(prefix="disttrain-nodes-"))
         procs = [subprocess.Popen([sys.executable, script, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, env={**rank_env(base, rank, nproc, port,
@@ -178,7 +180,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
         shutil.rmtree(errors, ignore_errors=True)
         return subprocess.CompletedProcess([script, *args], Launcher.exit_code([p.returncode for p in procs]),
                                            "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
-    if LAUNCHER == "torchrun" or not _launcher.serves(base):
+    if fresh:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", script, *args]
         return subprocess.run(cmd, cwd=ROOT, env={**base, **(run_env or {})}, capture_output=True, text=True,
