@@ -67,10 +67,22 @@ def free_port() -> int:
 
 
 def child_env() -> dict[str, str]:
+    """The environment of the processes the tests start: this one's, with the virtual environment's commands first
+    on PATH (``disttrain``, ``lightning``, ``python``: as in an activated environment, where the documented commands
+    run), one OpenMP thread and no launcher variables."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    commands = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([commands, *(p for p in env.get("PATH", "").split(os.pathsep) if p != commands)])
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     return env
+
+
+def shared_launcher(env: dict[str, str]) -> Launcher | None:
+    """The session's zygotes for launches in ``env`` from any thread (several may launch through them at once), or
+    None where every process is to start fresh (DISTTRAIN_TEST_LAUNCHER=torchrun) or the zygotes imported their
+    modules in another environment."""
+    return _launcher if LAUNCHER != "torchrun" and _launcher.serves(env) else None
 
 
 # Launch variables a rank's environment gets from its launcher; a process a test starts must not inherit them.

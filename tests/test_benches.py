@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
 
 import pytest
-from zygote import Launcher
 
-from conftest import ROOT, child_env, run_python
+from conftest import ROOT, run_python
 
 BENCH = ROOT / "bench"
 OWN_TEST = {"gpu_check.py": "tests/test_gpu_check.py"}
@@ -36,16 +31,15 @@ def bench_scripts() -> list[str]:
                   if p.name not in OWN_TEST and 'if __name__ == "__main__":' in p.read_text())
 
 
-def smoke(name: str, out_dir: Path, zygote: Optional[Launcher]) -> tuple[subprocess.CompletedProcess, float, Path]:
+def smoke(name: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, float, Path]:
     """``python bench/NAME --smoke [--out-dir OUT]`` (tables in OUT, not in bench/out) as a user starts it: the
     completed process, its seconds and OUT. It runs in a fork of a zygote that has imported torch, Lightning and
-    the rest once (tests/zygote.py: the same process a fresh interpreter would be), and a smoke run forks its ranks
-    from itself (harness.torchrun): no process of a smoke run imports them again. ``zygote``: this thread's own, or
-    None for the session's (conftest.run_python)."""
+    the rest once (conftest.run_python: the same process a fresh interpreter would be), and a smoke run forks its
+    ranks from itself (harness.torchrun): no process of a smoke run imports them again."""
     argv = [str(BENCH / name), "--smoke", *(["--out-dir", str(out_dir)] if "--out-dir" in (BENCH / name).read_text()
                                             else [])]
     start = time.perf_counter()
-    proc = zygote.run_one(argv, child_env(), {}, timeout=600) if zygote else run_python(*argv, timeout=600)
+    proc = run_python(*argv, timeout=600)
     return proc, time.perf_counter() - start, out_dir
 
 
@@ -56,27 +50,9 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, Future]:
                 if item.path == Path(__file__) and hasattr(item, "callspec")]
     runnable = [name for name in selected if "--smoke" in (BENCH / name).read_text()
                 and (name not in NEEDS_ROOT or os.geteuid() == 0)]
-    # A zygote serves one request at a time: the pool's first thread uses the session's (this worker's other tests
-    # are waiting on the pool meanwhile), each other thread its own.
-    zygotes: dict[int, Optional[Launcher]] = {}
-    lock = threading.Lock()
-
-    def run(name: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, float, Path]:
-        thread = threading.get_ident()
-        with lock:
-            if thread not in zygotes:
-                zygotes[thread] = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-bench-"))) if zygotes else None
-        return smoke(name, out_dir, zygotes[thread])
-
-    def close() -> None:
-        pool.shutdown()
-        for zygote in filter(None, zygotes.values()):
-            zygote.close()
-            shutil.rmtree(zygote.log_dir, ignore_errors=True)
-
-    pool = ThreadPoolExecutor(PARALLEL)
-    request.addfinalizer(close)
-    return {name: pool.submit(run, name, tmp_path_factory.mktemp(Path(name).stem)) for name in runnable}
+    pool = ThreadPoolExecutor(PARALLEL)  # both threads launch through the session's zygotes
+    request.addfinalizer(pool.shutdown)
+    return {name: pool.submit(smoke, name, tmp_path_factory.mktemp(Path(name).stem)) for name in runnable}
 
 
 def test_discovery_finds_the_benches_and_leaves_helpers_out():

@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +27,7 @@ from typing import Optional
 import pytest
 from zygote import Launcher
 
-from conftest import free_port
+from conftest import child_env, free_port, shared_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -497,13 +493,6 @@ def workspace(folder: Path, data: Path) -> Path:
     return work
 
 
-def environment() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1",
-               PYTHONUNBUFFERED="1")
-    return env
 
 
 class BlockFailed(Exception):
@@ -619,7 +608,7 @@ def check_exit(block: Block, command: str, proc: subprocess.CompletedProcess) ->
 
 def run_page(path: Path, work: Path, zygote: Optional[Launcher] = None) -> tuple[Optional[str], list[str]]:
     """Every runnable block of the page in order, shown output checked: (what failed or None, timings)."""
-    env, last_output, timings = environment(), "", []
+    env, last_output, timings = child_env(), "", []
     try:
         for block in PARSED[path].blocks:
             if block.runs:
@@ -667,22 +656,10 @@ def page_runs(request, tmp_path_factory) -> dict[Path, tuple[Optional[str], list
     works = {path: workspace(tmp_path_factory.mktemp("docs-page"), data) for path in wanted}
     longest_first = sorted(wanted, key=lambda p: -sum(len(b.commands()) if b.lang in SHELL else 2
                                                         for b in PARSED[p].blocks if b.runs))
-    zygotes: dict[int, Launcher] = {}  # one per thread of the pool (a zygote serves one request at a time)
-
-    def run(path: Path) -> tuple[Optional[str], list[str]]:
-        thread = threading.get_ident()
-        if thread not in zygotes:
-            zygotes[thread] = Launcher(ROOT, Path(tempfile.mkdtemp(prefix="disttrain-docs-")))
-        return run_page(path, works[path], zygotes[thread])
-
-    try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {path: pool.submit(run, path) for path in longest_first}
-        return {path: future.result() for path, future in futures.items()}
-    finally:
-        for zygote in zygotes.values():
-            zygote.close()
-            shutil.rmtree(zygote.log_dir, ignore_errors=True)
+    zygotes = shared_launcher(child_env())  # the session's, for both threads
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {path: pool.submit(run_page, path, works[path], zygotes) for path in longest_first}
+    return {path: future.result() for path, future in futures.items()}
 
 
 @pytest.mark.slow

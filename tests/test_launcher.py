@@ -66,3 +66,17 @@ def test_processes_the_suite_starts_import_its_site_module():
     assert proc.returncode == 0, proc.stderr
     threshold, path = json.loads(proc.stdout)
     assert threshold == [20000, 10, 10] and Path(path).parent.name == "site", proc.stdout
+
+
+def test_launches_from_several_threads_at_once_each_get_their_own_exit_and_output():
+    """Threads launching through the same zygotes at once (test_docs' and test_benches' pools): each launch waits
+    for its own process, whichever thread reads the zygotes' messages, and gets its exit code and output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int):
+        code = f"import sys, time; time.sleep({0.3 * (3 - i)}); print('run {i}'); sys.exit({i})"
+        return run_python("-c", code)
+
+    with ThreadPoolExecutor(3) as pool:
+        procs = list(pool.map(one, range(3)))
+    assert [(p.returncode, p.stdout) for p in procs] == [(i, f"run {i}\n") for i in range(3)]

@@ -29,13 +29,16 @@ where torchrun's ranks use the agent's: the rendezvous ``init_process_group`` do
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 # What the test scripts import; deepspeed, timm and torchrec are imported here too (by the scripts that need them)
@@ -216,7 +219,8 @@ def zygote_main() -> dict | None:
 
 
 class Zygote:
-    """One pre-imported process that forks the ranks of one local rank index."""
+    """One pre-imported process that forks the ranks of one local rank index. What it says (ready; a child's pid
+    once forked; a child's exit) is read by its :class:`Launcher` and sorted here."""
 
     def __init__(self, env: dict[str, str], cwd: Path, log: Path) -> None:
         with open(log, "ab") as err:
@@ -224,32 +228,32 @@ class Zygote:
                                          stderr=err, env=env, cwd=cwd)
         self.env, self.log, self.pending = env, log, b""
         self.ready: bool = False
+        self.started: deque[int] = deque()  # the children forked for requests not yet answered, in order
+        self.exits: dict[int, int] = {}  # pid -> exit code, until the waiting launch takes it
+        self.stopped: str | None = None  # why it can serve no more
+        self.sending = threading.Lock()  # one request at a time awaits its child's pid
 
     def send(self, message: dict) -> None:
         self.proc.stdin.write((json.dumps(message) + "\n").encode())
         self.proc.stdin.flush()
 
-    def read(self, deadline: float) -> dict | None:
-        """The next message, or None at the deadline (a past deadline: None unless a message has arrived)."""
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.pending:
-            left = max(0.0, deadline - time.monotonic())
-            if not select.select([fd], [], [], left)[0]:
-                return None
-            data = os.read(fd, 1 << 16)
-            if not data:
-                raise RuntimeError(f"the zygote stopped (exit {self.proc.wait()}); its log: {self.log}\n"
-                                   f"{self.log.read_text()[-4000:]}")
-            self.pending += data
-        line, self.pending = self.pending.split(b"\n", 1)
-        return json.loads(line)
-
-    def wait_ready(self, timeout: float) -> None:
-        if not self.ready:
-            message = self.read(time.monotonic() + timeout)
-            if message is None:
-                raise RuntimeError(f"the zygote did not start in {timeout:.0f} s; its log: {self.log}")
-            self.ready = True
+    def feed(self) -> None:
+        """Read what has arrived (its stdout is readable) and sort the messages."""
+        data = os.read(self.proc.stdout.fileno(), 1 << 16)
+        if not data:
+            self.stopped = (f"the zygote stopped (exit {self.proc.wait()}); its log: {self.log}\n"
+                            f"{self.log.read_text()[-4000:]}")
+            return
+        self.pending += data
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            message = json.loads(line)
+            if "ready" in message:
+                self.ready = True
+            elif "exit" in message:
+                self.exits[message["pid"]] = message["exit"]
+            else:
+                self.started.append(message["pid"])
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -257,17 +261,22 @@ class Zygote:
 
 
 class Launcher:
-    """Zygotes started on first use, one per local rank index, all with the environment of the first launch."""
+    """Zygotes started on first use, one per local rank index, all with the environment of the first launch.
+    Several threads may launch through them at once (a zygote forks a child per request, whoever asks): the thread
+    that waits first reads every zygote's messages for all of them (:meth:`_await`)."""
 
     def __init__(self, cwd: Path, log_dir: Path) -> None:
         self.cwd, self.log_dir = cwd, log_dir
         self.zygotes: list[Zygote] = []
-        self.launches = 0
+        self._launches = itertools.count(1)
+        self._growing = threading.Lock()
+        self._cond = threading.Condition()
+        self._reading = False
+        self._wake_read, self._wake_write = os.pipe()  # a zygote added: the reader's select starts again
 
     def logs(self, script: str, nproc: int) -> list[Path]:
         """Fresh log files for the ranks of the next launch of ``script``."""
-        self.launches += 1
-        folder = self.log_dir / f"{self.launches:03d}-{Path(script).stem}"
+        folder = self.log_dir / f"{next(self._launches):03d}-{Path(script).stem}"
         folder.mkdir(parents=True)
         return [folder / f"rank{rank}.log" for rank in range(nproc)]
 
@@ -277,12 +286,58 @@ class Launcher:
         return not self.zygotes or volatile_free(self.zygotes[0].env) == volatile_free(env)
 
     def _zygotes(self, nproc: int, env: dict[str, str]) -> list[Zygote]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        while len(self.zygotes) < nproc:
-            self.zygotes.append(Zygote(env, self.cwd, self.log_dir / f"zygote{len(self.zygotes)}.log"))
-        for zygote in self.zygotes[:nproc]:
-            zygote.wait_ready(timeout=900)  # a first DeepSpeed op build in a fresh environment takes minutes
-        return self.zygotes[:nproc]
+        with self._growing:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            while len(self.zygotes) < nproc:
+                self.zygotes.append(Zygote(env, self.cwd, self.log_dir / f"zygote{len(self.zygotes)}.log"))
+                os.write(self._wake_write, b"z")
+            zygotes = self.zygotes[:nproc]
+        for zygote in zygotes:  # a first DeepSpeed op build in a fresh environment takes minutes
+            if self._await([zygote], lambda z=zygote: z.ready or None, time.monotonic() + 900) is None:
+                raise RuntimeError(f"the zygote did not start in 900 s; its log: {zygote.log}")
+        return zygotes
+
+    def _await(self, zygotes: list[Zygote], ready, until: float):
+        """``ready()``'s first value other than None, or None at ``until``; RuntimeError when one of ``zygotes``
+        stops. While no other thread does, the caller reads what every zygote says (for every thread)."""
+        with self._cond:
+            while True:
+                value = ready()
+                if value is not None:
+                    return value
+                stopped = next((z.stopped for z in zygotes if z.stopped), None)
+                if stopped:
+                    raise RuntimeError(stopped)
+                left = until - time.monotonic()
+                if left <= 0:
+                    return None
+                if self._reading:
+                    self._cond.wait(left)
+                    continue
+                self._reading = True
+                listening = {z.proc.stdout.fileno(): z for z in self.zygotes if z.stopped is None}
+                self._cond.release()
+                try:
+                    readable = select.select([self._wake_read, *listening], [], [], left)[0]
+                finally:
+                    self._cond.acquire()
+                    self._reading = False
+                    self._cond.notify_all()
+                for fd in readable:
+                    if fd == self._wake_read:
+                        os.read(self._wake_read, 1 << 10)
+                    else:
+                        listening[fd].feed()
+
+    def _start(self, zygote: Zygote, request: dict) -> int:
+        """Ask ``zygote`` for a child; its pid."""
+        with zygote.sending:
+            zygote.send(request)
+            pid = self._await([zygote], lambda: zygote.started.popleft() if zygote.started else None,
+                              time.monotonic() + 60)
+        if pid is None:
+            raise RuntimeError(f"the zygote did not start {request['argv']} in 60 s; its log: {zygote.log}")
+        return pid
 
     def run(self, argv: list[str], env: dict[str, str], nproc: int, port: int, logs: list[Path],
             timeout: float, run_env: dict[str, str] | None = None, errs: list[Path] | None = None,
@@ -301,23 +356,20 @@ class Launcher:
         nodes = len(hosts) if hosts else 1
         for rank, (zygote, log) in enumerate(zip(zygotes, logs)):
             node = hosts[rank * nodes // nproc] if hosts else {}
-            zygote.send({"argv": argv, "cwd": str(cwd or self.cwd), "log": str(log), "err": str((errs or logs)[rank]),
-                         "full_exit": full_exit, "host": node.get("placement"),
-                         "env": {**rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json")), nodes,
-                                            node.get("env", {}).get("MASTER_ADDR", "127.0.0.1")),
-                                 **(run_env or {}), **node.get("env", {})}})
-            reply = zygote.read(time.monotonic() + 60)
-            if reply is None or "pid" not in reply:
-                raise RuntimeError(f"the zygote did not start rank {rank}: {reply}")
-            pids.append(reply["pid"])
+            pids.append(self._start(zygote, {
+                "argv": argv, "cwd": str(cwd or self.cwd), "log": str(log), "err": str((errs or logs)[rank]),
+                "full_exit": full_exit, "host": node.get("placement"),
+                "env": {**rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json")), nodes,
+                                   node.get("env", {}).get("MASTER_ADDR", "127.0.0.1")),
+                        **(run_env or {}), **node.get("env", {})}}))
         codes: dict[int, int] = {}
         stop_at = deadline  # moves closer when a rank fails
         while len(codes) < nproc:
-            exited = self._next_exit(zygotes, codes, stop_at)
+            exited = self._next_exit(zygotes, pids, codes, stop_at)
             if exited is None:  # the grace period or the timeout ran out
                 self._signal(pids, codes, signal.SIGKILL)
                 while len(codes) < nproc:
-                    rank, code = self._next_exit(zygotes, codes, time.monotonic() + 60) or (None, None)
+                    rank, code = self._next_exit(zygotes, pids, codes, time.monotonic() + 60) or (None, None)
                     if rank is None:
                         raise RuntimeError(f"ranks of {argv[0]} survived SIGKILL: {pids}")
                     codes[rank] = code
@@ -347,32 +399,27 @@ class Launcher:
         ``cwd``: where it runs (default: the launcher's folder)."""
         out, err = self.logs("code" if argv[0] == "-c" else Path(argv[1] if argv[0] == "-m" else argv[0]).stem, 2)
         zygote = self._zygotes(1, env)[0]
-        zygote.send({"argv": argv, "cwd": str(cwd or self.cwd), "log": str(out), "err": str(err),
-                     "env": {**env, **run_env}})
-        reply = zygote.read(time.monotonic() + 60)
-        if reply is None or "pid" not in reply:
-            raise RuntimeError(f"the zygote did not start {argv}: {reply}")
-        exited = self._next_exit([zygote], {}, time.monotonic() + timeout)
+        pid = self._start(zygote, {"argv": argv, "cwd": str(cwd or self.cwd), "log": str(out), "err": str(err),
+                                   "env": {**env, **run_env}})
+        exited = self._next_exit([zygote], [pid], {}, time.monotonic() + timeout)
         if exited is None:
-            self._signal([reply["pid"]], {}, signal.SIGKILL)
-            self._next_exit([zygote], {}, time.monotonic() + 60)
+            self._signal([pid], {}, signal.SIGKILL)
+            self._next_exit([zygote], [pid], {}, time.monotonic() + 60)
             raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
         return subprocess.CompletedProcess([sys.executable, *argv], exited[1], out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))
 
-    @staticmethod
-    def _next_exit(zygotes: list[Zygote], done: dict[int, int], until: float) -> tuple[int, int] | None:
-        """(rank, exit code) of the next rank to end, or None at ``until``."""
-        while True:
-            running = {rank: z for rank, z in enumerate(zygotes) if rank not in done}
-            for rank, zygote in running.items():
-                message = zygote.read(0)  # only what has arrived
-                if message is not None and "exit" in message:
-                    return rank, message["exit"]
-            left = until - time.monotonic()
-            if left <= 0:
-                return None
-            select.select([z.proc.stdout.fileno() for z in running.values()], [], [], left)
+    def _next_exit(self, zygotes: list[Zygote], pids: list[int], done: dict[int, int],
+                   until: float) -> tuple[int, int] | None:
+        """(rank, exit code) of the next rank to end (``pids[rank]``, forked by ``zygotes[rank]``), or None at
+        ``until``."""
+        def ended() -> tuple[int, int] | None:
+            for rank, (zygote, pid) in enumerate(zip(zygotes, pids)):
+                if rank not in done and pid in zygote.exits:
+                    return rank, zygote.exits.pop(pid)
+            return None
+
+        return self._await(zygotes, ended, until)
 
     @staticmethod
     def _signal(pids: list[int], done: dict[int, int], sig: signal.Signals) -> None:
@@ -384,9 +431,10 @@ class Launcher:
                     pass
 
     def close(self) -> None:
-        for zygote in self.zygotes:
-            zygote.close()
-        self.zygotes = []
+        with self._growing:
+            for zygote in self.zygotes:
+                zygote.close()
+            self.zygotes = []
 
 
 def run(kind: str, target: str) -> None:
