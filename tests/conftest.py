@@ -174,14 +174,16 @@ def run_python(*argv: str, env: dict[str, str] | None = None, timeout: float = 9
 
 
 def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str] | None = None,
-                 timeout: float = 900, nodes: int = 1) -> subprocess.CompletedProcess:
+                 timeout: float = 900, nodes: int = 1, hosts: list[dict] | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node N script args`` on one node (CPU), the ranks forked from the zygotes
     (tests/zygote.py); stdout and stderr are the ranks' in rank order, as torchrun's console shows them, the exit
     code the first failing rank's. ``run_env``: variables the script reads only after its imports. ``nodes``: the
     ``nproc`` ranks split over that many nodes of this machine (torchrun's variables of a multi-node run, one
-    rendezvous on 127.0.0.1)."""
+    rendezvous on 127.0.0.1). ``hosts``: the nodes are these, as ``Launcher.run`` takes them (tools/hosts.py's hosts;
+    forked ranks only: run_launched starts the launcher on each host otherwise)."""
     base = child_env()
     fresh = LAUNCHER == "torchrun" or not _launcher.serves(base)
+    assert not (fresh and hosts), "run_launched(hosts=...) starts a launcher on each host for fresh processes"
     if fresh and nodes > 1:  # fresh processes with torchrun's variables
         port, errors = free_port(), Path(tempfile.mkdtemp(prefix="disttrain-nodes-"))
         procs = [subprocess.Popen([sys.executable, script, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
@@ -200,8 +202,8 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
     logs = _launcher.logs(Path(script).stem, 2 * nproc)
     outs, errs = logs[:nproc], logs[nproc:]
     try:
-        codes = _launcher.run([str(ROOT / script), *args], base, nproc, free_port(), outs, timeout,
-                              run_env=run_env, errs=errs, hosts=[{}] * nodes if nodes > 1 else None)
+        codes = _launcher.run([str(ROOT / script), *args], base, nproc, HOSTS_PORT if hosts else free_port(), outs,
+                              timeout, run_env=run_env, errs=errs, hosts=hosts or ([{}] * nodes if nodes > 1 else None))
     except TimeoutError:
         raise subprocess.TimeoutExpired(script, timeout) from None
     read = lambda files: "".join(f.read_text(errors="replace") for f in files if f.exists())  # noqa: E731
@@ -209,21 +211,35 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
 
 
 def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None = None, accelerator: str = "cpu",
-                 precision: str | None = None, timeout: float = 900,
-                 run_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+                 precision: str | None = None, timeout: float = 900, run_env: dict[str, str] | None = None,
+                 hosts=None, nodes: int = 1) -> subprocess.CompletedProcess:
     """``lightning run model --accelerator A --devices N [--strategy S] [--precision P] script args`` on one node:
     the ranks get the LT_* variables the launcher sets (disttrain.cli.launch) besides torchrun's (run_torchrun).
+    ``hosts``: on the first ``nodes`` of tools/hosts.py's hosts, ``devices`` ranks each, as ``disttrain run
+    --num-nodes NODES --node-rank I --main-address HOST0`` on each starts them (under torchrun: that command).
     Tests of the launcher itself (tests/test_cli.py, the documented commands) start the real command."""
-    launcher_env = {"LT_CLI_USED": "1", "LT_DEVICES": str(devices), "LT_NUM_NODES": "1", "LT_ACCELERATOR": accelerator}
+    launcher_env = {"LT_CLI_USED": "1", "LT_DEVICES": str(devices), "LT_NUM_NODES": str(nodes),
+                    "LT_ACCELERATOR": accelerator}
     launcher_env.update({k: v for k, v in (("LT_STRATEGY", strategy), ("LT_PRECISION", precision)) if v is not None})
     base = child_env()
     if LAUNCHER == "torchrun" or not _launcher.serves(base):
         flags = [f"--{k}={v}" for k, v in (("accelerator", accelerator), ("devices", devices), ("strategy", strategy),
-                                           ("precision", precision), ("main-port", free_port())) if v is not None]
-        return subprocess.run([str(Path(sys.executable).parent / "lightning"), "run", "model", *flags, script, *args],
-                              cwd=ROOT, env={**base, **(run_env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
-    return run_torchrun(script, *args, nproc=devices, run_env={**launcher_env, **(run_env or {})}, timeout=timeout)
+                                           ("precision", precision)) if v is not None]
+        if hosts is None:
+            return subprocess.run([str(Path(sys.executable).parent / "lightning"), "run", "model", *flags,
+                                   f"--main-port={free_port()}", script, *args], cwd=ROOT,
+                                  env={**base, **(run_env or {})}, capture_output=True, text=True, timeout=timeout)
+        procs = [hosts.popen(i, [str(Path(sys.executable).parent / "disttrain"), "run", f"--num-nodes={nodes}",
+                                 f"--node-rank={i}", f"--main-address={hosts.main}", *flags, script, *args],
+                             env={**base, **(run_env or {})}, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(nodes)]
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+        return subprocess.CompletedProcess([script, *args], Launcher.exit_code([p.returncode for p in procs]),
+                                           "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+    placed = None if hosts is None else [{"placement": hosts.placement(i), "env": hosts.variables(i)}
+                                         for i in range(nodes)]
+    return run_torchrun(script, *args, nproc=devices * nodes, run_env={**launcher_env, **(run_env or {})},
+                        timeout=timeout, hosts=placed)
 
 
 def rank_logs(logs: list[Path], tail: int = 6000) -> str:

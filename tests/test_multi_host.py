@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HOSTS_PORT as PORT  # free on every host: each has a network stack of its own
-from conftest import ROOT, child_env, run_dist, run_python, run_torchrun
+from conftest import ROOT, child_env, run_dist, run_launched, run_python, run_torchrun
 
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
@@ -296,22 +296,30 @@ def test_the_dialogue_recipe_trained_on_two_hosts_resumes_on_one_and_on_four(tmp
     """recipes/nlp/dialogue_llm.py under `disttrain run` on 2 hosts, a checkpoint at step 2, resumed on 1 host and on
     4 (1 process each): the later steps see the same samples (the data position is carried over as the samples all
     ranks consumed) and give the uninterrupted run's losses and held-out loss. One row per micro-batch keeps the
-    loss, a mean over micro-batches, the same however the global batch is split."""
+    loss, a mean over micro-batches, the same however the global batch is split. The resumed runs' ranks are forked
+    into the hosts with the variables `disttrain run` gives them (conftest.run_launched): the launcher on every host
+    is the first run's."""
     from disttrain.nlp.corpus import demo_data
 
     demo = tmp_path / "demo"
     demo_data(demo)
+    recipe = ["recipes/nlp/dialogue_llm.py", "--demo-root", str(demo), "--config", "configs/nlp/dialogue_demo.yaml",
+              "--steps", "4", "--global-batch", "4", "--micro-batch", "1", "--log-every", "1", "--eval-every", "100",
+              "--no-report"]
 
     def run(hosts: Hosts, count: int, out: Path, *extra: str) -> str:
         procs = [hosts.popen(i, [str(ROOT / ".venv/bin/disttrain"), "run", "--num-nodes", str(count), "--node-rank",
                                  str(i), "--main-address", hosts.main, "--accelerator", "cpu", "--devices", "1",
-                                 "--strategy", "disttrain_fsdp", "recipes/nlp/dialogue_llm.py", "--demo-root",
-                                 str(demo), "--out", str(out), "--config", "configs/nlp/dialogue_demo.yaml", "--steps",
-                                 "4", "--global-batch", "4", "--micro-batch", "1", "--log-every", "1",
-                                 "--eval-every", "100", "--no-report", *extra],
+                                 "--strategy", "disttrain_fsdp", *recipe, "--out", str(out), *extra],
                              env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(count)]
         return finish(procs)[0]
+
+    def resume(hosts: Hosts, count: int, out: Path, checkpoint: Path) -> str:
+        proc = run_launched(*recipe, "--out", str(out), "--resume", str(checkpoint), devices=1,
+                            strategy="disttrain_fsdp", hosts=hosts, nodes=count, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return proc.stdout + proc.stderr
 
     def losses(text: str) -> dict[str, str]:
         found = dict(re.findall(r"^step +(\d+)  train loss (\d+\.\d{6})$", text, re.M))
@@ -322,7 +330,7 @@ def test_the_dialogue_recipe_trained_on_two_hosts_resumes_on_one_and_on_four(tmp
         whole = losses(run(hosts, 2, tmp_path / "two", "--save-every", "2"))
         checkpoint = tmp_path / "two" / "checkpoints" / "step-000002"
         for count in (1, 4):
-            text = run(hosts, count, tmp_path / f"on{count}", "--resume", str(checkpoint))
+            text = resume(hosts, count, tmp_path / f"on{count}", checkpoint)
             assert f"resumed at step 2 (epoch 0, sample {8 // count} of this rank's share)" in text, text[-3000:]
             resumed = losses(text)
             assert sorted(resumed) == ["3", "4", "held-out"]
