@@ -8,8 +8,10 @@ one child per rank on request; the child takes torchrun's environment for its ra
 Why a fork is the same process as a fresh one for the scripts (checked by tests/test_launcher.py against torchrun):
 - the zygote never runs a tensor operation, a collective or a thread before forking: it only imports, so no
   OpenMP pool, process group or lock exists to be copied half-held (it checks it has one thread);
-- each local rank has its own zygote, so ranks differ in their string-hash seed as fresh interpreters do, and the
-  child reseeds ``random``, numpy's and torch's global generators from the OS as interpreter start does;
+- the ranks take two zygotes in turn, so neighbouring ranks differ in their string-hash seed as fresh interpreters
+  do (a set iterated in another order on another rank shows between ranks 0 and 1; ranks 2 and 3 repeat their
+  seeds, and a zygote costs seconds of CPU), and the child reseeds ``random``, numpy's and torch's global generators
+  from the OS as interpreter start does;
 - what the imported libraries read from the environment at import is the same: the zygote starts with the
   launch environment, and the one rank-dependent import-time value (Lightning's ``rank_zero_only.rank``, read
   from RANK) is recomputed in the child;
@@ -51,6 +53,7 @@ PRELOAD = ("torch", "lightning", "transformers", "disttrain", "deepspeed", "timm
            "deepspeed.runtime.zero.muon.muon_optimizer")
 # torchrun gives a worker these besides its own environment (torch/distributed/elastic/agent/server).
 GRACE_S = 30  # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one fails
+ZYGOTES = 2  # the ranks of a launch take them in turn: ranks 0 and 1 have hash seeds of their own
 
 
 def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file: str, nodes: int = 1,
@@ -219,7 +222,7 @@ def zygote_main() -> dict | None:
 
 
 class Zygote:
-    """One pre-imported process that forks the ranks of one local rank index. What it says (ready; a child's pid
+    """One pre-imported process that forks ranks (every other one of a launch). What it says (ready; a child's pid
     once forked; a child's exit) is read by its :class:`Launcher` and sorted here."""
 
     def __init__(self, env: dict[str, str], cwd: Path, log: Path) -> None:
@@ -261,9 +264,9 @@ class Zygote:
 
 
 class Launcher:
-    """Zygotes started on first use, one per local rank index, all with the environment of the first launch.
-    Several threads may launch through them at once (a zygote forks a child per request, whoever asks): the thread
-    that waits first reads every zygote's messages for all of them (:meth:`_await`)."""
+    """Zygotes started on first use (``ZYGOTES``, ranks taking them in turn), all with the environment of the first
+    launch. Several threads may launch through them at once (a zygote forks a child per request, whoever asks): the
+    thread that waits first reads every zygote's messages for all of them (:meth:`_await`)."""
 
     def __init__(self, cwd: Path, log_dir: Path) -> None:
         self.cwd, self.log_dir = cwd, log_dir
@@ -286,13 +289,14 @@ class Launcher:
         return not self.zygotes or volatile_free(self.zygotes[0].env) == volatile_free(env)
 
     def _zygotes(self, nproc: int, env: dict[str, str]) -> list[Zygote]:
+        """The zygote of each of ``nproc`` ranks (``ZYGOTES`` of them, in turn), started and ready."""
         with self._growing:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            while len(self.zygotes) < nproc:
+            while len(self.zygotes) < min(nproc, ZYGOTES):
                 self.zygotes.append(Zygote(env, self.cwd, self.log_dir / f"zygote{len(self.zygotes)}.log"))
                 os.write(self._wake_write, b"z")
-            zygotes = self.zygotes[:nproc]
-        for zygote in zygotes:  # a first DeepSpeed op build in a fresh environment takes minutes
+            zygotes = [self.zygotes[rank % ZYGOTES] for rank in range(nproc)]
+        for zygote in zygotes[:ZYGOTES]:  # a first DeepSpeed op build in a fresh environment takes minutes
             if self._await([zygote], lambda z=zygote: z.ready or None, time.monotonic() + 900) is None:
                 raise RuntimeError(f"the zygote did not start in 900 s; its log: {zygote.log}")
         return zygotes
