@@ -390,7 +390,9 @@ DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 def run_daily(data: Path, models: Path, *args: str) -> subprocess.CompletedProcess:
     """The recipe's main() in this process (no interpreter start: a tiny day takes about a second), with its
-    exit status, stdout and stderr as a subprocess would give them."""
+    exit status, stdout and stderr as a subprocess would give them. The environment is left as it was found, as a
+    subprocess leaves it: the job's ``seed_everything`` sets PL_GLOBAL_SEED, which would otherwise send the test's
+    later launches to fresh interpreters (the zygotes serve only the environment they started in)."""
     import contextlib
     import io
     import warnings
@@ -398,13 +400,16 @@ def run_daily(data: Path, models: Path, *args: str) -> subprocess.CompletedProce
     from disttrain.recsys.daily import main
 
     argv = ["--data-root", str(data), "--model-root", str(models), "--accelerator", "cpu", *args]
-    saved = {k: os.environ.pop(k) for k in DIST_ENV if k in os.environ}  # one process, not an outer launcher's
+    saved = dict(os.environ)
+    for key in DIST_ENV:  # one process, not an outer launcher's
+        os.environ.pop(key, None)
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # library deprecation notices, not the job's output
             code = main(argv)
     finally:
+        os.environ.clear()
         os.environ.update(saved)
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
