@@ -167,7 +167,7 @@ def run_python(*argv: str, env: dict[str, str] | None = None, timeout: float = 9
     (tests/zygote.py: seconds of imports cheaper per run); ``env``: variables the program reads only after its
     imports (a test's crash point), on top of ``child_env()``."""
     base, run_env = child_env(), dict(env or {})
-    if LAUNCHER == "torchrun" or not _launcher.serves(base):
+    if shared_launcher(base) is None:
         return subprocess.run([sys.executable, *argv], cwd=ROOT, env={**base, **run_env}, capture_output=True,
                               text=True, timeout=timeout)
     return _launcher.run_one(list(argv), base, run_env, timeout)
@@ -182,7 +182,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
     rendezvous on 127.0.0.1). ``hosts``: the nodes are these, as ``Launcher.run`` takes them (tools/hosts.py's hosts;
     forked ranks only: run_launched starts the launcher on each host otherwise)."""
     base = child_env()
-    fresh = LAUNCHER == "torchrun" or not _launcher.serves(base)
+    fresh = shared_launcher(base) is None
     assert not (fresh and hosts), "run_launched(hosts=...) starts a launcher on each host for fresh processes"
     if fresh and nodes > 1:  # fresh processes with torchrun's variables
         port, errors = free_port(), Path(tempfile.mkdtemp(prefix="disttrain-nodes-"))
@@ -190,10 +190,10 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, run_env: dict[str, str
                                   stderr=subprocess.PIPE, env={**rank_env(base, rank, nproc, port,
                                                                           str(errors / f"{rank}.json"), nodes),
                                                                **(run_env or {})}) for rank in range(nproc)]
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
-        shutil.rmtree(errors, ignore_errors=True)
-        return subprocess.CompletedProcess([script, *args], Launcher.exit_code([p.returncode for p in procs]),
-                                           "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+        try:
+            return completed([script, *args], procs, timeout)
+        finally:
+            shutil.rmtree(errors, ignore_errors=True)
     if fresh:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", script, *args]
@@ -222,7 +222,7 @@ def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None
                     "LT_ACCELERATOR": accelerator}
     launcher_env.update({k: v for k, v in (("LT_STRATEGY", strategy), ("LT_PRECISION", precision)) if v is not None})
     base = child_env()
-    if LAUNCHER == "torchrun" or not _launcher.serves(base):
+    if shared_launcher(base) is None:
         flags = [f"--{k}={v}" for k, v in (("accelerator", accelerator), ("devices", devices), ("strategy", strategy),
                                            ("precision", precision)) if v is not None]
         if hosts is None:
@@ -233,13 +233,19 @@ def run_launched(script: str, *args: str, devices: int = 2, strategy: str | None
                                  f"--node-rank={i}", f"--main-address={hosts.main}", *flags, script, *args],
                              env={**base, **(run_env or {})}, cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i in range(nodes)]
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
-        return subprocess.CompletedProcess([script, *args], Launcher.exit_code([p.returncode for p in procs]),
-                                           "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+        return completed([script, *args], procs, timeout)
     placed = None if hosts is None else [{"placement": hosts.placement(i), "env": hosts.variables(i)}
                                          for i in range(nodes)]
     return run_torchrun(script, *args, nproc=devices * nodes, run_env={**launcher_env, **(run_env or {})},
                         timeout=timeout, hosts=placed)
+
+
+def completed(argv: list[str], procs: list[subprocess.Popen], timeout: float) -> subprocess.CompletedProcess:
+    """The processes of one launch (a rank or a host each) as one: their stdout and stderr in order, the exit code
+    the launch's (``Launcher.exit_code``)."""
+    outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    return subprocess.CompletedProcess(argv, Launcher.exit_code([p.returncode for p in procs]),
+                                       "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
 
 
 def rank_logs(logs: list[Path], tail: int = 6000) -> str:

@@ -493,8 +493,6 @@ def workspace(folder: Path, data: Path) -> Path:
     return work
 
 
-
-
 class BlockFailed(Exception):
     pass
 
