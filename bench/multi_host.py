@@ -13,9 +13,10 @@ link, as it is between nodes whose network is slow next to their devices. Two la
 * 2 processes per host: disttrain_fsdp sharded over all 4 ranks against HSDP (``hybrid_shard``: sharded within a
   host, replicated across, so only the replicas' gradient all-reduce crosses), and HSDP with bf16 gradients.
 
-Each layout also runs ``disttrain calibrate`` on the hosts (the links within and between them, and the model's
-own step), and the planner's step time for each uncompressed plan is printed beside the measured one, with the plan
-it chooses (target: within 5% of the fastest measured; median |error| <= 10%).
+Each layout's processes then calibrate the hosts as ``disttrain calibrate`` does (its ``measure_here``, in the same
+processes over the same link: the links within and between the hosts, and the model's own step), and the planner's
+step time for each uncompressed plan is printed beside the measured one, with the plan it chooses (target: within 5%
+of the fastest measured; median |error| <= 10%).
 
 Printed per variant: the median step time and its speed-up over the layout's fp32 baseline of the same strategy
 (target: int8 >= 1.5x where the link is the bottleneck), the bytes each host's interface sent per step (read from
@@ -48,6 +49,7 @@ from harness import add_model_args, build_model, fork_ranks, parse_smoke  # noqa
 from tables import write_table  # noqa: E402
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+HOSTS = 2
 PORT = 29500  # each host has a network stack of its own: free on all of them
 # (layout: processes per host, variant name, strategy, options)
 VARIANTS = [
@@ -156,8 +158,27 @@ def losses(args, strategy: str, options: dict) -> list[float]:
     return out
 
 
+def calibrate(args):
+    """What ``disttrain calibrate`` measures, here on the layout's processes (every rank calls it): the collectives
+    within and between the hosts, matmul, memory and, in a full run, the framework's overheads and the bench model's
+    own step. The calibration is a full one (collectives at four sizes, nine times each); the smoke run's quick one
+    fits a link through two sizes timed three times, whose spread moved DDP's prediction on 2 x 2 by 30% between
+    runs. Measured in the processes that trained, with their threads: ``disttrain calibrate`` would start an agent
+    and the ranks again on every host for the same figures."""
+    from disttrain.planner.calibrate import measure_here
+
+    models = [{"model": model_mapping(args), "micro_batch": args.batch, "seq_len": args.seq}]
+    return measure_here(torch.device("cpu"), [], quick=args.smoke, models=models)
+
+
+def calibration_path(result: str | Path) -> Path:
+    return Path(result).with_suffix(".calibration.json")
+
+
 def child(args) -> None:
     import torch.distributed as dist
+
+    from disttrain.planner.calibrate import save
 
     results: dict = {"timed": {}, "losses": {}}
     for _ in range(args.rounds):
@@ -170,11 +191,13 @@ def child(args) -> None:
     if args.per_host == 1:
         for name, strategy, options in LOSS_VARIANTS:
             results["losses"][name] = losses(args, strategy, options)
+    calibration = calibrate(args)
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, {k: v["wire"] for k, v in results["timed"].items()})
     for name, mine in results["timed"].items():  # each host's median, from every host's first process
         mine["wire"] = [statistics.median(h[name]) for h in hosts[::args.per_host]]
     if dist.get_rank() == 0:
+        save(calibration, calibration_path(args.child))
         Path(args.child).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
@@ -250,41 +273,17 @@ def model_mapping(args) -> dict:
             "tie_word_embeddings": False}
 
 
-CALIBRATE = """
-import json, sys
-from disttrain.planner import calibrate
-calibrate.calibrate(**json.loads(sys.argv[1]))
-"""
-
-
-def predictions(hosts, args, per_host: int, folder: Path) -> tuple[dict[str, float], str]:
-    """The planner's step time for the plans of a layout, from ``disttrain calibrate`` run on the hosts over the same
-    link (collectives within and between hosts, and the bench model's own step), and the plan it chooses among the
-    uncompressed ones (disttrain_ddp and disttrain_fsdp, HSDP included). The calibration is a full one (collectives
-    at four sizes, nine times each, and the overheads; the smoke run's quick one fits a link through two sizes timed
-    three times, whose spread moved DDP's prediction on 2 x 2 by 30% between runs)."""
+def predictions(args, per_host: int, calibration: Path) -> tuple[dict[str, float], str]:
+    """The planner's step time for the plans of a layout, from the calibration its processes measured over the same
+    link (``calibrate``), and the plan it chooses among the uncompressed ones (disttrain_ddp and disttrain_fsdp,
+    HSDP included)."""
     from disttrain.planner import calibrate as cal
     from disttrain.planner import choose, estimate, hardware, model_spec
     from disttrain.planner.steptime import breakdown
 
-    mapping = model_mapping(args)
-    procs = []
-    for i in range(hosts.count):
-        options = {"devices": per_host, "accelerator": "cpu", "num_nodes": hosts.count, "node_rank": i,
-                   "main_address": hosts.main, "main_port": PORT, "quick": args.smoke,
-                   "models": [{"model": mapping, "micro_batch": args.batch, "seq_len": args.seq}]}
-        # the calibration's processes get the training's threads: its matmul and model step then run as the
-        # training's do (2 x 1 on 2 cores measured at the default 2 threads each ran oversubscribed: +172% compute)
-        env = {**os.environ, "DISTTRAIN_CACHE": str(folder / f"calibration-{per_host}-{i}"),
-               "OMP_NUM_THREADS": threads(hosts, per_host)}
-        procs.append(hosts.popen(i, [sys.executable, "-c", CALIBRATE, json.dumps(options)], env=env,
-                                 cwd=str(HERE.parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [proc.communicate(timeout=args.timeout)[0] for proc in procs]
-    if any(proc.returncode for proc in procs):
-        raise SystemExit(f"multi_host: disttrain calibrate on the hosts failed:\n{outputs[0][-3000:]}")
-    [path] = (folder / f"calibration-{per_host}-0" / "calibration").glob("*.json")
-    hw = cal.hardware_from(cal.load(path), hardware("cpu", gpus_per_node=per_host, host_memory=0))
-    plan = choose(mapping, hosts.count * per_host, hw, micro_batch=args.batch, seq_len=args.seq,
+    mapping, world = model_mapping(args), HOSTS * per_host
+    hw = cal.hardware_from(cal.load(calibration), hardware("cpu", gpus_per_node=per_host, host_memory=0))
+    plan = choose(mapping, world, hw, micro_batch=args.batch, seq_len=args.seq,
                   precision="32-true", activation_checkpointing=False,
                   available={"disttrain_ddp", "disttrain_fsdp"})
 
@@ -300,7 +299,7 @@ def predictions(hosts, args, per_host: int, folder: Path) -> tuple[dict[str, flo
     for per, variant, strategy, options in VARIANTS:
         if per == per_host and "+" in variant:
             hybrid = {"shard_size": per_host} if options.get("hybrid_shard") else {}
-            e = estimate(spec, strategy, hosts.count * per_host, micro_batch=args.batch, seq_len=args.seq,
+            e = estimate(spec, strategy, world, micro_batch=args.batch, seq_len=args.seq,
                          precision="32-true", **options, **hybrid)
             found[variant] = breakdown(spec, e, hw).total
     return found, name(plan.choice)
@@ -316,12 +315,13 @@ def main() -> None:
 
     argv = sys.argv[1:]
     results = {}
-    with tempfile.TemporaryDirectory() as tmp, Hosts(2, name="dtbench") as hosts:
+    with tempfile.TemporaryDirectory() as tmp, Hosts(HOSTS, name="dtbench") as hosts:
         for i in range(hosts.count):
             hosts.shape(i, rate_mbit=args.rate_mbit)
         for per_host in (1, 2):
             results[per_host] = run_layout(hosts, argv, per_host, Path(tmp), args.timeout)
-            results[per_host]["planned"] = predictions(hosts, args, per_host, Path(tmp))
+            calibration = calibration_path(Path(tmp) / f"result{per_host}.json")
+            results[per_host]["planned"] = predictions(args, per_host, calibration)
     rows = []
     for per_host, name, _, _ in VARIANTS:
         if name not in results[per_host]["timed"]:
