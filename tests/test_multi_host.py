@@ -340,27 +340,6 @@ def test_the_dialogue_recipe_trained_on_two_hosts_resumes_on_one_and_on_four(tmp
     assert not [ns for ns in namespaces() if ns.startswith(NAME)]
 
 
-@pytest.mark.slow
-def test_calibrate_measures_the_link_between_hosts_apart_from_the_one_within(hosts, tmp_path):
-    """`disttrain calibrate --quick` on 2 hosts x 2 processes, each host's sending limited to 200 Mbit/s (25 MB/s):
-    the collectives between the hosts run at the link's rate (the 2 ranks of a host share it), those within a host
-    many times faster; every host writes the same file, for 2 nodes of 2."""
-    for i in range(2):
-        hosts.shape(i, rate_mbit=200)
-    procs = [hosts.popen(i, [str(ROOT / ".venv/bin/disttrain"), "calibrate", "--devices", "2", "--num-nodes", "2",
-                             "--node-rank", str(i), "--main-address", hosts.main, "--quick"],
-                         env={**child_env(), "DISTTRAIN_CACHE": str(tmp_path / f"cache{i}")}, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    finish(procs)
-    found = [json.loads(next((tmp_path / f"cache{i}" / "calibration").glob("*-cpu-2x2.json")).read_text())
-             for i in range(2)]
-    assert found[0]["inter_links"] == found[1]["inter_links"] and found[0]["nodes"] == 2
-    link = 200e6 / 8
-    between = 2 * found[0]["inter_links"]["all_reduce"]["bandwidth"]  # per rank, 2 ranks on a host's link
-    assert 0.5 * link < between < 1.5 * link, between / link
-    assert found[0]["links"]["all_reduce"]["bandwidth"] > 5 * between / 2
-
-
 def test_the_harness_removes_what_an_earlier_killed_run_left(tmp_path):
     """A namespace left by a harness that was SIGKILLed is removed before new hosts are made, those of a live
     harness are not; the hosts run under their own hostnames, route to their link only, and a host's sending rate
