@@ -221,7 +221,7 @@ COMPRESSED = [f"disttrain_{strategy}:gradient_compression={kind}" for strategy i
 
 @pytest.fixture(scope="module")
 def compression_launch(tmp_path_factory) -> dict:
-    return launch(tmp_path_factory, "compression_run.py", "200", "disttrain_fsdp", *COMPRESSED)[0]
+    return launch(tmp_path_factory, "compression_run.py", "100", "disttrain_fsdp", *COMPRESSED)[0]
 
 
 @pytest.fixture(scope="module")
