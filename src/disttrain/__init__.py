@@ -11,8 +11,9 @@ start-up of everything that does not need it, ``disttrain plan`` among them; bot
 
 - once Lightning is imported (now, or later: a finder in ``sys.meta_path`` that answers for the one module name
   ``lightning``, then removes itself), its two strategy registries are marked to register disttrain's names the
-  first time anything reads them, ``load_from_checkpoint`` learns the folders, and a misspelt strategy name given
-  to the Trainer or Fabric is answered with the closest registered one;
+  first time anything reads them, ``load_from_checkpoint`` learns the folders, a misspelt strategy name given
+  to the Trainer or Fabric is answered with the closest registered one, and a machine without NVIDIA's management
+  library is looked at for it once (Lightning's NVML-based CUDA check would load it at every check);
 - the first read of either registry (``Trainer(strategy="disttrain_fsdp")``, ``lightning run model --strategy``)
   registers every name in both (:func:`register_strategies`, which a program may also call itself).
 
@@ -62,6 +63,7 @@ def _lightning_loaded() -> None:
 
     patches.read_checkpoint_folders(is_checkpoint_folder, read_checkpoint_folder)
     patches.suggest_strategy_names(_unknown_strategy_error)
+    patches.remember_missing_nvml()  # Lightning has just set PYTORCH_NVML_BASED_CUDA_CHECK=1
     for registry in (StrategyRegistry, STRATEGY_REGISTRY):
         patches.register_on_first_read(registry, register_strategies)
 

@@ -19,6 +19,8 @@ patch                                 works around
 :func:`skip_deepspeed_shm_op`         DeepSpeed JIT-compiles an inference-only op when its backend starts on CPU
 :func:`allow_fp16_on_deepspeed_cpu`   DeepSpeed's CPU accelerator refuses fp16 without AVX512-FP16/AMX
 :func:`count_all_to_all`              torch.distributed has no hook that sees the tensors a gloo all-to-all sends
+:func:`remember_missing_nvml`         torch.cuda looks for the NVIDIA management library again at every
+                                      ``is_available()`` under Lightning, on machines that have none
 ====================================  ===========================================================================
 """
 
@@ -259,3 +261,35 @@ def count_all_to_all(listener: Any) -> None:
 
         dist.all_to_all_single = all_to_all_single
     _ALL_TO_ALL_LISTENERS.add(listener)
+
+
+# -- torch.cuda: a machine without NVML -----------------------------------------------------------------------------
+def remember_missing_nvml() -> None:
+    """Remember, once per process, that the NVIDIA management library (``libnvidia-ml.so.1``) cannot be loaded.
+
+    Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` when imported (so that a CUDA check does not initialise CUDA
+    before its launcher forks). torch then counts devices through NVML at every ``torch.cuda.is_available()`` until
+    CUDA is initialised, loading the library each time; on a machine without it (CPU machines with torch's CUDA
+    build: CI, the tests of a set-up) each call is a failed library load of ~0.1 ms instead of ~1 us, and torch's
+    fake tensors ask before every operation they dispatch (DTensor's sharding propagation, pipeline stage
+    balancing), ~2% of a CPU process's time. After the first failure the same ``OSError`` is raised at once, which
+    torch answers as it did (no NVML: ``cudaGetDeviceCount``); a machine whose library loads is not affected."""
+    import torch.cuda
+
+    original = torch.cuda._raw_device_count_nvml
+    if getattr(original, "_disttrain_missing", None) is not None:
+        return  # installed
+    missing: list[tuple] = []  # the first failure's arguments, once there was one
+
+    @functools.wraps(original)
+    def raw_device_count_nvml() -> int:
+        if missing:
+            raise OSError(*missing[0])
+        try:
+            return original()
+        except OSError as error:  # only loading the library raises it: it will not load later either
+            missing.append(error.args)
+            raise
+
+    raw_device_count_nvml._disttrain_missing = missing  # type: ignore[attr-defined]
+    torch.cuda._raw_device_count_nvml = raw_device_count_nvml
