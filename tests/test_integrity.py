@@ -233,6 +233,47 @@ def test_crafted_metadata_does_not_run_its_payload(checkpoint, tmp_path, manifes
     assert not marker.exists()
 
 
+class _EnumsByName(pickle.Pickler):
+    """Pickles enum members as early Python 3.11 releases do (3.11.2, Debian 12's system Python):
+    ``getattr(Class, name)``."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_metadata_written_by_a_python_that_pickles_enums_by_name_loads(checkpoint, tmp_path):
+    """DCP's metadata holds an enum (_MEM_FORMAT_ENCODING); Python 3.11.2 (Debian 12's) writes its members as
+    getattr(Class, name). Such a checkpoint loads; getattr reaching anything but an enum member is refused."""
+    import io
+
+    path, model = checkpoint
+    metadata = load_metadata(path)
+    buffer = io.BytesIO()
+    _EnumsByName(buffer).dump(metadata)
+    assert b"getattr" in buffer.getvalue()
+    (path / ".metadata").write_bytes(buffer.getvalue())
+    rehash(path, ".metadata")
+    assert load_metadata(path) == metadata
+    loaded, meta = load(path)
+    assert meta == {"step": 1} and all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+
+    # getattr(Path, "write_text")(Path(marker), "payload"), in pickle's opcodes: what getattr itself would allow
+    marker = tmp_path / "written"
+    crafted = (f"cbuiltins\ngetattr\n(cpathlib\nPath\nVwrite_text\ntR(cpathlib\nPath\n(V{marker}\ntRVpayload\ntR."
+               .encode())
+    (path / ".metadata").write_bytes(crafted)
+    rehash(path, ".metadata")
+    with pytest.raises(CheckpointError, match=r"holds builtins\.getattr of Path\.write_text, which DCP metadata"):
+        load_metadata(path)
+    assert not marker.exists()
+    pickle.loads(crafted)
+    assert marker.read_text() == "payload"  # plain pickle would have written it
+
+
 def test_crafted_non_tensor_item_does_not_run_its_payload(tmp_path):
     model, opt = trained()
     optim = optimizer_state(model, opt)

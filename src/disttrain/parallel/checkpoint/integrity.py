@@ -20,6 +20,7 @@ restrictively.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
 import json
@@ -352,10 +353,21 @@ _METADATA_GLOBALS = {
 }
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` as the pickles of early Python 3.11 releases call it for an enum member (DCP's
+    ``_MEM_FORMAT_ENCODING``: 3.11.2, Debian 12's, writes them so; 3.11.7 calls the class with the value),
+    for a member of an admitted enum only: getattr itself would reach any method of an admitted class."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"builtins.getattr of {getattr(cls, '__name__', type(cls).__name__)}.{name}")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_GLOBALS.get(module, ()):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
