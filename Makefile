@@ -12,12 +12,21 @@ PIP_INDEX  = $(or $(PIP_INDEX_URL),$(shell python3 -m pip config get global.inde
 UV_INDEX   = $(if $(PIP_INDEX),--default-index $(PIP_INDEX))
 UV_INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode $(UV_INDEX)
 
+# The interpreter .venv is made from: VENV_PYTHON=... when given, else the distribution's Python 3 (/usr/bin/python3)
+# when it is a version torch's wheels support (3.10-3.13) and has its venv module, else the `python3` on PATH.
+# Distributions build their Python with profile-guided and link-time optimisation, the interpreter linked statically;
+# a Python compiled without them (pyenv's default) runs Python code ~15% slower, and the test suite's tiny models
+# spend most of their time in Python (tests/test_hf_plans.py: 102-108 s of CPU against 123-129 s).
+SUPPORTED    = import sys, ensurepip, venv; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 13))
+SYSTEM_PY   := $(shell /usr/bin/python3 -c '$(SUPPORTED)' 2>/dev/null && echo /usr/bin/python3)
+VENV_PYTHON ?= $(or $(SYSTEM_PY),python3)
+
 .PHONY: install demo test test-fast durations bench docs clean gpu-wheels gpu-check multi-host
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
+	$(VENV_PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv==0.13.9
 	$(UV_INSTALL) torch==2.14.1 torchvision==0.29.1
 	$(UV_INSTALL) -c constraints.txt -e ".[deepspeed,recsys,fp8,dev]"

@@ -103,7 +103,7 @@ def packages(pyproject: str, makefile: str) -> list[Package]:
         package.made = f"{package.made}; {shown}" if package.made else shown
     for key, package in table.items():
         if key == "python":
-            package.made = f"the `python3` on PATH ({package.required})"
+            package.made = f"the distribution's `/usr/bin/python3` if 3.10-3.13, else the `python3` on PATH"
         elif package.made is None:
             installed = package.required is not None and (
                 not package.extras or any(extra in made_extras for extra in package.extras))
