@@ -159,12 +159,10 @@ def test_deepspeeds_cpu_accelerator_still_refuses_fp16_without_native_kernels():
     assert not CPU_Accelerator().is_fp16_supported()
 
 
-def test_torch_still_looks_for_nvml_at_every_cuda_check_before_cuda_starts(monkeypatch):
-    """remember_missing_nvml: under PYTORCH_NVML_BASED_CUDA_CHECK=1 (Lightning sets it), torch.cuda.is_available()
-    loads the management library at each call until CUDA is initialised, a failed load included."""
-    if torch.cuda.is_initialized() or not torch.backends.cuda.is_built():
-        pytest.skip("CUDA is initialised here, or torch has no CUDA: device counts do not go through NVML")
-    loads = []
+def missing_nvml(monkeypatch) -> list[int]:
+    """A machine without NVIDIA's management library or driver, under Lightning's NVML-based check: each attempt to
+    load the library fails (and is counted in the list returned), the CUDA runtime counts no device."""
+    loads: list[int] = []
 
     def failed_load() -> int:
         loads.append(1)
@@ -173,7 +171,16 @@ def test_torch_still_looks_for_nvml_at_every_cuda_check_before_cuda_starts(monke
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # an NVML count is asked for the visible devices only
     monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", failed_load)
-    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 0)  # what a machine without a driver says
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 0)
+    return loads
+
+
+def test_torch_still_looks_for_nvml_at_every_cuda_check_before_cuda_starts(monkeypatch):
+    """remember_missing_nvml: under PYTORCH_NVML_BASED_CUDA_CHECK=1 (Lightning sets it), torch.cuda.is_available()
+    loads the management library at each call until CUDA is initialised, a failed load included."""
+    if torch.cuda.is_initialized() or not torch.backends.cuda.is_built():
+        pytest.skip("CUDA is initialised here, or torch has no CUDA: device counts do not go through NVML")
+    loads = missing_nvml(monkeypatch)
     assert [torch.cuda.is_available() for _ in range(3)] == [False] * 3
     assert len(loads) == 3
 
@@ -183,17 +190,8 @@ def test_a_missing_nvml_is_looked_for_once_and_answered_as_before(monkeypatch):
     count of the CUDA runtime), and a library that loads is asked every time, as before."""
     if not torch.backends.cuda.is_built():
         pytest.skip("torch has no CUDA here")
-    loads = []
-
-    def failed_load() -> int:
-        loads.append(1)
-        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
-
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", failed_load)
+    loads = missing_nvml(monkeypatch)
     monkeypatch.setattr(torch.cuda, "_initialized", False)
-    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 0)
     patches.remember_missing_nvml()
     patches.remember_missing_nvml()  # installed once
     for _ in range(3):
