@@ -171,7 +171,13 @@ def calibrate(args):
     return measure_here(torch.device("cpu"), [], quick=args.smoke, models=models)
 
 
+def result_path(folder: Path, per_host: int) -> Path:
+    """Where a layout's rank 0 writes its results (the parent reads them)."""
+    return folder / f"result{per_host}.json"
+
+
 def calibration_path(result: str | Path) -> Path:
+    """Where it writes its calibration, beside them."""
     return Path(result).with_suffix(".calibration.json")
 
 
@@ -214,7 +220,7 @@ def run_layout(hosts, argv: list[str], per_host: int, folder: Path, timeout: flo
     """This script's processes on both hosts (one torchrun agent each), ``per_host`` processes per host; their
     output goes to ``folder`` and is shown when they fail or outlast ``timeout`` seconds. Under ``--smoke`` the
     ranks are forked from this process into the hosts instead (harness.fork_ranks)."""
-    procs, logs, result = [], [], folder / f"result{per_host}.json"
+    procs, logs, result = [], [], result_path(folder, per_host)
     child = [str(Path(__file__).resolve()), *argv, "--child", str(result), "--per-host", str(per_host)]
     env = {**os.environ, "OMP_NUM_THREADS": threads(hosts, per_host)}
     if "--smoke" in argv:
@@ -320,7 +326,7 @@ def main() -> None:
             hosts.shape(i, rate_mbit=args.rate_mbit)
         for per_host in (1, 2):
             results[per_host] = run_layout(hosts, argv, per_host, Path(tmp), args.timeout)
-            calibration = calibration_path(Path(tmp) / f"result{per_host}.json")
+            calibration = calibration_path(result_path(Path(tmp), per_host))
             results[per_host]["planned"] = predictions(args, per_host, calibration)
     rows = []
     for per_host, name, _, _ in VARIANTS:

@@ -45,6 +45,15 @@ def spec_text(requirement: Requirement) -> str:
 INSTALLER = re.compile(r"pip install -q uv==")  # the line that installs the installer (uv) into the environment
 
 
+def venv_python(makefile: str) -> str:
+    """Which interpreter the Makefile makes .venv from: the distribution's when its version is within the bounds of
+    the Makefile's ``SUPPORTED`` check, else ``python3`` on PATH."""
+    found = re.search(r"\(3, (\d+)\) <= sys\.version_info\[:2\] <= \(3, (\d+)\)", makefile)
+    if found is None:
+        raise ValueError("the Makefile's SUPPORTED check names no Python versions")
+    return f"the distribution's `/usr/bin/python3` if 3.{found[1]}-3.{found[2]}, else the `python3` on PATH"
+
+
 def makefile_installs(makefile: str) -> tuple[list[tuple[str, str, bool]], list[str]]:
     """What the Makefile's install rule passes to pip: ``(name, shown version, with --no-deps)`` per pinned
     package, and the extras of its ``-e ".[...]"``. A ``$(VAR)`` is expanded; ``$(shell command -v TOOL ... &&
@@ -103,7 +112,7 @@ def packages(pyproject: str, makefile: str) -> list[Package]:
         package.made = f"{package.made}; {shown}" if package.made else shown
     for key, package in table.items():
         if key == "python":
-            package.made = f"the distribution's `/usr/bin/python3` if 3.10-3.13, else the `python3` on PATH"
+            package.made = venv_python(makefile)
         elif package.made is None:
             installed = package.required is not None and (
                 not package.extras or any(extra in made_extras for extra in package.extras))

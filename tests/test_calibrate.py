@@ -661,8 +661,8 @@ def test_calibrate_over_two_nodes_measures_both_links(tmp_path):
     own: both write the same calibration (rank 0's), with the links within a node and between nodes. Where the test
     may make network namespaces (root, ip, tc), the nodes are two of them joined by a veth pair shaped to 200 Mbit/s,
     and the links between nodes are measured at that rate (the 2 processes of a node share it), those within a node
-    (over its own loopback) many times faster; elsewhere both nodes are on 127.0.0.1. Then the planner, given a copy with a slow all-reduce between the
-    nodes, charges HSDP's replicas' all-reduce at that link."""
+    (over its own loopback) many times faster; elsewhere both nodes are on 127.0.0.1. Then the planner, given a copy
+    with a slow all-reduce between the nodes, charges HSDP's replicas' all-reduce at that link."""
     import os
     import shutil
     import subprocess
