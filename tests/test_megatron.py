@@ -223,6 +223,47 @@ def test_clip_equals_torch_in_one_process_and_refuses_nonfinite_norms(norm_type)
         clip_grad_norm_(ours.parameters(), 0.1, norm_type)
 
 
+@pytest.mark.parametrize("foreach", [None, True])
+def test_a_group_of_dtensors_and_plain_tensors_steps_and_keeps_its_foreach_setting(foreach):
+    """A ViT's class token stays a plain tensor beside the stages' DTensors under pipeline parallelism: torch's
+    foreach AdamW (its default on GPUs, asked for here on the CPU) fails on that group's first step. Settled, it steps
+    as torch's per-tensor AdamW does, and the group's ``foreach`` is the user's again after the step (checkpoints)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from disttrain.parallel.engines.base import Engine
+    from disttrain.simulate.fake import fake_world
+
+    def adamw(on: bool | None, mesh) -> torch.optim.AdamW:
+        torch.manual_seed(0)
+        block = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
+        cls_token = torch.nn.Parameter(torch.randn(1, 4))
+        for p in (block, cls_token):
+            p.grad = torch.ones_like(p)
+        return torch.optim.AdamW([block, cls_token], lr=0.1, foreach=on)
+
+    with fake_world(0, 2):
+        mesh = init_device_mesh("cpu", (2,))
+        failing = adamw(True, mesh)
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+            failing.step()
+        settled, reference = adamw(foreach, mesh), adamw(False, mesh)
+        Engine.settle_optimizers([settled])
+        Engine.settle_optimizers([settled])  # set up again: hooked once
+        for _ in range(2):
+            settled.step()
+            reference.step()
+        assert settled.param_groups[0]["foreach"] is foreach
+        assert len(settled._optimizer_step_pre_hooks) == 1
+        for a, b in zip(settled.param_groups[0]["params"], reference.param_groups[0]["params"]):
+            assert isinstance(a, DTensor) == isinstance(b, DTensor)
+            torch.testing.assert_close(a.full_tensor() if isinstance(a, DTensor) else a,
+                                       b.full_tensor() if isinstance(b, DTensor) else b, rtol=0, atol=0)
+        plain = torch.optim.AdamW([torch.nn.Parameter(torch.randn(2))], foreach=True)
+        Engine.settle_optimizers([plain])  # one kind of tensor: left as it is
+        assert not plain._optimizer_step_pre_hooks
+
+
 # -- pipeline parallel through Fabric: 1F1B, memory per rank, DCP save and resume; every schedule ----------------
 @pytest.fixture(scope="module")
 def fabric_pp2(tmp_path_factory) -> list[dict]:

@@ -214,8 +214,14 @@ class EngineStrategy(FabricAdapter, DistributedPlumbing, ParallelStrategy):
         module, optimizers = self.engine.setup(module, self.root_device, self.precision.precision, optimizers,
                                                forward_methods=STEP_METHODS)
         watchdog.set_phase("training")
+        self.engine.settle_optimizers(optimizers)
         self.engine.sync_buffers_after_forward(module)  # rank 0's BatchNorm statistics after every forward
         return module, optimizers, scheduler
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``fabric.setup_optimizers(optimizer)``: one made from the set-up model's parameters."""
+        self.engine.settle_optimizers([optimizer])
+        return optimizer
 
     def module_to_device(self, module: nn.Module) -> None:
         pass  # setup_module_and_optimizers places the module (or its shards)

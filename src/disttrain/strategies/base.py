@@ -326,6 +326,7 @@ class EngineStrategy(TrainerAdapter, DistributedPlumbing, ParallelStrategy):
             self._reset_optimizers_and_schedulers()  # a re-setup must not keep optimizers of the old parameters
             self.setup_optimizers(trainer)
             self.engine.check_optimizers(self.model, self.optimizers)
+            self.engine.settle_optimizers(self.optimizers)
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:

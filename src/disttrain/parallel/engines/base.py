@@ -191,6 +191,22 @@ class Engine:
     def check_optimizers(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Refuse optimizers the engine cannot step (made after :meth:`setup`, by the Trainer)."""
 
+    @staticmethod
+    def settle_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Step a parameter group that holds both DTensors and plain tensors tensor by tensor.
+
+        torch's foreach kernels (its default on GPUs, or ``foreach=True``) take lists of one kind only and fail on
+        the first step otherwise ("got mixed torch.Tensor and DTensor"); a few parameters stay plain beside the
+        engine's DTensors (a ViT's class token and position embedding under pipeline parallelism). Such a group
+        steps with ``foreach=False``, set around each step only, so that its checkpoints keep the user's setting
+        (another strategy resuming them runs foreach). Called with the optimizers pointing at the set-up model's
+        parameters, on both entry points; other optimizers are left as they are."""
+        for optimizer in optimizers:
+            if _mixed_groups(optimizer) and not getattr(optimizer, "_disttrain_settled", False):
+                optimizer.register_step_pre_hook(_foreach_off_where_mixed)
+                optimizer.register_step_post_hook(_foreach_back)
+                optimizer._disttrain_settled = True  # type: ignore[attr-defined]
+
     # -- engines that hand the model to a library's own engine (DeepSpeed) --------------------------------------
     # Lightning's DeepSpeed strategies, which the ZeRO adapters keep, set the model up in their own order; these are
     # the steps of :meth:`setup` they call one at a time. Engines that set modules up themselves keep the defaults.
@@ -351,6 +367,24 @@ class Engine:
         only that submodule's keys, without the prefix."""
         return ckpt.export_safetensors(module, path, prefix=prefix)
 
+
+
+def _mixed_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    from torch.distributed.tensor import DTensor
+
+    return [group for group in optimizer.param_groups if len({isinstance(p, DTensor) for p in group["params"]}) == 2]
+
+
+def _foreach_off_where_mixed(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    saved = [(group, group.get("foreach")) for group in _mixed_groups(optimizer)]
+    for group, _ in saved:
+        group["foreach"] = False
+    optimizer._disttrain_foreach = saved  # type: ignore[attr-defined]
+
+
+def _foreach_back(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group, value in optimizer.__dict__.pop("_disttrain_foreach", []):
+        group["foreach"] = value
 
 
 def refuse_user_sharding(module: nn.Module, name: str) -> None:
