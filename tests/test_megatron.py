@@ -255,6 +255,10 @@ def test_a_group_of_dtensors_and_plain_tensors_steps_and_keeps_its_foreach_setti
             reference.step()
         assert settled.param_groups[0]["foreach"] is foreach
         assert len(settled._optimizer_step_pre_hooks) == 1
+        for hook in (*settled._optimizer_step_pre_hooks.values(), *settled._optimizer_step_pre_hooks.values(),
+                     *settled._optimizer_step_post_hooks.values()):  # a step that raised between its hooks
+            hook(settled, (), {})
+        assert settled.param_groups[0]["foreach"] is foreach
         for a, b in zip(settled.param_groups[0]["params"], reference.param_groups[0]["params"]):
             assert isinstance(a, DTensor) == isinstance(b, DTensor)
             torch.testing.assert_close(a.full_tensor() if isinstance(a, DTensor) else a,

@@ -7,7 +7,8 @@ Trainer, ``disttrain.fabric`` for Fabric) only translate Lightning's hooks into 
 processes                                      ``setup_mesh``, ``data_parallel_group``, ``sampler_kwargs``,
                                                ``reduce``, ``barrier``
 where modules are built                        ``init_context`` (the meta device, ``deepspeed.zero.Init``)
-set up a module and its optimizers             ``setup``, ``check_optimizers``, ``module_transforms`` (FP8)
+set up a module and its optimizers             ``setup``, ``check_optimizers``, ``settle_optimizers``,
+                                               ``module_transforms`` (FP8)
 gradient accumulation                          ``no_sync`` (no gradient sync on non-final micro-steps)
 gradient traffic                               ``comm_bytes`` (bytes sent to reduce gradients, compressed or not)
 backward the engine owns                       ``prepare_step`` (the pipeline schedule); DeepSpeed's own backward
@@ -368,7 +369,6 @@ class Engine:
         return ckpt.export_safetensors(module, path, prefix=prefix)
 
 
-
 def _mixed_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     from torch.distributed.tensor import DTensor
 
@@ -376,6 +376,7 @@ def _mixed_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def _foreach_off_where_mixed(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _foreach_back(optimizer, args, kwargs)  # a step that raised left its groups' settings to put back first
     saved = [(group, group.get("foreach")) for group in _mixed_groups(optimizer)]
     for group, _ in saved:
         group["foreach"] = False
