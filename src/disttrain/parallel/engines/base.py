@@ -203,10 +203,10 @@ class Engine:
         (another strategy resuming them runs foreach). Called with the optimizers pointing at the set-up model's
         parameters, on both entry points; other optimizers are left as they are."""
         for optimizer in optimizers:
-            if _mixed_groups(optimizer) and not getattr(optimizer, "_disttrain_settled", False):
+            hooked = _foreach_off_where_mixed in optimizer._optimizer_step_pre_hooks.values()  # set up again
+            if _mixed_groups(optimizer) and not hooked:
                 optimizer.register_step_pre_hook(_foreach_off_where_mixed)
                 optimizer.register_step_post_hook(_foreach_back)
-                optimizer._disttrain_settled = True  # type: ignore[attr-defined]
 
     # -- engines that hand the model to a library's own engine (DeepSpeed) --------------------------------------
     # Lightning's DeepSpeed strategies, which the ZeRO adapters keep, set the model up in their own order; these are
