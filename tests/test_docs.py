@@ -521,18 +521,18 @@ def python_argv(command: str) -> Optional[list[str]]:
     return None
 
 
-def run_command(command: str, work: Path, env: dict[str, str],
-                zygote: Optional[Launcher]) -> subprocess.CompletedProcess:
+def run_command(command: str, work: Path, env: dict[str, str], zygote: Optional[Launcher],
+                forks: bool = True) -> subprocess.CompletedProcess:
     """One documented command in ``work``. A Python program runs in a fork of a zygote that has imported torch,
-    Lightning and the rest once (tests/zygote.py: the same process a fresh interpreter would be), anything else
-    under bash."""
+    Lightning and the rest once (tests/zygote.py: the same process a fresh interpreter would be), and so do the
+    Python processes it starts (``forks=False``: they start fresh); anything else under bash."""
     # Lightning's launchers take MASTER_PORT when it is set: two pages run at once must not pick the same one.
     port = {"MASTER_PORT": str(free_port())}
     argv = python_argv(command) if zygote is not None else None
     if argv is None:
         return subprocess.run(["bash", "-c", command], cwd=work, env={**env, **port}, capture_output=True, text=True,
                               timeout=COMMAND_TIMEOUT)
-    return zygote.run_one(argv, env, port, COMMAND_TIMEOUT, cwd=work)
+    return zygote.run_one(argv, env, port, COMMAND_TIMEOUT, cwd=work, forks=forks)
 
 
 def launched_ranks(block: Block) -> int:
@@ -589,7 +589,7 @@ def run_block(block: Block, work: Path, env: dict[str, str],
     output, timings = "", []
     for command in commands:
         start = time.perf_counter()
-        proc = run_command(command, work, env, zygote)
+        proc = run_command(command, work, env, zygote, forks=block is not FIRST_LAUNCH)
         timings.append(f"{time.perf_counter() - start:6.1f}s  {block.where}  {command}")
         output += proc.stdout + proc.stderr
         check_exit(block, command, proc)

@@ -80,3 +80,51 @@ def test_launches_from_several_threads_at_once_each_get_their_own_exit_and_outpu
     with ThreadPoolExecutor(3) as pool:
         procs = list(pool.map(one, range(3)))
     assert [(p.returncode, p.stdout) for p in procs] == [(i, f"run {i}\n") for i in range(3)]
+
+
+STARTS = r'''
+import json, os, signal, subprocess, sys, time
+
+def start(*args, **kwargs):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, **kwargs)
+
+def gone(pid):
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{pid}"):
+            return True
+        time.sleep(0.1)
+    return False
+
+IMPORTED = "import sys; print('torch' in sys.modules)"
+out = {}
+proc = start("-c", IMPORTED + "; print('to stderr', file=sys.stderr); sys.exit(7)")
+out["forked"] = [proc.returncode, proc.stdout, proc.stderr]
+out["stdin"] = start("-c", "import sys; print(sys.stdin.read().upper())", input="hello").stdout
+with open(os.devnull) as handed:
+    out["fd handed down"] = start("-c", IMPORTED, pass_fds=(handed.fileno(),)).stdout
+out["option"] = start("-I", "-c", IMPORTED).stdout
+out["other environment"] = start("-c", IMPORTED, env={**os.environ, "DISTTRAIN_IMPORT_TIME_SETTING": "1"}).stdout
+for how in ("terminate", "kill"):
+    child = subprocess.Popen([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    pid = int(child.stdout.readline())
+    getattr(child, how)()
+    out[how] = [child.wait(), pid != child.pid, gone(pid)]
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_what_a_forked_process_starts_with_its_interpreter_is_forked_too_where_it_would_be_the_same():
+    """A program the suite forks that starts `sys.executable -c ...` (a recipe, a launcher and its ranks, Lightning's
+    second rank) gets a fork of the zygotes as well (tests/forward.py): its exit status and output, its stdin, and
+    the signals that stop it are those of the process it stands for; a fork of a process that another launcher
+    stops with SIGKILL ends with it. Where a fork would not be the same process, the real interpreter runs: a file
+    descriptor handed down, an interpreter option, an environment the zygotes did not import in."""
+    proc = run_python("-c", STARTS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["forked"] == [7, "True\n", "to stderr\n"]  # torch already imported: a fork
+    assert out["stdin"] == "HELLO\n"
+    assert out["fd handed down"] == out["option"] == out["other environment"] == "False\n"  # fresh interpreters
+    assert out["terminate"] == [-15, True, True] and out["kill"] == [-9, True, True]

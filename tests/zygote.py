@@ -23,6 +23,9 @@ Why a fork is the same process as a fresh one for the scripts (checked by tests/
   handlers, exit code of an uncaught exception or ``sys.exit``); the ranks of ``run_dist``, whose results are the
   files they write, skip the last part of it, the teardown of the modules the zygote imported (``run_and_exit``).
 
+The processes a fork starts with ``sys.executable`` are forks of the zygotes as well where a fork is the same process
+(``Launcher.forks``, tests/forward.py).
+
 Run as a script it is the zygote (one JSON request per line on stdin); imported, it is the client used by
 ``conftest.run_dist``. The script's ranks host their own store (rank 0, ``TORCHELASTIC_USE_AGENT_STORE=False``)
 where torchrun's ranks use the agent's: the rendezvous ``init_process_group`` does is otherwise the same.
@@ -36,6 +39,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,6 +58,22 @@ PRELOAD = ("torch", "lightning", "transformers", "disttrain", "deepspeed", "timm
 # torchrun gives a worker these besides its own environment (torch/distributed/elastic/agent/server).
 GRACE_S = 30  # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one fails
 ZYGOTES = 2  # the ranks of a launch take them in turn: ranks 0 and 1 have hash seeds of their own
+# The processes a forked process starts as `sys.executable [-u] script|-m module|-c code args` (the GPU check's
+# recipes, `disttrain calibrate`'s and `plan --trial`'s launcher and its ranks, Lightning's second rank, torchrun's
+# workers) are forked from the zygotes too, through tests/forward.py (``Launcher.forks``): it stands in for
+# ``sys.executable`` in every forked process, and runs the real interpreter where a fork would not be the same
+# process (more file descriptors than stdin/out/err, an interpreter option, another network/host/mount namespace,
+# an environment the zygotes did not import in). DISTTRAIN_TEST_FORK_EXECS=0: they start fresh.
+FORKS_VAR = "DISTTRAIN_TEST_FORKS"
+FORK_EXECS = os.environ.get("DISTTRAIN_TEST_FORK_EXECS", "1") != "0"
+# What a launcher adds to a process's environment and the process reads only after its imports (torchrun's worker
+# variables, Lightning's for its second rank): a process started with them is still the one the zygotes serve.
+AFTER_IMPORT = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTEST_CURRENT_TEST", FORKS_VAR,
+                "DISTTRAIN_LAUNCH_REPORTS", "DISTTRAIN_TIMEOUT", "DISTTRAIN_VERBOSE")  # `disttrain run`'s
+AFTER_IMPORT_PREFIXES = ("TORCHELASTIC_", "LT_", "PL_")
+NAMESPACES = ("net", "uts", "mnt")  # a process in a host of tools/hosts.py is in others: it starts fresh there
 
 
 def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file: str, nodes: int = 1,
@@ -71,7 +91,13 @@ def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file:
 
 
 def volatile_free(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    return {k: v for k, v in env.items() if k not in ("PYTEST_CURRENT_TEST", FORKS_VAR)}
+
+
+def import_time_env(env: dict[str, str], after: tuple[str, ...] = ()) -> dict[str, str]:
+    """``env`` without what its process reads only after its imports (``AFTER_IMPORT``, and ``after``)."""
+    return {k: v for k, v in env.items()
+            if k not in AFTER_IMPORT and k not in after and not k.startswith(AFTER_IMPORT_PREFIXES)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -157,9 +183,9 @@ def become(request: dict) -> tuple[str, str]:
     os.setsid()
     if request.get("host"):  # a rank of a host of tools/hosts.py: its network, hostname and /etc/hosts
         enter_host(request["host"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    stdin = os.open(request.get("stdin", os.devnull), os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
     for fd, path in ((1, request["log"]), (2, request.get("err", request["log"]))):
         log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, fd)
@@ -167,6 +193,9 @@ def become(request: dict) -> tuple[str, str]:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if request.get("forks"):  # the processes this one starts with sys.executable are forks of the zygotes too
+        os.environ[FORKS_VAR] = json.dumps(request["forks"])
+        sys.executable = request["forks"]["python"]
     kind = {"-m": "module", "-c": "code"}.get(request["argv"][0], "path")
     if kind == "module":  # `python -m module args`: runpy puts the module's file in sys.argv[0]
         target = request["argv"][1]
@@ -276,6 +305,10 @@ class Launcher:
         self._cond = threading.Condition()
         self._reading = False
         self._wake_read, self._wake_write = os.pipe()  # a zygote added: the reader's select starts again
+        self._forks: dict | None = None  # where forked processes ask for forks of their own (``forks``)
+        self._server: socket.socket | None = None
+        self._serving = threading.Lock()
+        self._turns = itertools.count()
 
     def logs(self, script: str, nproc: int) -> list[Path]:
         """Fresh log files for the ranks of the next launch of ``script``."""
@@ -287,6 +320,85 @@ class Launcher:
         """Whether the zygotes imported their modules in this environment (pytest's note of the current test
         aside), so that the ranks they fork are the ones a fresh interpreter would start."""
         return not self.zygotes or volatile_free(self.zygotes[0].env) == volatile_free(env)
+
+    def forks(self, after: tuple[str, ...] = ()) -> dict | None:
+        """What a forked process needs to have the processes it starts with ``sys.executable`` forked too (the
+        ``forks`` of a request, see ``FORKS_VAR``): this launcher's socket, the program standing in for the
+        interpreter, the namespaces the zygotes run in, and ``after``, the variables of the launch read only after
+        the imports. Starts the socket's server on first use. None under DISTTRAIN_TEST_FORK_EXECS=0."""
+        if not FORK_EXECS:
+            return None
+        with self._serving:
+            if self._forks is None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                path = self.log_dir / "forks.sock"
+                self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._server.bind(str(path))
+                self._server.listen(64)
+                python = self.log_dir / "bin" / "python"
+                python.parent.mkdir()
+                # -S -E: the stand-in imports nothing beyond the standard library it needs and reads no PYTHON*
+                # variable; it hands those on untouched to what it runs
+                python.write_text(f"#!{sys.executable} -SE\n" + (Path(__file__).parent / "forward.py").read_text())
+                python.chmod(0o755)
+                self._forks = {"socket": str(path), "python": str(python),
+                               "ns": {name: os.stat(f"/proc/self/ns/{name}").st_ino for name in NAMESPACES}}
+                threading.Thread(target=self._accept, name="zygote-forks", daemon=True).start()
+        return {**self._forks, "after": sorted(after)}
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:  # closed: the session ends
+                return
+            threading.Thread(target=self._forward, args=(conn,), name="zygote-fork", daemon=True).start()
+
+    def _forward(self, conn: socket.socket) -> None:
+        """One process's request (tests/forward.py): fork it from a zygote and answer its pid, then its exit
+        code; or answer why it must start fresh. The child is killed when the requester goes first (SIGKILL)."""
+        with conn:
+            line = conn.makefile("rb").readline()
+            if not line:
+                return
+            request = json.loads(line)
+            after = tuple(request.get("after", ()))
+            base = self.zygotes[0].env if self.zygotes else {}
+            differ = sorted(set(import_time_env(volatile_free(base), after).items())
+                            ^ set(import_time_env(volatile_free(request["env"]), after).items()))
+            if differ or not self.zygotes:
+                self._fresh(conn, request, f"the zygotes imported in another environment: {sorted(dict(differ))}")
+                return
+            try:
+                zygote = self._zygotes(ZYGOTES, base)[next(self._turns) % ZYGOTES]
+                stdin, out, err = request["stdio"]
+                pid = self._start(zygote, {"argv": request["argv"], "cwd": request["cwd"], "stdin": stdin,
+                                           "log": out, "err": err, "env": request["env"],
+                                           "forks": {**self._forks, "after": sorted(after)}})
+            except RuntimeError as e:
+                self._fresh(conn, request, str(e).splitlines()[0])
+                return
+            conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+            done = threading.Event()
+
+            def kill_when_gone() -> None:  # the requester sends nothing more: EOF means it is gone
+                conn.recv(1)
+                if not done.is_set():
+                    self._signal([pid], {}, signal.SIGKILL)
+
+            threading.Thread(target=kill_when_gone, name="zygote-fork-watch", daemon=True).start()
+            _, code = self._next_exit([zygote], [pid], {}, time.monotonic() + 10 ** 7)
+            done.set()
+            try:
+                conn.sendall((json.dumps({"exit": code}) + "\n").encode())
+            except OSError:  # the requester is gone
+                pass
+
+    def _fresh(self, conn: socket.socket, request: dict, why: str) -> None:
+        conn.sendall((json.dumps({"fresh": why}) + "\n").encode())
+        if os.environ.get("DISTTRAIN_TEST_FORKS_LOG"):  # which starts were fresh, and why
+            with open(os.environ["DISTTRAIN_TEST_FORKS_LOG"], "a") as log:
+                log.write(json.dumps({"argv": request["argv"][:3], "why": why}) + "\n")
 
     def _zygotes(self, nproc: int, env: dict[str, str]) -> list[Zygote]:
         """The zygote of each of ``nproc`` ranks (``ZYGOTES`` of them, in turn), started and ready."""
@@ -365,7 +477,8 @@ class Launcher:
                 "full_exit": full_exit, "host": node.get("placement"),
                 "env": {**rank_env(env, rank, nproc, port, str(log.with_suffix(".error.json")), nodes,
                                    node.get("env", {}).get("MASTER_ADDR", "127.0.0.1")),
-                        **(run_env or {}), **node.get("env", {})}}))
+                        **(run_env or {}), **node.get("env", {})},
+                "forks": self.forks(tuple(run_env or ()))}))
         codes: dict[int, int] = {}
         stop_at = deadline  # moves closer when a rank fails
         while len(codes) < nproc:
@@ -396,15 +509,17 @@ class Launcher:
         return next((code for code in codes if code > 0), next((code for code in codes if code), 0))
 
     def run_one(self, argv: list[str], env: dict[str, str], run_env: dict[str, str], timeout: float,
-                cwd: Path | None = None) -> subprocess.CompletedProcess:
+                cwd: Path | None = None, forks: bool = True) -> subprocess.CompletedProcess:
         """``python argv...`` as one plain process (no launcher variables), its exit code, stdout and stderr as
         ``subprocess.run(capture_output=True, text=True)`` gives them (``subprocess.TimeoutExpired`` past
         ``timeout``). ``run_env``: variables the program reads only after its imports (they are not the zygote's);
-        ``cwd``: where it runs (default: the launcher's folder)."""
+        ``cwd``: where it runs (default: the launcher's folder); ``forks=False``: what it starts with
+        ``sys.executable`` starts fresh (a test of that start itself)."""
         out, err = self.logs("code" if argv[0] == "-c" else Path(argv[1] if argv[0] == "-m" else argv[0]).stem, 2)
         zygote = self._zygotes(1, env)[0]
         pid = self._start(zygote, {"argv": argv, "cwd": str(cwd or self.cwd), "log": str(out), "err": str(err),
-                                   "env": {**env, **run_env}})
+                                   "env": {**env, **run_env},
+                                   "forks": self.forks(tuple(run_env)) if forks else None})
         exited = self._next_exit([zygote], [pid], {}, time.monotonic() + timeout)
         if exited is None:
             self._signal([pid], {}, signal.SIGKILL)
@@ -435,6 +550,8 @@ class Launcher:
                     pass
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
         with self._growing:
             for zygote in self.zygotes:
                 zygote.close()
