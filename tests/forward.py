@@ -25,41 +25,43 @@ def fresh() -> None:
     os.execv(real, [real, *sys.argv[1:]])
 
 
-def forkable(args: list[str], forks: dict) -> bool:
-    if args[:1] == ["-u"]:  # the zygotes' children write through already (PYTHONUNBUFFERED)
+def to_fork(args: list[str], forks: dict) -> list[str] | None:
+    """The arguments a fork runs (``-u`` dropped: the zygotes' children write through already), or None where a
+    fork would not be this process."""
+    if args[:1] == ["-u"]:
         args = args[1:]
     if not args:
-        return False  # an interactive interpreter
+        return None  # an interactive interpreter
     if args[0] in ("-m", "-c"):
         if len(args) < 2:
-            return False
+            return None
     elif args[0].startswith("-"):
-        return False  # another option of the interpreter
+        return None  # another option of the interpreter
     for fd in range(3):
         try:
             mode = os.fstat(fd).st_mode
         except OSError:
-            return False
+            return None
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
-            return False
+            return None
     listed = [int(fd) for fd in os.listdir("/proc/self/fd")]  # the listing's own descriptor is closed again now
     for fd in listed:
         if fd > 2:
             try:
                 os.fstat(fd)
-                return False  # handed down: a fork would not have it
+                return None  # handed down: a fork would not have it
             except OSError:
                 pass
-    return all(os.stat(f"/proc/self/ns/{name}").st_ino == ino for name, ino in forks["ns"].items())
+    if any(os.stat(f"/proc/self/ns/{name}").st_ino != ino for name, ino in forks["ns"].items()):
+        return None
+    return args
 
 
 def main() -> None:
     forks = json.loads(os.environ.get(FORKS_VAR) or "null")
-    args = sys.argv[1:]
-    if not forks or not forkable(args, forks):
+    args = to_fork(sys.argv[1:], forks) if forks else None
+    if args is None:
         fresh()
-    if args[0] == "-u":
-        args = args[1:]
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(forks["socket"])

@@ -91,7 +91,7 @@ def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file:
 
 
 def volatile_free(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in ("PYTEST_CURRENT_TEST", FORKS_VAR)}
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
 
 
 def import_time_env(env: dict[str, str], after: tuple[str, ...] = ()) -> dict[str, str]:
@@ -364,17 +364,17 @@ class Launcher:
             request = json.loads(line)
             after = tuple(request.get("after", ()))
             base = self.zygotes[0].env if self.zygotes else {}
-            differ = sorted(set(import_time_env(volatile_free(base), after).items())
-                            ^ set(import_time_env(volatile_free(request["env"]), after).items()))
-            if differ or not self.zygotes:
-                self._fresh(conn, request, f"the zygotes imported in another environment: {sorted(dict(differ))}")
+            ours, theirs = import_time_env(base, after), import_time_env(request["env"], after)
+            if ours != theirs or not self.zygotes:
+                differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+                self._fresh(conn, request, f"the zygotes imported in another environment: {differ}")
                 return
             try:
                 zygote = self._zygotes(ZYGOTES, base)[next(self._turns) % ZYGOTES]
                 stdin, out, err = request["stdio"]
                 pid = self._start(zygote, {"argv": request["argv"], "cwd": request["cwd"], "stdin": stdin,
                                            "log": out, "err": err, "env": request["env"],
-                                           "forks": {**self._forks, "after": sorted(after)}})
+                                           "forks": self.forks(after)})
             except RuntimeError as e:
                 self._fresh(conn, request, str(e).splitlines()[0])
                 return
