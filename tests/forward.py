@@ -2,12 +2,13 @@
 # ``Launcher.forks`` writes it with its interpreter's line above this text). Started as
 # ``python [-u] script|-m module|-c code args...``, it asks the launcher for a fork of a zygote that becomes that
 # process: the same arguments, environment, working folder, stdin, stdout and stderr (the child opens this
-# process's own through /proc), and a new session as torchrun's workers have. It waits for the fork's exit code
-# and ends with it (a signal's death as that signal), and passes on the signals a launcher sends to stop its
+# process's own through /proc), its namespaces (on a host of tools/hosts.py: the host's network, name, mounts and
+# process ids), and a new session as torchrun's workers have. It waits for the fork's exit code and ends with it
+# (a signal's death as that signal), and passes on (through the launcher) the signals a launcher sends to stop its
 # processes. Anything a fork would not reproduce runs the real interpreter instead, unchanged: an interpreter
 # option, a file descriptor beyond 0-2 handed down (multiprocessing's and inductor's workers), a stdio that is a
-# socket, other namespaces (a host of tools/hosts.py), a launcher that cannot be reached, or (decided by the
-# launcher) an environment the zygotes did not import in.
+# socket, a launcher that cannot be reached, or (decided by the launcher) an environment the zygotes did not import
+# in or namespaces other than a host's.
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ def fresh() -> None:
     os.execv(real, [real, *sys.argv[1:]])
 
 
-def to_fork(args: list[str], forks: dict) -> list[str] | None:
+def to_fork(args: list[str]) -> list[str] | None:
     """The arguments a fork runs (``-u`` dropped: the zygotes' children write through already), or None where a
     fork would not be this process."""
     if args[:1] == ["-u"]:
@@ -52,14 +53,12 @@ def to_fork(args: list[str], forks: dict) -> list[str] | None:
                 return None  # handed down: a fork would not have it
             except OSError:
                 pass
-    if any(os.stat(f"/proc/self/ns/{name}").st_ino != ino for name, ino in forks["ns"].items()):
-        return None
     return args
 
 
 def main() -> None:
     forks = json.loads(os.environ.get(FORKS_VAR) or "null")
-    args = to_fork(sys.argv[1:], forks) if forks else None
+    args = to_fork(sys.argv[1:]) if forks else None
     if args is None:
         fresh()
     try:
@@ -67,21 +66,18 @@ def main() -> None:
         conn.connect(forks["socket"])
     except OSError:
         fresh()
-    me = os.getpid()
     conn.sendall((json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd(),
-                              "stdio": [f"/proc/{me}/fd/{fd}" for fd in range(3)],
                               "after": forks.get("after", [])}) + "\n").encode())
     replies = conn.makefile("rb")
     first = json.loads(replies.readline() or b'{"fresh": "no answer"}')
     if "fresh" in first:
         conn.close()
         fresh()
-    child = first["pid"]
 
-    def forward(sig, _frame) -> None:
+    def forward(sig, _frame) -> None:  # the launcher sends it to the child's session: its children get it too
         try:
-            os.killpg(child, sig)  # the child leads a session of its own: its children get it too
-        except ProcessLookupError:
+            conn.sendall((json.dumps({"signal": sig}) + "\n").encode())
+        except OSError:
             pass
 
     for sig in FORWARDED:
@@ -90,7 +86,7 @@ def main() -> None:
     code = json.loads(line)["exit"] if line else 1
     if code < 0:  # ended by a signal: so does this process
         signal.signal(-code, signal.SIG_DFL)
-        os.kill(me, -code)
+        os.kill(os.getpid(), -code)
     os._exit(code)
 
 

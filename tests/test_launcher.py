@@ -5,10 +5,16 @@ rank ends as the interpreter's shutdown ends a script."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_dist, run_python
+from conftest import ROOT, child_env, run_dist, run_python
+
+sys.path.insert(0, str(ROOT / "tools"))
+from hosts import Hosts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,4 +133,52 @@ def test_what_a_forked_process_starts_with_its_interpreter_is_forked_too_where_i
     assert out["forked"] == [7, "True\n", "to stderr\n"]  # torch already imported: a fork
     assert out["stdin"] == "HELLO\n"
     assert out["fd handed down"] == out["option"] == out["other environment"] == "False\n"  # fresh interpreters
+    assert out["terminate"] == [-15, True, True] and out["kill"] == [-9, True, True]
+
+
+ON_A_HOST = r'''
+import json, os, subprocess, sys, time
+
+def namespaces(pid):
+    return {name: os.stat(f"/proc/{pid}/ns/{name}").st_ino for name in ("net", "uts", "mnt", "pid")}
+
+def gone(pid):
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{pid}"):  # this host's /proc: its own process ids
+            return True
+        time.sleep(0.1)
+    return False
+
+PROBE = ("import json, os, socket, sys; print(json.dumps({'torch': 'torch' in sys.modules, 'parent': os.getppid(), "
+         "'host': socket.gethostname(), 'ns': {n: os.stat(f'/proc/self/ns/{n}').st_ino for n in ('net', 'uts', "
+         "'mnt', 'pid')}}))")
+python = os.environ["PYTHON_EXEC"]  # as torchrun starts its workers
+out = {"launcher": namespaces("self"), "probe": json.loads(subprocess.run([python, "-u", "-c", PROBE], text=True,
+                                                                          capture_output=True, check=True).stdout)}
+for how in ("terminate", "kill"):
+    child = subprocess.Popen([python, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    pid = int(child.stdout.readline())
+    getattr(child, how)()
+    out[how] = [child.wait(), pid != child.pid, gone(pid)]
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_what_a_process_on_a_host_starts_is_forked_into_that_host():
+    """A launcher running on a host of tools/hosts.py (the multi-host tests' agents) starts its ranks through the
+    stand-in: each is a fork (torch imported) that lives on that host as a process started there would, in its
+    network, under its hostname, with its mounts and among its process ids; SIGTERM and SIGKILL end it as the
+    process it stands for."""
+    with Hosts(1, name="dtfork") as hosts:
+        proc = hosts.popen(0, [sys.executable, "-c", ON_A_HOST], env=child_env(), cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout)
+    assert out["probe"]["torch"] and out["probe"]["host"] == "host0"
+    assert out["probe"]["ns"] == out["launcher"]  # the host's network, name, mounts and process ids
+    assert out["probe"]["parent"] == 0  # its parent is the zygote's fork, outside the host's process ids
     assert out["terminate"] == [-15, True, True] and out["kill"] == [-9, True, True]

@@ -40,6 +40,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -61,9 +62,11 @@ ZYGOTES = 2  # the ranks of a launch take them in turn: ranks 0 and 1 have hash 
 # The processes a forked process starts as `sys.executable [-u] script|-m module|-c code args` (the GPU check's
 # recipes, `disttrain calibrate`'s and `plan --trial`'s launcher and its ranks, Lightning's second rank, torchrun's
 # workers) are forked from the zygotes too, through tests/forward.py (``Launcher.forks``): it stands in for
-# ``sys.executable`` in every forked process, and runs the real interpreter where a fork would not be the same
-# process (more file descriptors than stdin/out/err, an interpreter option, another network/host/mount namespace,
-# an environment the zygotes did not import in). DISTTRAIN_TEST_FORK_EXECS=0: they start fresh.
+# ``sys.executable`` in every forked process, and for torchrun's PYTHON_EXEC in the launchers the tests start
+# (conftest.child_env), and runs the real interpreter where a fork would not be the same process (more file
+# descriptors than stdin/out/err, an interpreter option, an environment the zygotes did not import in). A process on
+# a host of tools/hosts.py gets a fork that joins the host (``join_host``). DISTTRAIN_TEST_FORK_EXECS=0: they start
+# fresh.
 FORKS_VAR = "DISTTRAIN_TEST_FORKS"
 FORK_EXECS = os.environ.get("DISTTRAIN_TEST_FORK_EXECS", "1") != "0"
 # What a launcher adds to a process's environment and the process reads only after its imports (torchrun's worker
@@ -71,9 +74,17 @@ FORK_EXECS = os.environ.get("DISTTRAIN_TEST_FORK_EXECS", "1") != "0"
 AFTER_IMPORT = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                 "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTEST_CURRENT_TEST", FORKS_VAR,
-                "DISTTRAIN_LAUNCH_REPORTS", "DISTTRAIN_TIMEOUT", "DISTTRAIN_VERBOSE")  # `disttrain run`'s
+                "DISTTRAIN_LAUNCH_REPORTS", "DISTTRAIN_TIMEOUT", "DISTTRAIN_VERBOSE",  # `disttrain run`'s
+                "DISTTRAIN_CACHE",  # where calibrations are kept, read when one is
+                "PYTHON_EXEC",  # torchrun's interpreter for its workers (conftest.child_env: the stand-in)
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",  # read by torchrun's agent (`disttrain run --max-restarts`)
+                "PWD", "OLDPWD", "SHLVL", "_",  # what a shell sets (the documented commands run under bash)
+                "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")  # a node's interface (tools/hosts.py)
 AFTER_IMPORT_PREFIXES = ("TORCHELASTIC_", "LT_", "PL_")
-NAMESPACES = ("net", "uts", "mnt")  # a process in a host of tools/hosts.py is in others: it starts fresh there
+# The namespaces a process on a host of tools/hosts.py has of its own (hosts.HOST_NAMESPACES): a fork joins them.
+HOST_NAMESPACES = {"net", "uts", "mnt", "pid", "pid_for_children"}
+# The signals a launcher sends to stop its processes (tests/forward.py passes them on to the fork it stands for).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file: str, nodes: int = 1,
@@ -88,6 +99,12 @@ def rank_env(base: dict[str, str], rank: int, nproc: int, port: int, error_file:
             "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "TORCHELASTIC_ERROR_FILE": error_file}
+
+
+def namespaces_of(pid: int | str) -> dict[str, int]:
+    """The namespaces process ``pid`` is in (name -> inode)."""
+    folder = f"/proc/{pid}/ns"
+    return {name: os.stat(f"{folder}/{name}").st_ino for name in os.listdir(folder)}
 
 
 def volatile_free(env: dict[str, str]) -> dict[str, str]:
@@ -181,8 +198,6 @@ def become(request: dict) -> tuple[str, str]:
     import random
 
     os.setsid()
-    if request.get("host"):  # a rank of a host of tools/hosts.py: its network, hostname and /etc/hosts
-        enter_host(request["host"])
     stdin = os.open(request.get("stdin", os.devnull), os.O_RDONLY)
     os.dup2(stdin, 0)
     os.close(stdin)
@@ -190,6 +205,10 @@ def become(request: dict) -> tuple[str, str]:
         log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, fd)
         os.close(log)
+    if request.get("host"):  # a rank of a host of tools/hosts.py: its network, hostname and /etc/hosts
+        tools_hosts().enter(**request["host"])
+    elif request.get("join"):  # the process a process on such a host starts (tests/forward.py)
+        join_host(request["join"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -220,16 +239,43 @@ def become(request: dict) -> tuple[str, str]:
     return kind, target
 
 
-def enter_host(placement: dict[str, str]) -> None:
-    """tools/hosts.py's ``enter``: this fork becomes a process of the host ``placement`` names."""
+def tools_hosts():
+    """tools/hosts.py, imported without leaving its name to the script's own modules."""
     tools = str(Path(__file__).resolve().parents[1] / "tools")
     sys.path.insert(0, tools)
     try:
         import hosts
     finally:
         sys.path.remove(tools)
-    del sys.modules["hosts"]  # the name stays free for the script's own modules
-    hosts.enter(**placement)
+    del sys.modules["hosts"]
+    return hosts
+
+
+def join_host(pid: int) -> None:
+    """This fork becomes a process started on the host where ``pid`` runs (its network, hostname, mounts and
+    process ids: tools/hosts.py's ``join``). Process ids are a fork's own from its start, so where the host has
+    its own the process is this one's child, in the host's pid namespace; this one stays as its parent and ends as
+    it ends (its exit code, or the signal that ended it), ignoring what a launcher sends their session (the child
+    gets it) and taking the child with it when it is killed."""
+    import ctypes
+
+    own_pids = namespaces_of(pid)["pid"] != namespaces_of("self")["pid"]
+    tools_hosts().join(pid)
+    if not own_pids:  # a network namespace alone (`ip netns exec`)
+        return
+    child = os.fork()
+    if child == 0:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the parent's SIGKILL is the child's too
+        if os.getppid() != 0:  # the parent (outside the host's pid namespace, so pid 0 here) is already gone
+            os._exit(128 + signal.SIGKILL)
+        return
+    for sig in FORWARDED:
+        signal.signal(sig, lambda *_: None)
+    code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
 
 
 def zygote_main() -> dict | None:
@@ -306,6 +352,7 @@ class Launcher:
         self._reading = False
         self._wake_read, self._wake_write = os.pipe()  # a zygote added: the reader's select starts again
         self._forks: dict | None = None  # where forked processes ask for forks of their own (``forks``)
+        self._env: dict[str, str] | None = None  # the zygotes' environment where a forwarded start comes first
         self._server: socket.socket | None = None
         self._serving = threading.Lock()
         self._turns = itertools.count()
@@ -321,14 +368,17 @@ class Launcher:
         aside), so that the ranks they fork are the ones a fresh interpreter would start."""
         return not self.zygotes or volatile_free(self.zygotes[0].env) == volatile_free(env)
 
-    def forks(self, after: tuple[str, ...] = ()) -> dict | None:
+    def forks(self, after: tuple[str, ...] = (), env: dict[str, str] | None = None) -> dict | None:
         """What a forked process needs to have the processes it starts with ``sys.executable`` forked too (the
         ``forks`` of a request, see ``FORKS_VAR``): this launcher's socket, the program standing in for the
-        interpreter, the namespaces the zygotes run in, and ``after``, the variables of the launch read only after
-        the imports. Starts the socket's server on first use. None under DISTTRAIN_TEST_FORK_EXECS=0."""
+        interpreter, and ``after``, the variables of the launch read only after the imports. Starts the socket's
+        server on first use. None under DISTTRAIN_TEST_FORK_EXECS=0. ``env``: the environment of the launches, which
+        the zygotes start in if a forwarded start needs them first (a launcher a test starts before any launch)."""
         if not FORK_EXECS:
             return None
         with self._serving:
+            if self._env is None and env is not None:
+                self._env = dict(env)
             if self._forks is None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 path = self.log_dir / "forks.sock"
@@ -341,8 +391,7 @@ class Launcher:
                 # variable; it hands those on untouched to what it runs
                 python.write_text(f"#!{sys.executable} -SE\n" + (Path(__file__).parent / "forward.py").read_text())
                 python.chmod(0o755)
-                self._forks = {"socket": str(path), "python": str(python),
-                               "ns": {name: os.stat(f"/proc/self/ns/{name}").st_ino for name in NAMESPACES}}
+                self._forks = {"socket": str(path), "python": str(python)}
                 threading.Thread(target=self._accept, name="zygote-forks", daemon=True).start()
         return {**self._forks, "after": sorted(after)}
 
@@ -356,37 +405,52 @@ class Launcher:
 
     def _forward(self, conn: socket.socket) -> None:
         """One process's request (tests/forward.py): fork it from a zygote and answer its pid, then its exit
-        code; or answer why it must start fresh. The child is killed when the requester goes first (SIGKILL)."""
+        code; or answer why it must start fresh. The child gets the signals the requester passes on, and is killed
+        when the requester goes first (SIGKILL)."""
         with conn:
-            line = conn.makefile("rb").readline()
+            requests = conn.makefile("rb")
+            line = requests.readline()
             if not line:
                 return
             request = json.loads(line)
+            # the requester's pid as this process sees it (the requester's own differs on a host of its own)
+            peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
             after = tuple(request.get("after", ()))
-            base = self.zygotes[0].env if self.zygotes else {}
+            base = self.zygotes[0].env if self.zygotes else self._env or {}
             ours, theirs = import_time_env(base, after), import_time_env(request["env"], after)
-            if ours != theirs or not self.zygotes:
+            if ours != theirs or not base:
                 differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
                 self._fresh(conn, request, f"the zygotes imported in another environment: {differ}")
                 return
             try:
+                others = namespaces_of("self").items() ^ namespaces_of(peer).items()
+            except OSError:  # gone already
+                return
+            if {name for name, _ in others} - HOST_NAMESPACES:
+                self._fresh(conn, request, f"other namespaces: {sorted({name for name, _ in others})}")
+                return
+            try:
                 zygote = self._zygotes(ZYGOTES, base)[next(self._turns) % ZYGOTES]
-                stdin, out, err = request["stdio"]
+                stdin, out, err = (f"/proc/{peer}/fd/{fd}" for fd in range(3))
                 pid = self._start(zygote, {"argv": request["argv"], "cwd": request["cwd"], "stdin": stdin,
                                            "log": out, "err": err, "env": request["env"],
-                                           "forks": self.forks(after)})
+                                           "join": peer if others else None, "forks": self.forks(after)})
             except RuntimeError as e:
                 self._fresh(conn, request, str(e).splitlines()[0])
                 return
             conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
             done = threading.Event()
 
-            def kill_when_gone() -> None:  # the requester sends nothing more: EOF means it is gone
-                conn.recv(1)
+            def watch() -> None:  # the requester passes on signals; EOF means it is gone
+                try:
+                    for line in requests:
+                        self._signal([pid], {}, signal.Signals(json.loads(line)["signal"]))
+                except OSError:  # closed here: the child ended
+                    return
                 if not done.is_set():
                     self._signal([pid], {}, signal.SIGKILL)
 
-            threading.Thread(target=kill_when_gone, name="zygote-fork-watch", daemon=True).start()
+            threading.Thread(target=watch, name="zygote-fork-watch", daemon=True).start()
             _, code = self._next_exit([zygote], [pid], {}, time.monotonic() + 10 ** 7)
             done.set()
             try:

@@ -301,8 +301,29 @@ class Hosts:
 
 
 # Linux's flags for unshare/setns and mount (sched.h, sys/mount.h); Python 3.11's os module has neither call.
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET, CLONE_NEWPID = 0x00020000, 0x04000000, 0x40000000, 0x20000000
 MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 0x1000, 0x4000, 0x80000, 2
+# What a host's processes have of their own (Hosts.command); they share the rest (users, IPC, cgroups) with the
+# machine.
+HOST_NAMESPACES = {"net": CLONE_NEWNET, "uts": CLONE_NEWUTS, "mnt": CLONE_NEWNS, "pid": CLONE_NEWPID}
+
+
+def join(pid: int) -> None:
+    """Make this process one of the host where process ``pid`` runs (a pid as this process sees it): its network,
+    hostname and mounts (its ``/etc/hosts``, ``/sys`` and ``/proc``), and its process ids for the children this
+    process starts from now on (a process keeps its own pid namespace: the child of the next fork is the host's
+    process). The working folder is the host's root afterwards. The process must have one thread (a mount
+    namespace is refused to a threaded one)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fds = {name: os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY) for name in HOST_NAMESPACES}  # before /proc moves
+    try:
+        for name, fd in fds.items():
+            if libc.setns(fd, HOST_NAMESPACES[name]) != 0:
+                errno = ctypes.get_errno()
+                raise HostsError(f"joining the {name} namespace of process {pid} failed: {os.strerror(errno)}")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def enter(namespace: str, hostname: str, names: str) -> None:
