@@ -88,18 +88,32 @@ def test_launches_from_several_threads_at_once_each_get_their_own_exit_and_outpu
     assert [(p.returncode, p.stdout) for p in procs] == [(i, f"run {i}\n") for i in range(3)]
 
 
-STARTS = r'''
-import json, os, signal, subprocess, sys, time
-
-def start(*args, **kwargs):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, **kwargs)
+# How a process started with ``python`` ends on SIGTERM and SIGKILL: [its exit status, whether the pid it reports
+# is not the one its starter holds (a fork's: the stand-in's differs), whether that process is gone after].
+STOPPED = r'''
+import json, os, subprocess, sys, time
 
 def gone(pid):
     for _ in range(100):
-        if not os.path.exists(f"/proc/{pid}"):
+        if not os.path.exists(f"/proc/{pid}"):  # on a host: the host's /proc, its own process ids
             return True
         time.sleep(0.1)
     return False
+
+def stopped(python):
+    ends = {}
+    for how in ("terminate", "kill"):
+        child = subprocess.Popen([python, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
+                                 stdout=subprocess.PIPE, text=True)
+        pid = int(child.stdout.readline())
+        getattr(child, how)()
+        ends[how] = [child.wait(), pid != child.pid, gone(pid)]
+    return ends
+'''
+
+STARTS = STOPPED + r'''
+def start(*args, **kwargs):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, **kwargs)
 
 IMPORTED = "import sys; print('torch' in sys.modules)"
 out = {}
@@ -110,12 +124,7 @@ with open(os.devnull) as handed:
     out["fd handed down"] = start("-c", IMPORTED, pass_fds=(handed.fileno(),)).stdout
 out["option"] = start("-I", "-c", IMPORTED).stdout
 out["other environment"] = start("-c", IMPORTED, env={**os.environ, "DISTTRAIN_IMPORT_TIME_SETTING": "1"}).stdout
-for how in ("terminate", "kill"):
-    child = subprocess.Popen([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
-                             stdout=subprocess.PIPE, text=True)
-    pid = int(child.stdout.readline())
-    getattr(child, how)()
-    out[how] = [child.wait(), pid != child.pid, gone(pid)]
+out.update(stopped(sys.executable))
 print(json.dumps(out))
 '''
 
@@ -136,18 +145,9 @@ def test_what_a_forked_process_starts_with_its_interpreter_is_forked_too_where_i
     assert out["terminate"] == [-15, True, True] and out["kill"] == [-9, True, True]
 
 
-ON_A_HOST = r'''
-import json, os, subprocess, sys, time
-
+ON_A_HOST = STOPPED + r'''
 def namespaces(pid):
     return {name: os.stat(f"/proc/{pid}/ns/{name}").st_ino for name in ("net", "uts", "mnt", "pid")}
-
-def gone(pid):
-    for _ in range(100):
-        if not os.path.exists(f"/proc/{pid}"):  # this host's /proc: its own process ids
-            return True
-        time.sleep(0.1)
-    return False
 
 PROBE = ("import json, os, socket, sys; print(json.dumps({'torch': 'torch' in sys.modules, 'parent': os.getppid(), "
          "'host': socket.gethostname(), 'ns': {n: os.stat(f'/proc/self/ns/{n}').st_ino for n in ('net', 'uts', "
@@ -155,12 +155,7 @@ PROBE = ("import json, os, socket, sys; print(json.dumps({'torch': 'torch' in sy
 python = os.environ["PYTHON_EXEC"]  # as torchrun starts its workers
 out = {"launcher": namespaces("self"), "probe": json.loads(subprocess.run([python, "-u", "-c", PROBE], text=True,
                                                                           capture_output=True, check=True).stdout)}
-for how in ("terminate", "kill"):
-    child = subprocess.Popen([python, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
-                             stdout=subprocess.PIPE, text=True)
-    pid = int(child.stdout.readline())
-    getattr(child, how)()
-    out[how] = [child.wait(), pid != child.pid, gone(pid)]
+out.update(stopped(python))
 print(json.dumps(out))
 '''
 

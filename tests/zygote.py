@@ -107,10 +107,6 @@ def namespaces_of(pid: int | str) -> dict[str, int]:
     return {name: os.stat(f"{folder}/{name}").st_ino for name in os.listdir(folder)}
 
 
-def volatile_free(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
-
-
 def import_time_env(env: dict[str, str], after: tuple[str, ...] = ()) -> dict[str, str]:
     """``env`` without what its process reads only after its imports (``AFTER_IMPORT``, and ``after``)."""
     return {k: v for k, v in env.items()
@@ -364,9 +360,10 @@ class Launcher:
         return [folder / f"rank{rank}.log" for rank in range(nproc)]
 
     def serves(self, env: dict[str, str]) -> bool:
-        """Whether the zygotes imported their modules in this environment (pytest's note of the current test
-        aside), so that the ranks they fork are the ones a fresh interpreter would start."""
-        return not self.zygotes or volatile_free(self.zygotes[0].env) == volatile_free(env)
+        """Whether the zygotes imported their modules in this environment (what is read only after the imports
+        aside: pytest's note of the current test, ...), so that the ranks they fork are the ones a fresh interpreter
+        would start."""
+        return not self.zygotes or import_time_env(self.zygotes[0].env) == import_time_env(env)
 
     def forks(self, after: tuple[str, ...] = (), env: dict[str, str] | None = None) -> dict | None:
         """What a forked process needs to have the processes it starts with ``sys.executable`` forked too (the
