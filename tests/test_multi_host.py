@@ -1,11 +1,12 @@
 """Runs across hosts that are really separate network stacks: tools/hosts.py's network namespaces (each host its own
 eth0, address and hostname, cabled to a bridge), GLOO_SOCKET_IFNAME=eth0. The launches of `disttrain run`, torchrun
 and `disttrain calibrate` start one agent per host with its rendezvous on host 0's address, as docs/multi-node.md
-prescribes, and so does the HSDP run of tests/dist/multi_node.py (the documented command); the strategies' other
-runs of it fork their ranks into the hosts (conftest.run_dist with ``hosts``: the ranks torchrun would start, in the
-host's network under its name, seconds of imports cheaper; DISTTRAIN_TEST_LAUNCHER=torchrun starts agents there
-too). Traffic between hosts crosses their interfaces, and the faults are the link's: a host cut off, a slow and lossy
-link. Needs root (CI runs as root)."""
+prescribes (the ranks an agent starts are forks that join its host: tests/zygote.py's join_host), and so does the
+HSDP run of tests/dist/multi_node.py (the documented command); the strategies' other runs of it fork their ranks
+into the hosts (conftest.run_dist with ``hosts``: the ranks torchrun would start, in the host's network under its
+name, seconds of imports cheaper; DISTTRAIN_TEST_LAUNCHER=torchrun starts agents there too). Traffic between hosts
+crosses their interfaces, and the faults are the link's: a host cut off, a slow and lossy link. Needs root (CI runs as
+root)."""
 
 from __future__ import annotations
 
