@@ -75,11 +75,10 @@ def child_env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join([commands, *(p for p in env.get("PATH", "").split(os.pathsep) if p != commands)])
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
-    forks = _launcher.forks() if LAUNCHER != "torchrun" else None
+    forks = _launcher.forks(env=env) if LAUNCHER != "torchrun" else None
     if forks is not None:  # a launcher a test starts (torchrun, `disttrain run`, `lightning run model`) starts its
         # ranks with PYTHON_EXEC (torch.distributed.run): the stand-in of tests/forward.py, which has them forked
         env.update({"PYTHON_EXEC": forks["python"], FORKS_VAR: json.dumps(forks)})
-        _launcher.forks(env=env)
     return env
 
 
