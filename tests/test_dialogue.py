@@ -3,6 +3,7 @@ resumable sampler, the HF export, and 2-process runs of the recipe (Fabric) and 
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 from pathlib import Path
@@ -18,6 +19,7 @@ from disttrain.nlp import (
     build_datasets,
     count_parameters,
     encode_dialogue,
+    encode_dialogues,
     export_hf,
     llama_config,
     load_tokenizer,
@@ -70,6 +72,24 @@ def test_assistant_only_labels_on_a_hand_made_dialogue(tokenizer):
     masked = tokenizer.decode([i for i, label in zip(ids, labels) if label == IGNORE_INDEX])
     for text in ("Be brief.", "Hi there", "What is 2+2?", "<|assistant|>", "<|user|>"):
         assert text in masked
+
+
+def test_a_batch_encodes_each_dialogue_as_alone_and_a_look_ahead_template_is_refused(demo, tokenizer):
+    """``encode_dialogues`` renders and tokenizes a corpus in batches: each dialogue's ids and labels are what it
+    gets alone, whether its last turn is the assistant's or the user's, with a system turn and several turns."""
+    dialogues, _ = read_jsonl(demo[1])
+    mixed = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+             *dialogues[:6], [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                              {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]]
+    batch = encode_dialogues(tokenizer, mixed)
+    assert batch == [encode_dialogue(tokenizer, d) for d in mixed]
+    assert len({tuple(ids) for ids, _ in batch}) == len(mixed)
+    assert any(label != IGNORE_INDEX for label in batch[0][1]) and batch[0][1][-1] == IGNORE_INDEX
+    counting = copy.copy(tokenizer)
+    counting.chat_template = "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not render a dialogue as a growing prefix"):
+        encode_dialogues(counting, mixed[:2])
 
 
 def test_pack_layout(tokenizer):

@@ -7,6 +7,7 @@ from disttrain.nlp.data import (
     ResumableSampler,
     build_datasets,
     encode_dialogue,
+    encode_dialogues,
     load_tokenizer,
     pack,
     read_jsonl,
@@ -16,5 +17,5 @@ from disttrain.nlp.export import export_hf, greedy_reply, reply_from_export
 from disttrain.nlp.module import DialogueLM, build_model, count_parameters, llama_config, read_recipe_config
 
 __all__ = ["DataError", "DialogueData", "DialogueLM", "PackedDialogues", "ResumableSampler", "build_datasets",
-           "build_model", "count_parameters", "encode_dialogue", "export_hf", "greedy_reply", "llama_config",
-           "load_tokenizer", "pack", "read_jsonl", "read_recipe_config", "reply_from_export"]
+           "build_model", "count_parameters", "encode_dialogue", "encode_dialogues", "export_hf", "greedy_reply",
+           "llama_config", "load_tokenizer", "pack", "read_jsonl", "read_recipe_config", "reply_from_export"]
